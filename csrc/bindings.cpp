@@ -1,0 +1,79 @@
+// pybind11 bindings of the cache bookkeeping backends (GpuPageManager, HostStorage).
+//
+// Python view: user ids and lengths are int, fingerprints are int in [0, 2^64), page/slot lists are
+// list[int]. C++ errors map to Python as: CacheCapacityError -> ext.CacheCapacityError (a
+// RuntimeError), std::invalid_argument -> ValueError, std::logic_error -> RuntimeError (pybind11's
+// std::exception fallback). Mutating and lookup calls release the GIL; the classes lock internally.
+// The torch op schemas live in ops.cpp (TORCH_LIBRARY(hstu, ...)), a separate translation unit.
+#include <torch/extension.h>
+#include <pybind11/stl.h>
+
+#include "cache/gpu_page_manager.h"
+#include "cache/host_storage.h"
+
+namespace py = pybind11;
+using hstu::GpuPageManager;
+using hstu::HostStorage;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::register_exception<hstu::CacheCapacityError>(m, "CacheCapacityError", PyExc_RuntimeError);
+  using nogil = py::call_guard<py::gil_scoped_release>;
+
+  py::class_<GpuPageManager>(m, "GpuPageManager",
+                             "GPU KV page pool bookkeeping: per-user page lists, user LRU, pinning.")
+      .def(py::init<int64_t, int64_t>(), py::arg("num_pages"), py::arg("page_size"))
+      .def("lookup", &GpuPageManager::lookup, py::arg("user"), nogil(),
+           "(valid length, fingerprint) or (0, 0) if absent; does not change the LRU order.")
+      .def("reserve", &GpuPageManager::reserve, py::arg("users"), py::arg("keep_lens"), py::arg("target_lens"),
+           nogil(),
+           "All-or-nothing: keep each user's first keep_len tokens, size its pages to ceil(target_len / "
+           "page_size), set length = keep_len, pin, mark MRU; evicts LRU unpinned users outside the call. "
+           "Returns list[list[int]] page lists. Raises ValueError, RuntimeError (shrinking a pinned user), "
+           "CacheCapacityError.")
+      .def("commit", &GpuPageManager::commit, py::arg("user"), py::arg("length"), py::arg("fingerprint"), nogil(),
+           "Sets the valid length (<= pages * page_size) and fingerprint.")
+      .def("release", &GpuPageManager::release, py::arg("users"), nogil(),
+           "Unpins each listed user once; RuntimeError if not pinned (nothing changes then).")
+      .def("invalidate", &GpuPageManager::invalidate, py::arg("user"), nogil(),
+           "Drops the user and frees its pages; no-op if absent; RuntimeError if pinned.")
+      .def("take_evicted", &GpuPageManager::take_evicted, "Users evicted since the last call, in order.")
+      .def("pages", &GpuPageManager::pages, py::arg("user"), "The user's page ids ([] if absent).")
+      .def("contains", &GpuPageManager::contains, py::arg("user"))
+      .def("pin_count", &GpuPageManager::pin_count, py::arg("user"))
+      .def("num_free_pages", &GpuPageManager::num_free_pages)
+      .def("num_users", &GpuPageManager::num_users)
+      .def("num_pages", &GpuPageManager::num_pages)
+      .def("page_size", &GpuPageManager::page_size)
+      .def("evictions", &GpuPageManager::evictions)
+      .def("allocations", &GpuPageManager::allocations, "Pages handed out by reserve, cumulative.");
+
+  py::class_<HostStorage>(m, "HostStorage",
+                          "Host KV arena index: per-user chunk slots, slot allocator, user LRU, pinning.")
+      .def(py::init<int64_t, int64_t>(), py::arg("num_slots"), py::arg("chunk_tokens"))
+      .def("lookup", &HostStorage::lookup, py::arg("user"), nogil(),
+           "(slots in chunk order, fingerprint) or ([], 0) if absent; does not change the LRU order.")
+      .def("touch", &HostStorage::touch, py::arg("user"), "Marks the user most recently used.")
+      .def("reserve", &HostStorage::reserve, py::arg("user"), py::arg("first_chunk"), py::arg("n_chunks"), nogil(),
+           "Reserves n_chunks slots for chunks [first_chunk, first_chunk + n_chunks); first_chunk is the "
+           "committed chunk count (append) or 0 (rewrite). Raises ValueError, RuntimeError (rewrite of a "
+           "pinned user), CacheCapacityError.")
+      .def("commit", &HostStorage::commit, py::arg("user"), py::arg("slots"), py::arg("first_chunk"),
+           py::arg("fingerprint"), nogil(),
+           "Makes reserved slots the user's chunks; returns False (slots freed) if that would leave a hole "
+           "or rewrite a pinned user.")
+      .def("abort", &HostStorage::abort, py::arg("slots"), nogil(), "Returns reserved slots to the free list.")
+      .def("pin", &HostStorage::pin, py::arg("users"), nogil(), "Pins each user once; ValueError if absent.")
+      .def("unpin", &HostStorage::unpin, py::arg("users"), nogil(),
+           "Unpins each user once; RuntimeError if not pinned.")
+      .def("invalidate", &HostStorage::invalidate, py::arg("user"), nogil(),
+           "Drops the user and frees its slots; no-op if absent; RuntimeError if pinned.")
+      .def("take_evicted", &HostStorage::take_evicted, "Users evicted since the last call, in order.")
+      .def("contains", &HostStorage::contains, py::arg("user"))
+      .def("pin_count", &HostStorage::pin_count, py::arg("user"))
+      .def("num_free_slots", &HostStorage::num_free_slots)
+      .def("num_reserved_slots", &HostStorage::num_reserved_slots)
+      .def("num_users", &HostStorage::num_users)
+      .def("num_slots", &HostStorage::num_slots)
+      .def("chunk_tokens", &HostStorage::chunk_tokens)
+      .def("evictions", &HostStorage::evictions);
+}

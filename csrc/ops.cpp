@@ -1,0 +1,130 @@
+// hstu custom ops: schemas (TORCH_LIBRARY) and CPU kernels (TORCH_LIBRARY_IMPL CPU).
+//
+// Layouts (see kv_checks.h): kv_cache [L, P, 2, page_size, H, d]; host_arena
+// [S, L, pages_per_chunk, 2, page_size, H, d]; k/v [T, H, d]; every index tensor int32.
+// A user's pages hold its tokens from position 0: token t lives in page pages[t / page_size] at
+// offset t % page_size. CUDA kernels for the same schemas live in kernels/*.cu.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "kv_checks.h"
+
+namespace hstu {
+namespace {
+
+// Writes each new token's K and V into its (page, offset) slot of one layer.
+void append_kvcache_cpu(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& page_ids, const at::Tensor& page_offsets, int64_t layer) {
+  check_append(kv_cache, k, v, page_ids, page_offsets, layer);
+  if (k.size(0) == 0) return;
+  auto layer_cache = kv_cache.select(0, layer);  // [P, 2, ps, H, d]
+  const auto pages = page_ids.to(at::kLong);
+  const auto offsets = page_offsets.to(at::kLong);
+  layer_cache.select(1, 0).index_put_({pages, offsets}, k);
+  layer_cache.select(1, 1).index_put_({pages, offsets}, v);
+}
+
+// Per-token (page, offset) of the jagged batch described by a CSR page list.
+std::pair<at::Tensor, at::Tensor> token_slots(const at::Tensor& page_indices, const at::Tensor& page_indptr,
+                                              const at::Tensor& last_page_len, int64_t page_size,
+                                              int64_t num_pages) {
+  check_index(page_indices, "page_indices", 1);
+  check_index(page_indptr, "page_indptr", 1);
+  check_index(last_page_len, "last_page_len", 1);
+  const int64_t B = last_page_len.size(0);
+  TORCH_CHECK(page_indptr.size(0) == B + 1, "page_indptr needs B+1=", B + 1, " entries, got ",
+              page_indptr.size(0));
+  check_range_cpu(page_indices, "page_indices", num_pages);
+  const auto indptr = page_indptr.cpu();
+  const auto last = last_page_len.cpu();
+  const auto pages = page_indices.cpu();
+  const int32_t* ip = indptr.data_ptr<int32_t>();
+  const int32_t* lp = last.data_ptr<int32_t>();
+  const int32_t* pg = pages.data_ptr<int32_t>();
+  TORCH_CHECK(ip[0] == 0 && ip[B] == page_indices.size(0), "page_indptr must run from 0 to ",
+              page_indices.size(0), ", got ", ip[0], "..", ip[B]);
+  std::vector<int64_t> tok_page, tok_off;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = ip[b + 1] - ip[b];
+    TORCH_CHECK(n >= 0, "page_indptr must be non-decreasing at user ", b);
+    if (n == 0) continue;
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= page_size, "last_page_len[", b, "]=", lp[b], " must lie in [1, ",
+                page_size, "]");
+    for (int64_t p = 0; p < n; ++p) {
+      const int64_t len = (p == n - 1) ? lp[b] : page_size;
+      for (int64_t o = 0; o < len; ++o) {
+        tok_page.push_back(pg[ip[b] + p]);
+        tok_off.push_back(o);
+      }
+    }
+  }
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  auto tp = at::tensor(tok_page, opts).to(page_indices.device());
+  auto to = at::tensor(tok_off, opts).to(page_indices.device());
+  return {tp, to};
+}
+
+// Pages -> contiguous jagged K and V ([sum_len, H, d] each) of one layer.
+std::tuple<at::Tensor, at::Tensor> gather_kvcache_cpu(const at::Tensor& kv_cache, int64_t layer,
+                                                      const at::Tensor& page_indices,
+                                                      const at::Tensor& page_indptr,
+                                                      const at::Tensor& last_page_len) {
+  check_kv_cache(kv_cache);
+  check_layer(kv_cache, layer);
+  auto [tp, to] = token_slots(page_indices, page_indptr, last_page_len, kv_cache.size(3), kv_cache.size(1));
+  auto layer_cache = kv_cache.select(0, layer);
+  auto k = layer_cache.select(1, 0).index({tp, to});
+  auto v = layer_cache.select(1, 1).index({tp, to});
+  return {k, v};
+}
+
+// All layers of whole pages, chunk by chunk: out[c, l, p] = kv_cache[l, page_ids[c, p]].
+at::Tensor gather_kvcache_all_layers_cpu(const at::Tensor& kv_cache, const at::Tensor& page_ids) {
+  check_kv_cache(kv_cache);
+  check_chunk_pages(kv_cache, page_ids);
+  const auto flat = page_ids.reshape({-1}).to(at::kLong);
+  auto gathered = kv_cache.index_select(1, flat);  // [L, n*ppc, 2, ps, H, d]
+  auto sizes = kv_cache.sizes().vec();
+  gathered = gathered.view({sizes[0], page_ids.size(0), page_ids.size(1), 2, sizes[3], sizes[4], sizes[5]});
+  return gathered.transpose(0, 1).contiguous();
+}
+
+// Host chunk slots -> pages of one layer: kv_cache[layer, page_ids[c, p]] = host_arena[slot_ids[c], layer, p].
+void onload_kvcache_cpu(at::Tensor kv_cache, const at::Tensor& host_arena, const at::Tensor& slot_ids,
+                        const at::Tensor& page_ids, int64_t layer) {
+  check_onload(kv_cache, host_arena, slot_ids, page_ids, layer);
+  if (slot_ids.numel() == 0) return;
+  auto src = host_arena.select(1, layer).index_select(0, slot_ids.to(at::kLong));  // [n, ppc, 2, ps, H, d]
+  src = src.flatten(0, 1);
+  kv_cache.select(0, layer).index_copy_(0, page_ids.reshape({-1}).to(at::kLong), src);
+}
+
+// Gathered chunks -> host slots: host_arena[slot_ids[c]] = chunks[c].
+void store_host_chunks_cpu(at::Tensor host_arena, const at::Tensor& chunks, const at::Tensor& slot_ids) {
+  check_store(host_arena, chunks, slot_ids);
+  if (slot_ids.numel() == 0) return;
+  host_arena.index_copy_(0, slot_ids.to(at::kLong), chunks.to(host_arena.device()));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hstu, m) {
+  m.def("append_kvcache(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor page_ids, Tensor page_offsets, "
+        "int layer) -> ()");
+  m.def("gather_kvcache(Tensor kv_cache, int layer, Tensor page_indices, Tensor page_indptr, "
+        "Tensor last_page_len) -> (Tensor, Tensor)");
+  m.def("gather_kvcache_all_layers(Tensor kv_cache, Tensor page_ids) -> Tensor");
+  m.def("onload_kvcache(Tensor(a!) kv_cache, Tensor host_arena, Tensor slot_ids, Tensor page_ids, "
+        "int layer) -> ()");
+  m.def("store_host_chunks(Tensor(a!) host_arena, Tensor chunks, Tensor slot_ids) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(hstu, CPU, m) {
+  m.impl("append_kvcache", &append_kvcache_cpu);
+  m.impl("gather_kvcache", &gather_kvcache_cpu);
+  m.impl("gather_kvcache_all_layers", &gather_kvcache_all_layers_cpu);
+  m.impl("onload_kvcache", &onload_kvcache_cpu);
+  m.impl("store_host_chunks", &store_host_chunks_cpu);
+}
+
+}  // namespace hstu

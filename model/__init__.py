@@ -1,0 +1,1 @@
+"""The HSTU ranking model: embeddings, preprocessor, HSTU layers/block, postprocessor and head."""

@@ -1,0 +1,107 @@
+"""Ranking requests and the token view of a history.
+
+A history of E events becomes num_contextual + 2E tokens: the contextual tokens, then for each
+event an item token and an action token. Every token's embedding depends only on the history up to
+that token (never on the request time or the candidates), so K/V computed once stay valid while the
+history only grows. `token_keys` identifies each token for the cache's prefix fingerprint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hstu.model.config import HSTUConfig
+
+TOKEN_CONTEXTUAL, TOKEN_ITEM, TOKEN_ACTION, TOKEN_CANDIDATE = 0, 1, 2, 3
+
+
+@dataclass
+class RankingRequest:
+    """One user's ranking request: the full history (oldest first) and the items to score."""
+
+    user_id: int
+    item_ids: np.ndarray
+    actions: np.ndarray
+    timestamps: np.ndarray
+    candidates: np.ndarray
+    contextual: np.ndarray
+
+    @classmethod
+    def create(
+        cls,
+        user_id: int,
+        item_ids,
+        actions,
+        timestamps,
+        candidates,
+        contextual=None,
+        config: HSTUConfig | None = None,
+    ) -> "RankingRequest":
+        """Build a request from sequences; contextual features default to ones derived from user_id."""
+        cfg = config or HSTUConfig()
+        if contextual is None:
+            contextual = [(user_id * 7919 + i * 104729) % cfg.num_contextual_features for i in range(cfg.num_contextual)]
+        req = cls(
+            user_id=int(user_id),
+            item_ids=np.asarray(item_ids, dtype=np.int64).reshape(-1),
+            actions=np.asarray(actions, dtype=np.int64).reshape(-1),
+            timestamps=np.asarray(timestamps, dtype=np.int64).reshape(-1),
+            candidates=np.asarray(candidates, dtype=np.int64).reshape(-1),
+            contextual=np.asarray(contextual, dtype=np.int64).reshape(-1),
+        )
+        req.validate(cfg)
+        return req
+
+    @property
+    def num_events(self) -> int:
+        return int(self.item_ids.shape[0])
+
+    def history_tokens(self, config: HSTUConfig) -> int:
+        return config.history_tokens(self.num_events)
+
+    def validate(self, config: HSTUConfig) -> None:
+        """Raise ValueError naming the first offending value."""
+        if self.user_id < 0:
+            raise ValueError(f"user_id must be >= 0, got {self.user_id}")
+        n = self.num_events
+        if self.actions.shape[0] != n or self.timestamps.shape[0] != n:
+            raise ValueError(
+                f"user {self.user_id}: item_ids, actions, timestamps need equal lengths, got "
+                f"{n}, {self.actions.shape[0]}, {self.timestamps.shape[0]}"
+            )
+        if self.contextual.shape[0] != config.num_contextual:
+            raise ValueError(
+                f"user {self.user_id}: expected {config.num_contextual} contextual features, got {self.contextual.shape[0]}"
+            )
+        if self.candidates.shape[0] == 0:
+            raise ValueError(f"user {self.user_id}: a request needs at least one candidate")
+        tokens = self.history_tokens(config)
+        if tokens + 1 > config.max_seq_len:
+            raise ValueError(
+                f"user {self.user_id}: history of {n} events is {tokens} tokens; max_seq_len is {config.max_seq_len}"
+            )
+        _check_range(self.user_id, "item_ids", self.item_ids, config.num_items)
+        _check_range(self.user_id, "candidates", self.candidates, config.num_items)
+        _check_range(self.user_id, "actions", self.actions, config.num_actions)
+        _check_range(self.user_id, "contextual", self.contextual, config.num_contextual_features)
+        if n > 1 and np.any(np.diff(self.timestamps) < 0):
+            bad = int(np.argmax(np.diff(self.timestamps) < 0)) + 1
+            raise ValueError(f"user {self.user_id}: timestamps must be non-decreasing, event {bad} goes back in time")
+        if n and self.timestamps.min() < 0:
+            raise ValueError(f"user {self.user_id}: timestamps must be >= 0, got {int(self.timestamps.min())}")
+
+    def token_keys(self, config: HSTUConfig) -> np.ndarray:
+        """One int64 per history token that changes whenever that token's input changes."""
+        ctx = self.contextual * 4 + TOKEN_CONTEXTUAL
+        items = (self.item_ids * 1_000_003 + self.timestamps) * 4 + TOKEN_ITEM
+        acts = (self.actions * 1_000_003 + self.timestamps) * 4 + TOKEN_ACTION
+        events = np.stack([items, acts], axis=1).reshape(-1)
+        return np.concatenate([ctx, events]).astype(np.int64)
+
+
+def _check_range(user_id: int, name: str, values: np.ndarray, upper: int) -> None:
+    if values.size and (values.min() < 0 or values.max() >= upper):
+        bad = int(values[(values < 0) | (values >= upper)][0])
+        raise ValueError(f"user {user_id}: {name} value {bad} out of range [0, {upper})")

@@ -1,0 +1,68 @@
+"""HSTU block: a stack of layers with two paths over the same weights.
+
+- dense: one user's full sequence at a time (the no-cache reference);
+- paged: the jagged batch of new tokens; each layer appends the new history tokens' K/V into the
+  user's pages, then runs paged attention over cached + new K/V. `before_layer(i)` is called
+  before layer i touches the cache, so layer i waits only for its own onload (outside any
+  compiled region when the layers are compiled one by one).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch import nn
+
+from hstu.model.config import HSTUConfig
+from hstu.model.hstu_layer import HSTULayer
+from hstu.ops.attention import dense_hstu_attention, paged_hstu_attention
+from hstu.ops.kv_ops import append_kvcache
+from hstu.ops.kvcache.metadata import KVCacheMetadata
+
+
+class HSTUBlock(nn.Module):
+    def __init__(self, config: HSTUConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
+
+    def forward_dense(self, x: torch.Tensor, history_len: int) -> torch.Tensor:
+        """One user's full sequence [N, D] (history then candidates) without any cache."""
+        for layer in self.layers:
+            u, q, k, v = layer.project(x)
+            x = layer.finish(x, dense_hstu_attention(q, k, v, history_len, self.config.max_seq_len), u)
+        return x
+
+    def paged_layer(self, index: int, x: torch.Tensor, kv_cache: torch.Tensor, meta: KVCacheMetadata) -> torch.Tensor:
+        """Layer `index` on the jagged new tokens [T, D]: append new history K/V, paged attention."""
+        layer = self.layers[index]
+        u, q, k, v = layer.project(x)
+        rows = meta.append_rows
+        append_kvcache(
+            kv_cache,
+            k.index_select(0, rows).contiguous(),
+            v.index_select(0, rows).contiguous(),
+            meta.append_page_ids,
+            meta.append_offsets,
+            index,
+        )
+        attn = paged_hstu_attention(q, k, v, kv_cache, index, meta, self.config.max_seq_len)
+        return layer.finish(x, attn, u)
+
+    def forward_paged(
+        self,
+        x: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: KVCacheMetadata,
+        before_layer: Callable[[int], None] | None = None,
+        layer_fns: list[Callable] | None = None,
+    ) -> torch.Tensor:
+        """All layers on the jagged batch; layer_fns[i](x, kv_cache, meta) may replace layer i (compiled)."""
+        fns = layer_fns or [functools.partial(self.paged_layer, i) for i in range(len(self.layers))]
+        for i, fn in enumerate(fns):
+            if before_layer is not None:
+                before_layer(i)
+            x = fn(x, kv_cache, meta)
+        return x

@@ -1,0 +1,154 @@
+"""InferenceRankingGR: the HSTU ranking model, with or without the KV cache.
+
+forward(requests) with a cache manager runs the asynchronous flow of DESIGN.md:
+  1. lookup (sync, microseconds) -> cached lengths; prepare_async on the prepare worker
+     (page reservation, metadata, onload start) ...
+  2. ... while this thread embeds only the new history tokens and the candidates;
+  3. wait_prepared joins the prepare future;
+  4. the block runs layer by layer, layer i waiting only for its own onload;
+  5. finish commits, starts the offload and names users whose onload failed: they are recomputed
+     from scratch in a second pass, so a failed onload never serves stale K/V;
+  6. postprocessor and head -> logits.
+forward_no_cache(requests) is the reference: each user's whole sequence through the dense path.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from hstu.model.batch import RankingRequest
+from hstu.model.config import HSTUConfig
+from hstu.model.hstu_block import HSTUBlock
+from hstu.model.postprocessor import MultiTaskHead, Postprocessor
+from hstu.model.preprocessor import JaggedLayout, Preprocessor
+
+
+@dataclass
+class RankOutput:
+    """Per-user result of a forward: logits [M, num_tasks] and how much was reused."""
+
+    user_id: int
+    logits: torch.Tensor
+    cached_tokens: int
+    computed_tokens: int
+
+    @property
+    def scores(self) -> np.ndarray:
+        return torch.sigmoid(self.logits.float()).cpu().numpy()
+
+
+class InferenceRankingGR(nn.Module):
+    """HSTU ranking model for inference; deterministic weights from config.seed."""
+
+    def __init__(self, config: HSTUConfig, device: torch.device | str = "cpu", kv_cache=None) -> None:
+        super().__init__()
+        self.config = config
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            self.preprocessor = Preprocessor(config)
+            self.block = HSTUBlock(config)
+            self.postprocessor = Postprocessor(config)
+            self.head = MultiTaskHead(config)
+            self._init_weights()
+        self.to(device=device, dtype=config.torch_dtype)
+        self.eval()
+        self.kv_cache = kv_cache
+        self.layer_fns: list[Callable] | None = None
+        self._lock = threading.Lock()
+
+    def _init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_normal_(module.weight)
+                nn.init.normal_(module.bias, std=0.02)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.normal_(module.weight, mean=1.0, std=0.05)
+                nn.init.normal_(module.bias, std=0.02)
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.mlp[0].weight.device
+
+    def _validate(self, requests: list[RankingRequest]) -> None:
+        if not requests:
+            raise ValueError("a batch needs at least one request")
+        for r in requests:
+            r.validate(self.config)
+
+    def _logits(self, y: torch.Tensor, layout: JaggedLayout) -> torch.Tensor:
+        rows = torch.from_numpy(layout.candidate_rows).to(y.device)
+        return self.head(self.postprocessor(y.index_select(0, rows)))
+
+    @torch.inference_mode()
+    def forward_no_cache(self, requests: list[RankingRequest]) -> torch.Tensor:
+        """Reference logits [sum M, num_tasks]: every user's full sequence, dense, one at a time."""
+        self._validate(requests)
+        out = []
+        for r in requests:
+            n = r.history_tokens(self.config)
+            x, layout = self.preprocessor([r], [0])
+            y = self.block.forward_dense(x, n)
+            out.append(self._logits(y, layout))
+        return torch.cat(out)
+
+    @torch.inference_mode()
+    def forward(self, requests: list[RankingRequest]) -> torch.Tensor:
+        """Logits [sum M, num_tasks] in request order; uses the KV cache when one is attached."""
+        return torch.cat([o.logits for o in self.rank(requests)])
+
+    @torch.inference_mode()
+    def rank(self, requests: list[RankingRequest]) -> list[RankOutput]:
+        """Per-user outputs; batches are serialised, the cache workers overlap them."""
+        self._validate(requests)
+        if self.kv_cache is None:
+            logits = self.forward_no_cache(requests)
+            return self._split(requests, logits, [0] * len(requests))
+        with self._lock:
+            return self._rank_cached(requests)
+
+    def _split(self, requests: list[RankingRequest], logits: torch.Tensor, cached: list[int]) -> list[RankOutput]:
+        counts = [r.candidates.shape[0] for r in requests]
+        parts = torch.split(logits, counts)
+        return [
+            RankOutput(r.user_id, p, c, r.history_tokens(self.config) - c + r.candidates.shape[0])
+            for r, p, c in zip(requests, parts, cached)
+        ]
+
+    def _rank_cached(self, requests: list[RankingRequest]) -> list[RankOutput]:
+        mgr, cfg = self.kv_cache, self.config
+        users = [r.user_id for r in requests]
+        hist = [r.history_tokens(cfg) for r in requests]
+        lookup = mgr.lookup(users, hist, [r.token_keys(cfg) for r in requests])
+        try:
+            layout = JaggedLayout.build(hist, lookup.cached_lens, [r.candidates.shape[0] for r in requests])
+            future = mgr.prepare_async(lookup, layout)
+        except BaseException:
+            mgr.release_lookup(lookup)
+            raise
+        try:
+            x, _ = self.preprocessor.embed(requests, lookup.cached_lens, layout)
+        except BaseException:
+            mgr.abort(mgr.wait_prepared(future))
+            raise
+        prepared = mgr.wait_prepared(future)
+        try:
+            y = self.block.forward_paged(x, mgr.kv_cache, prepared.metadata, prepared.handle.wait, self.layer_fns)
+            logits = self._logits(y, layout)
+        except BaseException:
+            mgr.abort(prepared)
+            raise
+        failed = mgr.finish(prepared)
+        outputs = self._split(requests, logits, lookup.cached_lens)
+        if failed:
+            redo = [r for r in requests if r.user_id in failed]
+            fixed = {o.user_id: o for o in self._rank_cached(redo)}
+            outputs = [fixed.get(o.user_id, o) for o in outputs]
+        return outputs

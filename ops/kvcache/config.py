@@ -1,0 +1,74 @@
+"""KVCacheConfig: sizes of the two tiers and what to do with histories that do not extend the cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hstu.model.config import HSTUConfig
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Shapes of the GPU page table [L, num_pages, 2, page_size, H, d] and the host arena.
+
+    host_capacity_bytes caps the host arena; it holds whole chunks of chunk_tokens tokens (a
+    multiple of page_size) for every layer. on_stale_history decides what happens when a request's
+    history does not strictly extend what is cached (no new tokens, or shorter than cached):
+    "raise" gives a ValueError naming the lengths, "recompute" drops (or trims) the cached entry and
+    recomputes. A history whose tokens changed (fingerprint mismatch) is always invalidated.
+    """
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    page_size: int = 32
+    num_pages: int = 1024
+    chunk_tokens: int = 128
+    host_capacity_bytes: int = 1 << 30
+    dtype: torch.dtype = torch.float32
+    on_stale_history: str = "raise"
+    onload_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.num_pages <= 0:
+            raise ValueError(f"page_size and num_pages must be positive, got {self.page_size}, {self.num_pages}")
+        if self.chunk_tokens <= 0 or self.chunk_tokens % self.page_size:
+            raise ValueError(f"chunk_tokens {self.chunk_tokens} must be a positive multiple of page_size {self.page_size}")
+        if self.on_stale_history not in ("raise", "recompute"):
+            raise ValueError(f"on_stale_history must be 'raise' or 'recompute', got {self.on_stale_history!r}")
+        if self.host_capacity_bytes < 0:
+            raise ValueError(f"host_capacity_bytes must be >= 0, got {self.host_capacity_bytes}")
+
+    @classmethod
+    def for_model(cls, model: HSTUConfig, **overrides) -> "KVCacheConfig":
+        if model.head_dim_qk != model.head_dim_v:
+            raise ValueError(
+                f"the paged cache stores K and V with one head dim; got d_qk={model.head_dim_qk}, d_v={model.head_dim_v}"
+            )
+        base = dict(num_layers=model.num_layers, num_heads=model.num_heads, head_dim=model.head_dim_qk, dtype=model.torch_dtype)
+        base.update(overrides)
+        return cls(**base)
+
+    @property
+    def pages_per_chunk(self) -> int:
+        return self.chunk_tokens // self.page_size
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer (K and V)."""
+        return 2 * self.page_size * self.num_heads * self.head_dim * self.element_size
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one host chunk: every layer's pages for chunk_tokens tokens."""
+        return self.num_layers * self.pages_per_chunk * self.page_bytes
+
+    @property
+    def host_slots(self) -> int:
+        return self.host_capacity_bytes // self.chunk_bytes

@@ -1,0 +1,67 @@
+"""OnloadHandle: per-layer completion of one batch's host->GPU onload.
+
+The onload worker marks layer i ready after enqueueing its copies (recording a CUDA event on the
+onload stream); the compute thread's wait(i) blocks until then and, on CUDA, makes the current
+stream wait on that event - so layer i waits only for its own pages and the host never syncs on
+the copy. A handle belongs to one batch and is never reset: a new batch gets a new handle, so a
+late onload cannot signal the wrong batch.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class OnloadHandle:
+    def __init__(self, num_layers: int, device: torch.device, timeout_s: float = 60.0) -> None:
+        self.num_layers = num_layers
+        self.timeout_s = timeout_s
+        self._ready = [threading.Event() for _ in range(num_layers)]
+        self._events = [torch.cuda.Event() for _ in range(num_layers)] if device.type == "cuda" else None
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    @classmethod
+    def completed(cls, num_layers: int, device: torch.device) -> "OnloadHandle":
+        """A handle for a batch with nothing to onload."""
+        handle = cls(num_layers, torch.device("cpu"))
+        for layer in range(num_layers):
+            handle._ready[layer].set()
+        handle._done.set()
+        return handle
+
+    def mark_ready(self, layer: int, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Worker side: layer's copies are enqueued (CUDA: on `stream`) or done (CPU)."""
+        if self._events is not None and stream is not None:
+            self._events[layer].record(stream)
+        self._ready[layer].set()
+
+    def mark_done(self) -> None:
+        self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        """Worker side: onload failed; releases every waiter. Pages of this batch's onloaded users are garbage."""
+        self.error = error
+        self._events = None
+        for flag in self._ready:
+            flag.set()
+        self._done.set()
+
+    def wait(self, layer: int) -> None:
+        """Compute side: block until layer's onload is enqueued, then order the current stream after it."""
+        if not self._ready[layer].wait(self.timeout_s):
+            raise TimeoutError(f"onload of layer {layer} did not start within {self.timeout_s:.0f}s")
+        events = self._events
+        if events is not None:
+            torch.cuda.current_stream().wait_event(events[layer])
+
+    def wait_done(self) -> None:
+        """Block until the worker finished with this handle (copies enqueued and host pins released)."""
+        if not self._done.wait(self.timeout_s):
+            raise TimeoutError(f"onload did not finish within {self.timeout_s:.0f}s")
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None

@@ -1,0 +1,34 @@
+"""Thread-safe cache counters (hits per tier, misses, evictions, bytes moved, recomputes)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class CacheStats:
+    gpu_hits: int = 0
+    host_hits: int = 0
+    misses: int = 0
+    gpu_evictions: int = 0
+    host_evictions: int = 0
+    invalidations: int = 0
+    recomputes: int = 0
+    onload_failures: int = 0
+    offload_failures: int = 0
+    offload_skipped: int = 0
+    bytes_onloaded: int = 0
+    bytes_offloaded: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
