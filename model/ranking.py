@@ -14,6 +14,7 @@ forward_no_cache(requests) is the reference: each user's whole sequence through 
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -72,6 +73,14 @@ class InferenceRankingGR(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 nn.init.normal_(module.weight, mean=1.0, std=0.05)
                 nn.init.normal_(module.bias, std=0.02)
+
+    def compile_paged_layers(self, **compile_kwargs) -> None:
+        """torch.compile each paged layer on its own (fullgraph), so the per-layer onload waits
+        stay outside the compiled regions."""
+        self.layer_fns = [
+            torch.compile(functools.partial(self.block.paged_layer, i), fullgraph=True, **compile_kwargs)
+            for i in range(self.config.num_layers)
+        ]
 
     @property
     def device(self) -> torch.device:

@@ -14,10 +14,11 @@ class KVCacheConfig:
     """Shapes of the GPU page table [L, num_pages, 2, page_size, H, d] and the host arena.
 
     host_capacity_bytes caps the host arena; it holds whole chunks of chunk_tokens tokens (a
-    multiple of page_size) for every layer. on_stale_history decides what happens when a request's
-    history does not strictly extend what is cached (no new tokens, or shorter than cached):
-    "raise" gives a ValueError naming the lengths, "recompute" drops (or trims) the cached entry and
-    recomputes. A history whose tokens changed (fingerprint mismatch) is always invalidated.
+    multiple of page_size) for every layer. Histories that do not strictly extend the cache:
+      on_no_new_tokens  "raise": HistoryConflictError naming the lengths; "recompute_last": reuse
+                        all but the last token and recompute it (re-ranking an unchanged history);
+      on_shorter_history "raise": HistoryConflictError; "invalidate": drop the entry, recompute.
+    A history whose tokens changed (fingerprint mismatch) is always invalidated and recomputed.
     """
 
     num_layers: int
@@ -28,7 +29,8 @@ class KVCacheConfig:
     chunk_tokens: int = 128
     host_capacity_bytes: int = 1 << 30
     dtype: torch.dtype = torch.float32
-    on_stale_history: str = "raise"
+    on_no_new_tokens: str = "raise"
+    on_shorter_history: str = "raise"
     onload_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -36,8 +38,10 @@ class KVCacheConfig:
             raise ValueError(f"page_size and num_pages must be positive, got {self.page_size}, {self.num_pages}")
         if self.chunk_tokens <= 0 or self.chunk_tokens % self.page_size:
             raise ValueError(f"chunk_tokens {self.chunk_tokens} must be a positive multiple of page_size {self.page_size}")
-        if self.on_stale_history not in ("raise", "recompute"):
-            raise ValueError(f"on_stale_history must be 'raise' or 'recompute', got {self.on_stale_history!r}")
+        if self.on_no_new_tokens not in ("raise", "recompute_last"):
+            raise ValueError(f"on_no_new_tokens must be 'raise' or 'recompute_last', got {self.on_no_new_tokens!r}")
+        if self.on_shorter_history not in ("raise", "invalidate"):
+            raise ValueError(f"on_shorter_history must be 'raise' or 'invalidate', got {self.on_shorter_history!r}")
         if self.host_capacity_bytes < 0:
             raise ValueError(f"host_capacity_bytes must be >= 0, got {self.host_capacity_bytes}")
 

@@ -48,6 +48,10 @@ _ext = load_extension()
 CacheCapacityError = _ext.CacheCapacityError
 
 
+class HistoryConflictError(ValueError):
+    """A request's history does not extend the user's cached history (policy says raise)."""
+
+
 def fingerprint(keys: np.ndarray | None, length: int) -> int:
     """64-bit fingerprint of the first `length` token keys (0 when the caller gives no keys)."""
     if keys is None:
@@ -167,16 +171,15 @@ class AsyncKVCacheManager:
         return 0, "miss"
 
     def _usable_length(self, user: int, n: int, keys: np.ndarray | None, cached: int, cached_fp: int) -> int:
-        """How much of a cached prefix of `cached` tokens a request of `n` tokens may reuse (0 = none).
-
-        A request must add at least one token; with on_stale_history="recompute" an unchanged
-        history reuses all but its last token, and a shorter one is invalidated.
-        """
-        if n <= cached and self.config.on_stale_history == "raise":
-            what = "no new tokens" if n == cached else "a history shorter than the cache"
-            raise ValueError(
-                f"user {user}: request has {what}: history is {n} tokens, {cached} are cached; "
-                f"a request must add at least one token"
+        """How much of a cached prefix of `cached` tokens a request of `n` tokens may reuse (0 = none)."""
+        c = self.config
+        if n == cached and c.on_no_new_tokens == "raise":
+            raise HistoryConflictError(
+                f"user {user}: request has no new tokens: history is {n} tokens and all {cached} are cached"
+            )
+        if n < cached and c.on_shorter_history == "raise":
+            raise HistoryConflictError(
+                f"user {user}: history of {n} tokens is shorter than the {cached} cached tokens"
             )
         if n < cached or fingerprint(keys, cached) != cached_fp:
             self.invalidate(user)
@@ -205,7 +208,12 @@ class AsyncKVCacheManager:
     def _prepare(self, lookup: LookupResult, layout, compute_done: "torch.cuda.Event | None") -> PreparedBatch:
         try:
             keep = [c if s == "gpu" else 0 for c, s in zip(lookup.cached_lens, lookup.sources)]
-            pages = self.gpu.reserve(lookup.user_ids, keep, lookup.history_lens)
+            try:
+                pages = self.gpu.reserve(lookup.user_ids, keep, lookup.history_lens)
+            except CacheCapacityError:
+                # Pages pinned by in-flight offloads become evictable once those finish.
+                self.drain()
+                pages = self.gpu.reserve(lookup.user_ids, keep, lookup.history_lens)
         except BaseException:
             self.host.unpin(list(lookup.onload_slots))
             raise
@@ -325,17 +333,9 @@ class AsyncKVCacheManager:
     # ---------------------------------------------------------------- offload
     def _start_offload(self, prepared: PreparedBatch, plan: list[tuple[int, int]]) -> None:
         chunk = self.config.chunk_tokens
-        jobs = []
-        no_offload = []
-        for u, b in plan:
-            n = prepared.lookup.history_lens[b]
-            have, _ = self.host.lookup(u)
-            first = len(have)
-            count = n // chunk - first
-            if count <= 0 or self.config.host_slots == 0:
-                no_offload.append(u)
-                continue
-            jobs.append((u, b, first, count))
+        jobs = [(u, b) for u, b in plan if prepared.lookup.history_lens[b] >= chunk and self.config.host_slots > 0]
+        keep = {u for u, _ in jobs}
+        no_offload = [u for u, _ in plan if u not in keep]
         if no_offload:
             self.gpu.release(no_offload)
         if not jobs:
@@ -346,7 +346,7 @@ class AsyncKVCacheManager:
             compute_done.record(torch.cuda.current_stream(self.device))
         future = self._offload_pool.submit(self._offload, prepared, jobs, compute_done)
         with self._offloads_lock:
-            for u, *_ in jobs:
+            for u, _ in jobs:
                 self._offloads[u] = future
 
     def _offload(self, prepared: PreparedBatch, jobs, compute_done) -> None:
@@ -354,10 +354,15 @@ class AsyncKVCacheManager:
         ppc, chunk = self.config.pages_per_chunk, self.config.chunk_tokens
         stream = self._offload_stream
         reserved: list[tuple[int, int, int, list[int]]] = []
-        users = [u for u, *_ in jobs]
+        users = [u for u, _ in jobs]
         try:
             page_rows, slot_list = [], []
-            for u, b, first, count in jobs:
+            for u, b in jobs:
+                # Decided here, not at submit time: only this worker evicts host entries.
+                first = len(self.host.lookup(u)[0])
+                count = prepared.lookup.history_lens[b] // chunk - first
+                if count <= 0:
+                    continue
                 try:
                     slots = self.host.reserve(u, first, count)
                 except CacheCapacityError:

@@ -1,0 +1,29 @@
+"""`hstu` console command: serve, replay, bench. Each subcommand lives with the code it runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+_SUBCOMMANDS = {
+    "serve": "hstu.serving.cli",
+    "replay": "hstu.scripts.replay",
+    "bench": "hstu.scripts.bench",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hstu", description="HSTU ranking runtime with a tiered KV cache")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module in _SUBCOMMANDS.items():
+        importlib.import_module(module).add_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

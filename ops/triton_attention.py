@@ -1,0 +1,260 @@
+"""Paged HSTU attention in Triton, registered as the op hstu::paged_hstu_attention (triton_op).
+
+Semantics are those of hstu.ops.attention (see its docstring): no softmax,
+o_r = sum_j SiLU(q_r . k_j / sqrt(d)) v_j / scale_len over the keys row r sees: a history row at
+position p sees the user's cached keys 0..p, a candidate row (q_pos == -1) sees all kv_lens[b]
+history keys plus its own k_r, v_r. Accumulated in float32, returned in q's dtype.
+
+Shapes and dtypes:
+  q, k, v    [T, H, d] (any token/head strides, unit stride over d), bf16 / fp16 / fp32
+  kv_cache   [L, P, 2, page_size, H, d] contiguous, same dtype; keys of user b, position j, live at
+             kv_cache[layer, page_table[b, j // page_size], 0, j % page_size] (values at index 1)
+  page_table [B, max_pages] int32; kv_lens [B] int32; q_offsets [B+1] int32; q_pos [T] int64
+  returns    [T, H, d] in q's dtype
+
+Kernel: one program per (block of BLOCK_M query rows of one user, head, key split). It loads its
+Q tile once, walks K/V tiles of BLOCK_N keys gathered row by row through the page table (fp32
+accumulation, SiLU weights cast to the value dtype for the second matmul), and masks only the tiles
+that cross the causal boundary. Because there is no softmax, the key range can be split over
+several programs whose partial outputs simply add: with few users (batch 1) the key range is split
+so that the grid fills the GPU, and the float32 partials are summed afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch implementation serves.
+    triton = None
+
+
+def available() -> bool:
+    """True when the Triton kernel can run here: triton importable and a CUDA device present."""
+    return triton is not None and torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile shape and launch parameters of the kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(head_dim: int) -> AttentionConfig:
+    """Tile configuration for a head dim (tuned on H200, see benchmarks/RESULTS.md)."""
+    if head_dim > 128:
+        return AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    return AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _split_keys(programs: int, max_keys: int, block_n: int, num_sms: int, num_splits: int) -> tuple[int, int]:
+    """(number of key splits, keys per split): enough programs for one wave over the SMs."""
+    key_blocks = max(1, triton.cdiv(max_keys, block_n))
+    want = num_splits if num_splits > 0 else triton.cdiv(num_sms, max(programs, 1))
+    blocks_per_split = triton.cdiv(key_blocks, max(1, min(want, key_blocks)))
+    return triton.cdiv(key_blocks, blocks_per_split), blocks_per_split * block_n
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_hstu_attention_kernel(
+        Q, K, V, KV, PT, KV_LENS, Q_OFF, Q_POS, OUT,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_os, stride_ot, stride_oh,
+        layer_offset, page_stride, kv_stride, token_stride,
+        max_pages, head_dim, scale, inv_scale_len, keys_per_split,
+        NUM_SPLITS: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2) // NUM_SPLITS
+        split = tl.program_id(2) % NUM_SPLITS
+        q_end = tl.load(Q_OFF + b + 1)
+        row0 = tl.load(Q_OFF + b) + pid_m * BLOCK_M
+        if row0 >= q_end:
+            return
+        kv_len = tl.load(KV_LENS + b)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_end
+        dd = tl.arange(0, BLOCK_D)
+        d_ok = dd < head_dim
+        q_pos = tl.load(Q_POS + rows, mask=row_ok, other=0).to(tl.int32)
+        is_cand = q_pos < 0
+        # Last key each row sees; -1 for padding rows. Keys < lo_all are seen by every row.
+        last_key = tl.where(row_ok, tl.where(is_cand, kv_len - 1, q_pos), -1)
+        hi = tl.max(last_key, axis=0) + 1
+        lo_all = tl.min(tl.where(row_ok, last_key, 2147483647), axis=0) + 1
+        key_lo = split * keys_per_split
+        key_hi = tl.minimum(key_lo + keys_per_split, hi)
+        full_hi = key_lo + tl.maximum(tl.minimum(key_hi, lo_all) - key_lo, 0) // BLOCK_N * BLOCK_N
+
+        io_mask = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + dd[None, :], mask=io_mask, other=0.0)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        kv_base = KV + layer_offset + h * head_dim
+        pt_row = PT + b * max_pages
+
+        # Tiles every row sees in full: no mask.
+        for start in range(key_lo, full_hi, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            page = tl.load(pt_row + keys // PAGE_SIZE).to(tl.int64)
+            ptrs = kv_base + page[:, None] * page_stride + (keys % PAGE_SIZE)[:, None] * token_stride + dd[None, :]
+            k_tile = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+            v_tile = tl.load(ptrs + kv_stride, mask=d_ok[None, :], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k_tile)) * scale
+            w = (s * tl.sigmoid(s)).to(v_tile.dtype)
+            if IEEE:
+                acc += tl.dot(w, v_tile, input_precision="ieee")
+            else:
+                acc += tl.dot(w, v_tile)
+
+        # Tiles across the causal boundary (or the end of the history): masked.
+        for start in range(full_hi, key_hi, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            key_ok = keys < kv_len
+            page = tl.load(pt_row + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+            ptrs = kv_base + page[:, None] * page_stride + (keys % PAGE_SIZE)[:, None] * token_stride + dd[None, :]
+            tile_mask = key_ok[:, None] & d_ok[None, :]
+            k_tile = tl.load(ptrs, mask=tile_mask, other=0.0)
+            v_tile = tl.load(ptrs + kv_stride, mask=tile_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k_tile)) * scale
+            w = tl.where(keys[None, :] <= last_key[:, None], s * tl.sigmoid(s), 0.0).to(v_tile.dtype)
+            if IEEE:
+                acc += tl.dot(w, v_tile, input_precision="ieee")
+            else:
+                acc += tl.dot(w, v_tile)
+
+        # Candidates also see themselves (their K/V are not in the cache).
+        if split == 0:
+            k_self = tl.load(K + rows[:, None] * stride_kt + h * stride_kh + dd[None, :], mask=io_mask, other=0.0)
+            v_self = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + dd[None, :], mask=io_mask, other=0.0)
+            s_self = tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1) * scale
+            w_self = tl.where(is_cand & row_ok, s_self * tl.sigmoid(s_self), 0.0)
+            acc += w_self[:, None] * v_self.to(tl.float32)
+
+        out_ptrs = OUT + split * stride_os + rows[:, None] * stride_ot + h * stride_oh + dd[None, :]
+        tl.store(out_ptrs, (acc * inv_scale_len).to(OUT.dtype.element_ty), mask=io_mask)
+
+    @torch.library.triton_op("hstu::paged_hstu_attention", mutates_args=())
+    def _paged_hstu_attention_op(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
+        page_table: torch.Tensor,
+        kv_lens: torch.Tensor,
+        q_offsets: torch.Tensor,
+        q_pos: torch.Tensor,
+        max_q: int,
+        scale_len: int,
+        block_m: int,
+        block_n: int,
+        num_warps: int,
+        num_stages: int,
+        num_splits: int,
+    ) -> torch.Tensor:
+        T, H, d = q.shape
+        L, P, _, page_size, Hc, dc = kv_cache.shape
+        B, max_pages = page_table.shape
+        m_blocks = triton.cdiv(max_q, block_m)
+        splits, keys_per_split = _split_keys(
+            m_blocks * H * B, max_pages * page_size, block_n, _num_sms(q.device), num_splits
+        )
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if T == 0 or m_blocks == 0 or B == 0:
+            return out
+        dest = out if splits == 1 else torch.empty((splits, T, H, d), dtype=torch.float32, device=q.device)
+        stride_os = 0 if splits == 1 else dest.stride(0)
+        stride_ot, stride_oh = (out.stride(0), out.stride(1)) if splits == 1 else (dest.stride(1), dest.stride(2))
+        grid = (m_blocks, H, B * splits)
+        torch.library.wrap_triton(_paged_hstu_attention_kernel)[grid](
+            q, k, v, kv_cache, page_table, kv_lens, q_offsets, q_pos, dest,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            stride_os, stride_ot, stride_oh,
+            layer * kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            max_pages, d, 1.0 / math.sqrt(d), 1.0 / scale_len, keys_per_split,
+            NUM_SPLITS=splits,
+            PAGE_SIZE=page_size,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=triton.next_power_of_2(d),
+            IEEE=q.dtype == torch.float32,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        if splits == 1:
+            return out
+        return dest.sum(0).to(q.dtype)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int) -> None:
+    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must all be [T, H, d]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if kv_cache.dim() != 6 or kv_cache.shape[4:] != q.shape[1:] or not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache must be a contiguous [L, P, 2, ps, H={q.shape[1]}, d={q.shape[2]}], got {tuple(kv_cache.shape)}")
+    if not 0 <= layer < kv_cache.shape[0]:
+        raise ValueError(f"layer {layer} out of range [0, {kv_cache.shape[0]})")
+    if len({q.dtype, k.dtype, v.dtype, kv_cache.dtype}) != 1:
+        raise ValueError(f"q/k/v/kv_cache dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}, {kv_cache.dtype}")
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("q, k, v need unit stride over the head dim")
+
+
+def paged_hstu_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    meta,
+    scale_len: int,
+    *,
+    config: AttentionConfig | None = None,
+    num_splits: int = 0,
+) -> torch.Tensor:
+    """Paged HSTU attention of the jagged batch `meta` (a KVCacheMetadata) through the Triton op.
+
+    Reads meta.page_table, meta.kv_lens, meta.q_offsets, meta.q_pos and meta.max_q. `config`
+    overrides the tile configuration; num_splits > 0 fixes the number of key splits (0: chosen to
+    fill the GPU). Returns [T, H, d] in q's dtype.
+    """
+    _check(q, k, v, kv_cache, layer)
+    cfg = config or default_config(q.shape[2])
+    return torch.ops.hstu.paged_hstu_attention(
+        q, k, v, kv_cache, layer, meta.page_table, meta.kv_lens, meta.q_offsets, meta.q_pos, meta.max_q, scale_len,
+        cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, num_splits,
+    )

@@ -1,0 +1,54 @@
+"""Shared fixtures: small model/cache configs so the CPU suite stays fast."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hstu.model.batch import RankingRequest
+from hstu.model.config import HSTUConfig
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def tiny_config() -> HSTUConfig:
+    return HSTUConfig(
+        num_items=500, num_actions=4, num_contextual=2, num_contextual_features=50, embedding_dim=32,
+        num_layers=2, num_heads=2, head_dim_qk=16, head_dim_v=16, max_seq_len=256, mlp_hidden=32,
+    )
+
+
+class HistoryBook:
+    """Grows per-user histories and builds requests, so tests can replay returning users."""
+
+    def __init__(self, config: HSTUConfig, seed: int = 0) -> None:
+        self.config = config
+        self.rng = np.random.default_rng(seed)
+        self.histories: dict[int, tuple[list[int], list[int], list[int]]] = {}
+
+    def request(self, user: int, new_events: int, num_candidates: int = 3) -> RankingRequest:
+        items, actions, times = self.histories.setdefault(user, ([], [], []))
+        for _ in range(new_events):
+            items.append(int(self.rng.integers(0, self.config.num_items)))
+            actions.append(int(self.rng.integers(0, self.config.num_actions)))
+            times.append((times[-1] if times else 1_000) + int(self.rng.integers(0, 5_000)))
+        cands = self.rng.integers(0, self.config.num_items, size=num_candidates)
+        return RankingRequest.create(user, items, actions, times, cands, config=self.config)
+
+
+@pytest.fixture
+def book(tiny_config) -> HistoryBook:
+    return HistoryBook(tiny_config)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()

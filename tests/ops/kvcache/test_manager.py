@@ -1,0 +1,184 @@
+"""AsyncKVCacheManager behaviour through the model: tiers, eviction, invalidation, errors, faults."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hstu.model.batch import RankingRequest
+from hstu.model.ranking import InferenceRankingGR
+from hstu.ops.kvcache.config import KVCacheConfig
+from hstu.ops.kvcache.manager import AsyncKVCacheManager, CacheCapacityError, HistoryConflictError
+from tests.conftest import rel_err
+
+
+def _setup(config, onload_fault=None, **kv):
+    params = dict(page_size=4, num_pages=64, chunk_tokens=8, host_capacity_bytes=1 << 22)
+    params.update(kv)
+    mgr = AsyncKVCacheManager(KVCacheConfig.for_model(config, **params), onload_fault=onload_fault)
+    return InferenceRankingGR(config, kv_cache=mgr), mgr
+
+
+def _check(model, requests):
+    out = model.rank(requests)
+    ref = model.forward_no_cache(requests)
+    assert rel_err(torch.cat([o.logits for o in out]), ref) < 1e-5
+    return out
+
+
+def test_returning_user_reuses_gpu_pages(tiny_config, book):
+    model, mgr = _setup(tiny_config)
+    first = _check(model, [book.request(1, 10)])[0]
+    second = _check(model, [book.request(1, 3)])[0]
+    assert first.cached_tokens == 0 and second.cached_tokens == tiny_config.history_tokens(10)
+    assert mgr.stats.snapshot()["gpu_hits"] == 1
+
+
+def test_evicted_user_is_onloaded_from_host(tiny_config, book):
+    model, mgr = _setup(tiny_config, num_pages=12)
+    _check(model, [book.request(1, 12)])  # 26 tokens -> 7 pages, 3 full chunks offloaded
+    mgr.drain()
+    _check(model, [book.request(2, 12)])  # evicts user 1 from the GPU
+    assert not mgr.gpu.contains(1)
+    out = _check(model, [book.request(1, 2)])[0]
+    stats = mgr.stats.snapshot()
+    assert stats["host_hits"] == 1 and stats["gpu_evictions"] >= 1
+    assert out.cached_tokens == 24 and stats["bytes_onloaded"] > 0
+
+
+def test_host_byte_cap_evicts_least_recent_user(tiny_config, book):
+    cfg = KVCacheConfig.for_model(tiny_config, page_size=4, chunk_tokens=8)
+    model, mgr = _setup(tiny_config, num_pages=16, host_capacity_bytes=4 * cfg.chunk_bytes)
+    for user in range(4):
+        _check(model, [book.request(user, 9)])
+        mgr.drain()
+    assert mgr.stats.snapshot()["host_evictions"] >= 1
+    assert not mgr.host.contains(0) and mgr.host.contains(3)
+
+
+def test_changed_history_is_invalidated_not_reused(tiny_config, book):
+    model, mgr = _setup(tiny_config)
+    _check(model, [book.request(5, 10)])
+    items, actions, times = book.histories[5]
+    items[3] = (items[3] + 1) % tiny_config.num_items
+    out = _check(model, [book.request(5, 2)])[0]
+    assert out.cached_tokens == 0 and mgr.stats.snapshot()["invalidations"] == 1
+
+
+def test_no_new_tokens_is_an_error_naming_lengths(tiny_config, book):
+    model, _ = _setup(tiny_config)
+    req = book.request(3, 6)
+    _check(model, [req])
+    n = tiny_config.history_tokens(6)
+    with pytest.raises(HistoryConflictError, match=f"user 3: request has no new tokens: history is {n} tokens"):
+        model.rank([req])
+
+
+def test_shorter_history_is_an_error_naming_lengths(tiny_config, book):
+    model, _ = _setup(tiny_config)
+    req = book.request(3, 6)
+    _check(model, [req])
+    short = RankingRequest.create(3, req.item_ids[:4], req.actions[:4], req.timestamps[:4], req.candidates, config=tiny_config)
+    with pytest.raises(HistoryConflictError, match=r"history of 10 tokens is shorter than the 14 cached"):
+        model.rank([short])
+    _check(model, [book.request(3, 1)])  # the cache is still usable afterwards
+
+
+def test_lenient_policies_recompute_correctly(tiny_config, book):
+    model, mgr = _setup(tiny_config, on_no_new_tokens="recompute_last", on_shorter_history="invalidate")
+    req = book.request(3, 6)
+    _check(model, [req])
+    again = _check(model, [req])[0]
+    assert again.cached_tokens == tiny_config.history_tokens(6) - 1
+    short = RankingRequest.create(3, req.item_ids[:4], req.actions[:4], req.timestamps[:4], req.candidates, config=tiny_config)
+    assert _check(model, [short])[0].cached_tokens == 0
+
+
+def test_batch_over_capacity_raises_and_leaves_state_intact(tiny_config, book):
+    model, mgr = _setup(tiny_config, num_pages=8)
+    big = [book.request(u, 10) for u in range(3)]  # 3 x 6 pages > 8
+    with pytest.raises(CacheCapacityError, match=r"batch needs 18 pages, 8 free, 0 evictable of 8 total"):
+        model.rank(big)
+    assert mgr.gpu.num_free_pages() == 8
+    _check(model, [book.request(7, 4)])
+
+
+def test_duplicate_user_in_batch_is_rejected(tiny_config, book):
+    model, _ = _setup(tiny_config)
+    with pytest.raises(ValueError, match="user 2 appears twice"):
+        model.rank([book.request(2, 3), book.request(2, 1)])
+
+
+def test_out_of_range_ids_name_the_value(tiny_config):
+    with pytest.raises(ValueError, match=r"user 4: candidates value 500 out of range \[0, 500\)"):
+        RankingRequest.create(4, [1], [0], [5], [500], config=tiny_config)
+    with pytest.raises(ValueError, match=r"actions value -1 out of range"):
+        RankingRequest.create(4, [1], [-1], [5], [1], config=tiny_config)
+
+
+def test_injected_onload_failure_recomputes_and_counts(tiny_config, book):
+    calls = []
+
+    def fail_layer_one(users, layer):
+        calls.append(layer)
+        if layer == 1:
+            raise RuntimeError("injected onload failure")
+
+    model, mgr = _setup(tiny_config, num_pages=12, onload_fault=fail_layer_one)
+    _check(model, [book.request(1, 12)])
+    mgr.drain()
+    _check(model, [book.request(2, 12)])  # evict user 1 from the GPU
+    out = _check(model, [book.request(1, 2), book.request(9, 2)])
+    stats = mgr.stats.snapshot()
+    assert calls and stats["onload_failures"] == 1 and stats["recomputes"] == 1
+    assert out[0].cached_tokens == 0
+    mgr.drain()
+    assert mgr.gpu.pin_count(1) == 0 and mgr.host.pin_count(1) == 0
+
+
+def test_failed_forward_leaves_no_pins(tiny_config, book, monkeypatch):
+    model, mgr = _setup(tiny_config)
+    _check(model, [book.request(1, 5)])
+    monkeypatch.setattr(model.head, "forward", lambda y: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        model.rank([book.request(1, 2)])
+    monkeypatch.undo()
+    mgr.drain()
+    assert mgr.gpu.pin_count(1) == 0
+    _check(model, [book.request(1, 2)])
+
+
+def test_prepare_overlaps_embedding(tiny_config, book, monkeypatch):
+    """A slow prepare and a slow embedding together take about the max, not the sum."""
+    model, mgr = _setup(tiny_config)
+    delay = 0.4
+    slow_prepare, slow_embed = mgr._prepare, model.preprocessor.embed
+
+    def prepare(*args):
+        time.sleep(delay)
+        return slow_prepare(*args)
+
+    def embed(*args):
+        time.sleep(delay)
+        return slow_embed(*args)
+
+    monkeypatch.setattr(mgr, "_prepare", prepare)
+    monkeypatch.setattr(model.preprocessor, "embed", embed)
+    model.rank([book.request(1, 3)])  # warm-up
+    requests = [book.request(1, 3), book.request(2, 3)]
+    start = time.perf_counter()
+    model.rank(requests)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.5 * delay + 0.5, f"prepare did not overlap embedding: {elapsed:.2f}s for 2 x {delay}s"
+
+
+def test_close_drains_and_rejects_new_work(tiny_config, book):
+    model, mgr = _setup(tiny_config)
+    _check(model, [book.request(1, 9)])
+    mgr.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        model.rank([book.request(1, 1)])
+    assert np.isfinite(mgr.kv_cache.sum().item())

@@ -1,0 +1,150 @@
+"""Each hstu KV op against its readable reference on random data, opcheck, and input errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hstu.ops import kv_ops
+
+L, P, PS, H, D = 3, 12, 4, 2, 8
+
+
+def _cache(dtype=torch.float32):
+    return torch.randn(L, P, 2, PS, H, D).to(dtype)
+
+
+def _append_args(dtype=torch.float32):
+    T = 7
+    perm = torch.randperm(P * PS)[:T]
+    return (
+        _cache(dtype),
+        torch.randn(T, H, D).to(dtype),
+        torch.randn(T, H, D).to(dtype),
+        (perm // PS).to(torch.int32),
+        (perm % PS).to(torch.int32),
+        1,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_append_matches_reference(dtype):
+    cache, k, v, pages, offs, layer = _append_args(dtype)
+    expected = cache.clone()
+    kv_ops.append_kvcache_reference(expected, k, v, pages, offs, layer)
+    kv_ops.append_kvcache(cache, k, v, pages, offs, layer)
+    assert torch.equal(cache, expected)
+
+
+def _csr():
+    pages = torch.randperm(P)[:7].to(torch.int32)
+    indptr = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    last = torch.tensor([2, 1, 4], dtype=torch.int32)
+    return pages, indptr, last
+
+
+def test_gather_matches_reference():
+    cache = _cache()
+    pages, indptr, last = _csr()
+    k, v = kv_ops.gather_kvcache(cache, 2, pages, indptr, last)
+    rk, rv = kv_ops.gather_kvcache_reference(cache, 2, pages, indptr, last)
+    assert k.shape == (2 * PS + 2 + 3 * PS + 4, H, D)
+    assert torch.equal(k, rk) and torch.equal(v, rv)
+
+
+def test_gather_all_layers_matches_reference():
+    cache = _cache()
+    page_ids = torch.randperm(P)[:6].to(torch.int32).reshape(3, 2)
+    out = kv_ops.gather_kvcache_all_layers(cache, page_ids)
+    assert out.shape == (3, L, 2, 2, PS, H, D)
+    assert torch.equal(out, kv_ops.gather_kvcache_all_layers_reference(cache, page_ids))
+
+
+def _onload_args():
+    S, ppc = 5, 2
+    arena = torch.randn(S, L, ppc, 2, PS, H, D)
+    slots = torch.tensor([4, 1], dtype=torch.int32)
+    page_ids = torch.randperm(P)[:4].to(torch.int32).reshape(2, ppc)
+    return _cache(), arena, slots, page_ids, 2
+
+
+def test_onload_matches_reference():
+    cache, arena, slots, page_ids, layer = _onload_args()
+    expected = cache.clone()
+    kv_ops.onload_kvcache_reference(expected, arena, slots, page_ids, layer)
+    kv_ops.onload_kvcache(cache, arena, slots, page_ids, layer)
+    assert torch.equal(cache, expected)
+
+
+def test_store_host_chunks_then_onload_round_trips():
+    cache = _cache()
+    arena = torch.full((4, L, 2, 2, PS, H, D), float("nan"))
+    page_ids = torch.tensor([[3, 7], [0, 11]], dtype=torch.int32)
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    kv_ops.store_host_chunks(arena, kv_ops.gather_kvcache_all_layers(cache, page_ids), slots)
+    assert torch.equal(arena[2, :, 1], cache[:, 7]) and torch.equal(arena[0, :, 0], cache[:, 0])
+    fresh = torch.zeros_like(cache)
+    for layer in range(L):
+        kv_ops.onload_kvcache(fresh, arena, slots, page_ids, layer)
+    assert torch.equal(fresh[:, page_ids.flatten().long()], cache[:, page_ids.flatten().long()])
+
+
+def _opcheck(op, args):
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_opcheck_append():
+    _opcheck(torch.ops.hstu.append_kvcache.default, _append_args())
+
+
+def test_opcheck_gather():
+    pages, indptr, last = _csr()
+    torch.library.opcheck(
+        torch.ops.hstu.gather_kvcache.default,
+        (_cache(), 0, pages, indptr, last),
+        test_utils=("test_schema", "test_autograd_registration"),
+    )
+
+
+def test_opcheck_gather_all_layers():
+    _opcheck(torch.ops.hstu.gather_kvcache_all_layers.default, (_cache(), torch.tensor([[1, 2]], dtype=torch.int32)))
+
+
+def test_opcheck_onload():
+    _opcheck(torch.ops.hstu.onload_kvcache.default, _onload_args())
+
+
+def test_opcheck_store_host_chunks():
+    chunks = torch.randn(2, L, 2, 2, PS, H, D)
+    _opcheck(torch.ops.hstu.store_host_chunks.default, (torch.zeros(4, L, 2, 2, PS, H, D), chunks, torch.tensor([3, 1], dtype=torch.int32)))
+
+
+def test_append_rejects_page_out_of_range():
+    cache, k, v, pages, offs, layer = _append_args()
+    pages[0] = P + 3
+    with pytest.raises(RuntimeError, match=rf"page_ids values must lie in \[0, {P}\).*max {P + 3}"):
+        kv_ops.append_kvcache(cache, k, v, pages, offs, layer)
+
+
+def test_append_rejects_bad_layer_and_dtype():
+    cache, k, v, pages, offs, _ = _append_args()
+    with pytest.raises(RuntimeError, match=f"layer {L} out of range"):
+        kv_ops.append_kvcache(cache, k, v, pages, offs, L)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kv_ops.append_kvcache(cache, k.double(), v.double(), pages, offs, 0)
+    with pytest.raises(RuntimeError, match="int32"):
+        kv_ops.append_kvcache(cache, k, v, pages.long(), offs, 0)
+
+
+def test_onload_rejects_slot_out_of_range():
+    cache, arena, slots, page_ids, layer = _onload_args()
+    slots[1] = 9
+    with pytest.raises(RuntimeError, match=r"slot_ids values must lie in \[0, 5\)"):
+        kv_ops.onload_kvcache(cache, arena, slots, page_ids, layer)
+
+
+def test_gather_rejects_bad_last_page_len():
+    pages, indptr, last = _csr()
+    last[0] = PS + 1
+    with pytest.raises(RuntimeError, match=rf"last_page_len\[0\]={PS + 1}"):
+        kv_ops.gather_kvcache(_cache(), 0, pages, indptr, last)
