@@ -1,0 +1,73 @@
+"""The async pipeline on CUDA: side streams, pinned host tier, bf16 oracle with eviction.
+
+bf16 criterion: the cached model's error against an fp64 reference (same bf16-rounded weights,
+dense, no cache) is within 2x of the bf16 no-cache model's error against that reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hstu.model.config import HSTUConfig
+from hstu.model.ranking import InferenceRankingGR
+from hstu.ops.kvcache.config import KVCacheConfig
+from hstu.ops.kvcache.manager import AsyncKVCacheManager
+from tests.conftest import HistoryBook, rel_err
+
+pytestmark = pytest.mark.cuda
+
+
+def _config(dtype: str) -> HSTUConfig:
+    return HSTUConfig(num_items=5_000, num_contextual_features=100, embedding_dim=128, num_layers=3, num_heads=2,
+                      head_dim_qk=64, head_dim_v=64, max_seq_len=1024, mlp_hidden=64, dtype=dtype)
+
+
+def _fp64_twin(model: InferenceRankingGR) -> InferenceRankingGR:
+    twin = InferenceRankingGR(HSTUConfig(**{**model.config.to_dict(), "dtype": "float32"}), device="cuda").double()
+    twin.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    return twin
+
+
+def test_bf16_oracle_on_cuda_with_eviction():
+    cfg = _config("bfloat16")
+    kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=160, chunk_tokens=32)
+    kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=160, chunk_tokens=32, host_capacity_bytes=120 * kv.chunk_bytes)
+    mgr = AsyncKVCacheManager(kv, device="cuda")
+    assert mgr.host_arena.is_pinned()
+    model = InferenceRankingGR(cfg, device="cuda", kv_cache=mgr)
+    ref64 = _fp64_twin(model)
+    book = HistoryBook(cfg, seed=3)
+    rng = np.random.default_rng(4)
+    worst_ratio, batches = 0.0, 0
+    for _ in range(60):
+        users = rng.choice(40, size=int(rng.integers(1, 6)), replace=False)
+        reqs = [book.request(int(u), int(rng.integers(4, 40)), int(rng.integers(8, 64))) for u in users]
+        for u in users:
+            if len(book.histories[int(u)][0]) > 400:
+                book.histories.pop(int(u))
+        out = model.forward(reqs)
+        plain = model.forward_no_cache(reqs)
+        exact = ref64.forward_no_cache(reqs)
+        base = max(rel_err(plain, exact), 1e-4)
+        worst_ratio = max(worst_ratio, rel_err(out, exact) / base)
+        batches += 1
+    mgr.close()
+    stats = mgr.stats.snapshot()
+    assert worst_ratio <= 2.0, worst_ratio
+    assert stats["gpu_evictions"] > 0 and stats["host_hits"] > 0 and stats["onload_failures"] == 0
+
+
+def test_fp32_oracle_on_cuda_matches_no_cache():
+    cfg = _config("float32")
+    mgr = AsyncKVCacheManager(KVCacheConfig.for_model(cfg, page_size=16, num_pages=96, chunk_tokens=32,
+                                                      host_capacity_bytes=64 << 20), device="cuda")
+    model = InferenceRankingGR(cfg, device="cuda", kv_cache=mgr)
+    book = HistoryBook(cfg, seed=5)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for step in range(20):
+        reqs = [book.request(u, 5 + step % 7, 16) for u in range(step % 4, step % 4 + 3)]
+        out = model.forward(reqs)
+        assert rel_err(out, model.forward_no_cache(reqs)) < 1e-5
+    mgr.close()
