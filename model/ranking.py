@@ -61,6 +61,7 @@ class InferenceRankingGR(nn.Module):
         self.eval()
         self.kv_cache = kv_cache
         self.layer_fns: list[Callable] | None = None
+        self.graphs = None
         self._lock = threading.Lock()
 
     def _init_weights(self) -> None:
@@ -81,6 +82,24 @@ class InferenceRankingGR(nn.Module):
             torch.compile(functools.partial(self.block.paged_layer, i), fullgraph=True, **compile_kwargs)
             for i in range(self.config.num_layers)
         ]
+
+    def enable_cuda_graphs(self, max_batch: int = 8, buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096)) -> None:
+        """Replay the paged layers as per-layer CUDA graphs for batches that fit a row bucket
+        (padded); larger batches run eagerly. Captures every bucket now, before serving."""
+        if self.kv_cache is None or self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA model with a KV cache manager")
+        from hstu.model.cuda_graphs import PagedLayerGraphs
+
+        self.graphs = PagedLayerGraphs(self.block, self.kv_cache.kv_cache, self.kv_cache.scratch_page, max_batch, buckets)
+        self.graphs.capture_all()
+
+    def _run_block(self, x: torch.Tensor, prepared) -> torch.Tensor:
+        wait = prepared.handle.wait
+        if self.graphs is not None:
+            y = self.graphs.run(x, prepared.metadata, wait)
+            if y is not None:
+                return y
+        return self.block.forward_paged(x, self.kv_cache.kv_cache, prepared.metadata, wait, self.layer_fns)
 
     @property
     def device(self) -> torch.device:
@@ -149,7 +168,7 @@ class InferenceRankingGR(nn.Module):
             raise
         prepared = mgr.wait_prepared(future)
         try:
-            y = self.block.forward_paged(x, mgr.kv_cache, prepared.metadata, prepared.handle.wait, self.layer_fns)
+            y = self._run_block(x, prepared)
             logits = self._logits(y, layout)
         except BaseException:
             mgr.abort(prepared)

@@ -98,8 +98,10 @@ class AsyncKVCacheManager:
         c = config
         self.gpu = _ext.GpuPageManager(c.num_pages, c.page_size)
         self.host = _ext.HostStorage(c.host_slots, c.chunk_tokens)
+        # One extra page that no user ever owns: padded (CUDA-graph) batches write into it.
+        self.scratch_page = c.num_pages
         self.kv_cache = torch.zeros(
-            (c.num_layers, c.num_pages, 2, c.page_size, c.num_heads, c.head_dim), dtype=c.dtype, device=self.device
+            (c.num_layers, c.num_pages + 1, 2, c.page_size, c.num_heads, c.head_dim), dtype=c.dtype, device=self.device
         )
         self.host_arena = torch.zeros(
             (c.host_slots, c.num_layers, c.pages_per_chunk, 2, c.page_size, c.num_heads, c.head_dim),

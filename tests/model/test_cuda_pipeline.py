@@ -71,3 +71,27 @@ def test_fp32_oracle_on_cuda_matches_no_cache():
         out = model.forward(reqs)
         assert rel_err(out, model.forward_no_cache(reqs)) < 1e-5
     mgr.close()
+
+
+def test_cuda_graph_replay_matches_eager_and_reference():
+    cfg = _config("float32")
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def build():
+        kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=128, chunk_tokens=32, host_capacity_bytes=32 << 20)
+        return InferenceRankingGR(cfg, device="cuda", kv_cache=AsyncKVCacheManager(kv, device="cuda"))
+
+    graphed, eager = build(), build()
+    graphed.enable_cuda_graphs(max_batch=4, buckets=(128, 512))
+    book_g, book_e = HistoryBook(cfg, seed=8), HistoryBook(cfg, seed=8)
+    for step in range(12):
+        users = [step % 5, 5 + step % 3] if step % 4 else [1, 2, 3, 4, 6]  # 5 users: eager fallback
+        new = 3 + step % 6
+        rg = [book_g.request(u, new, 20) for u in users]
+        re = [book_e.request(u, new, 20) for u in users]
+        out_g, out_e = graphed.forward(rg), eager.forward(re)
+        assert rel_err(out_g, out_e) < 1e-5
+        assert rel_err(out_g, graphed.forward_no_cache(rg)) < 1e-5
+    assert graphed.graphs.replays >= 8
+    graphed.kv_cache.close()
+    eager.kv_cache.close()
