@@ -166,7 +166,10 @@ class AsyncKVCacheManager:
             usable = self._usable_length(user, n, keys, host_len, host_fp)
             if usable > 0:
                 n_chunks = -(-usable // self.config.chunk_tokens)
-                self.host.pin([user])
+                try:
+                    self.host.pin([user])
+                except ValueError:  # evicted by the offload worker since the lookup: a miss
+                    return 0, "miss"
                 self.host.touch(user)
                 result.onload_slots[user] = list(slots[:n_chunks])
                 return usable, "host"
