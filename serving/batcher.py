@@ -1,0 +1,198 @@
+"""Batcher: an asyncio task that groups ranking requests into batches and runs them off the loop.
+
+Invariants:
+  - A batch never holds two requests of the same user. A request whose user is already in the
+    batch being formed waits in `_carry`; carried requests go first into the next batch, so each
+    user's requests run in arrival order, one batch after another.
+  - Batches run one at a time, in formation order, on one model thread (`_executor`); the event
+    loop only forms batches and resolves futures. Batch N+1 is formed while batch N runs.
+  - A batch is closed when it holds `max_batch_size` requests or `max_wait_s` after its oldest
+    request arrived, whichever is first.
+  - Every submitted request gets exactly one outcome (scores or a RankError); no exception from
+    a batch stops the loop. A batch that needs more KV pages than exist unpinned is split in
+    halves; a batch that raises anything else is retried one request at a time, so each request
+    gets its own error and the healthy ones get scores.
+  - close() refuses new requests, runs everything already queued, then joins the model thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from hstu.model.batch import RankingRequest
+from hstu.model.ranking import RankOutput
+from hstu.ops.kvcache.manager import CacheCapacityError
+from hstu.serving.errors import RankError, classify
+from hstu.serving.metrics import ServingMetrics
+
+logger = logging.getLogger(__name__)
+
+RankFn = Callable[[list[RankingRequest]], Sequence[RankOutput]]
+_CLOSE = object()
+
+
+@dataclass
+class _Item:
+    request: RankingRequest
+    future: asyncio.Future
+    enqueued: float
+
+
+class Batcher:
+    """Forms batches of distinct users and runs `rank_fn` on them in a worker thread."""
+
+    def __init__(
+        self,
+        rank_fn: RankFn,
+        max_batch_size: int,
+        max_wait_s: float,
+        max_queue: int,
+        metrics: ServingMetrics | None = None,
+    ) -> None:
+        if max_batch_size <= 0 or max_queue <= 0 or max_wait_s < 0:
+            raise ValueError(
+                "need max_batch_size > 0, max_queue > 0, max_wait_s >= 0; "
+                f"got {max_batch_size}, {max_queue}, {max_wait_s}"
+            )
+        self.rank_fn = rank_fn
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_s
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._carry: deque[_Item] = deque()
+        self._pending = 0
+        self._closing = False
+        self._input_done = False
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hstu-model")
+        self._task: asyncio.Task | None = None
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not yet answered."""
+        return self._pending
+
+    def start(self) -> None:
+        """Start the batching task on the running event loop."""
+        if self._task is not None:
+            raise RuntimeError("batcher already started")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="hstu-batcher")
+
+    async def submit(self, request: RankingRequest) -> RankOutput:
+        """Queue one request and wait for its output; raises RankError when it gets none."""
+        if self._closing or self._task is None or self._task.done():
+            raise RankError(503, "unavailable", "the server is not accepting requests (starting or shutting down)")
+        if self._pending >= self.max_queue:
+            detail = f"{self._pending} requests are already waiting (max_queue {self.max_queue})"
+            raise RankError(503, "overloaded", detail)
+        future = asyncio.get_running_loop().create_future()
+        self._pending += 1
+        self._queue.put_nowait(_Item(request, future, time.monotonic()))
+        try:
+            return await future
+        finally:
+            self._pending -= 1
+
+    async def close(self) -> None:
+        """Refuse new requests, finish the queued ones, stop the task and the model thread."""
+        if not self._closing:
+            self._closing = True
+            self._queue.put_nowait(_CLOSE)
+        if self._task is not None:
+            await self._task
+        self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ loop
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._collect()
+            if not batch:
+                return
+            started = time.monotonic()
+            if self.metrics is not None:
+                self.metrics.batch_size.observe(len(batch))
+                for item in batch:
+                    self.metrics.queue_wait.observe(started - item.enqueued)
+            try:
+                outcomes = await loop.run_in_executor(self._executor, self._execute, [i.request for i in batch])
+            except Exception as exc:  # _execute maps errors itself; this is a last line of defence
+                logger.exception("batch of %d requests failed outside the model call", len(batch))
+                outcomes = [RankError(500, "internal", f"batch failed: {type(exc).__name__}: {exc}") for _ in batch]
+            if self.metrics is not None:
+                self.metrics.batch_latency.observe(time.monotonic() - started)
+            for item, outcome in zip(batch, outcomes):
+                if item.future.done():  # the client went away
+                    continue
+                if isinstance(outcome, RankError):
+                    item.future.set_exception(outcome)
+                else:
+                    item.future.set_result(outcome)
+
+    async def _collect(self) -> list[_Item]:
+        """The next batch: carried requests first, then the queue, until full or the wait expires."""
+        batch: list[_Item] = []
+        users: set[int] = set()
+        carried, self._carry = self._carry, deque()
+        while carried and len(batch) < self.max_batch_size:
+            self._offer(carried.popleft(), batch, users)
+        self._carry.extend(carried)
+        while len(batch) < self.max_batch_size and not self._input_done:
+            if not self._queue.empty():
+                item = self._queue.get_nowait()
+            elif batch:
+                remaining = batch[0].enqueued + self.max_wait_s - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), remaining)
+                except TimeoutError:
+                    break
+            else:
+                item = await self._queue.get()
+            if item is _CLOSE:
+                self._input_done = True
+                break
+            self._offer(item, batch, users)
+        return batch
+
+    def _offer(self, item: _Item, batch: list[_Item], users: set[int]) -> None:
+        if item.future.done():  # cancelled while queued: drop it
+            return
+        user = item.request.user_id
+        if user in users:
+            self._carry.append(item)
+        else:
+            batch.append(item)
+            users.add(user)
+
+    # ----------------------------------------------------------- model thread
+    def _execute(self, requests: list[RankingRequest]) -> list[RankOutput | RankError]:
+        """Outcome per request, in order; runs on the model thread."""
+        try:
+            outputs = list(self.rank_fn(requests))
+        except CacheCapacityError as exc:
+            if len(requests) == 1:
+                return [classify(exc, requests[0].user_id)]
+            logger.info("batch of %d does not fit in the KV cache (%s); splitting it", len(requests), exc)
+            if self.metrics is not None:
+                self.metrics.batch_splits.inc()
+            mid = len(requests) // 2
+            return self._execute(requests[:mid]) + self._execute(requests[mid:])
+        except Exception as exc:
+            if len(requests) == 1:
+                return [classify(exc, requests[0].user_id)]
+            logger.info(
+                "batch of %d failed (%s: %s); retrying its requests one by one", len(requests), type(exc).__name__, exc
+            )
+            return [outcome for r in requests for outcome in self._execute([r])]
+        if len(outputs) != len(requests):
+            detail = f"model returned {len(outputs)} outputs for {len(requests)} requests"
+            return [RankError(500, "internal", detail) for _ in requests]
+        return outputs

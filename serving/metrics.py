@@ -1,0 +1,131 @@
+"""Prometheus metrics of one app, in the app's own CollectorRegistry (several apps never collide).
+
+Serving metrics are updated where they happen (request handler, batcher). Cache metrics are read
+from the manager's CacheStats at scrape time by CacheCollector, so they never drift from the
+manager's own counters:
+  hstu_cache_lookups_total{result=gpu_hit|host_hit|miss}    hstu_cache_hit_rate{tier=gpu|host|any}
+  hstu_cache_bytes_total{direction=onload|offload}          hstu_cache_evictions_total{tier=gpu|host}
+  hstu_cache_recomputes_total  hstu_cache_invalidations_total  hstu_cache_offload_skipped_total
+  hstu_cache_failures_total{stage=onload|offload}           hstu_cache_tokens_total{kind=cached|computed}
+  hstu_cache_gpu_free_pages  hstu_cache_host_free_slots
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def _batch_buckets(max_batch_size: int) -> tuple[float, ...]:
+    buckets, b = [], 1
+    while b < max_batch_size:
+        buckets.append(float(b))
+        b *= 2
+    buckets.append(float(max_batch_size))
+    return tuple(buckets)
+
+
+class ServingMetrics:
+    """The server's metrics; `registry` is what /metrics exposes."""
+
+    def __init__(self, max_batch_size: int) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.request_latency = Histogram(
+            "hstu_request_latency_seconds",
+            "POST /v1/rank time from the validated request to the response, by HTTP status",
+            ["status"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.errors = Counter("hstu_errors", "Failed ranking requests by error kind", ["kind"], registry=r)
+        self.batch_size = Histogram(
+            "hstu_batch_size",
+            "Requests per batch formed by the batcher",
+            buckets=_batch_buckets(max_batch_size),
+            registry=r,
+        )
+        self.batch_latency = Histogram(
+            "hstu_batch_latency_seconds",
+            "Model time of one batch (including splits and retries)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "hstu_queue_wait_seconds",
+            "Time a request waited in the batcher before its batch started",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_splits = Counter(
+            "hstu_batch_splits", "Batches split in two because they needed more KV pages than were free", registry=r
+        )
+        self.queue_depth = Gauge("hstu_queue_depth", "Requests queued or running in the batcher", registry=r)
+        self.ready = Gauge("hstu_ready", "1 once the model is loaded and warmed up", registry=r)
+
+    def watch_cache(self, manager_fn: Callable[[], object | None]) -> None:
+        """Expose the cache metrics of whatever manager `manager_fn` returns (None: not loaded yet)."""
+        self.registry.register(CacheCollector(manager_fn))
+
+
+class CacheCollector(Collector):
+    """Reads AsyncKVCacheManager.stats and pool occupancy at scrape time."""
+
+    def __init__(self, manager_fn: Callable[[], object | None]) -> None:
+        self._manager_fn = manager_fn
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        manager = self._manager_fn()
+        if manager is None:
+            return
+        s = manager.stats.snapshot()
+        lookups = s["gpu_hits"] + s["host_hits"] + s["misses"]
+
+        m = CounterMetricFamily("hstu_cache_lookups", "Lookups by result, one per user per batch", labels=["result"])
+        m.add_metric(["gpu_hit"], s["gpu_hits"])
+        m.add_metric(["host_hit"], s["host_hits"])
+        m.add_metric(["miss"], s["misses"])
+        yield m
+
+        m = GaugeMetricFamily("hstu_cache_hit_rate", "Fraction of lookups hit in a tier", labels=["tier"])
+        for tier, hits in (("gpu", s["gpu_hits"]), ("host", s["host_hits"]), ("any", s["gpu_hits"] + s["host_hits"])):
+            m.add_metric([tier], hits / lookups if lookups else 0.0)
+        yield m
+
+        m = CounterMetricFamily("hstu_cache_bytes", "Bytes copied between the tiers", labels=["direction"])
+        m.add_metric(["onload"], s["bytes_onloaded"])
+        m.add_metric(["offload"], s["bytes_offloaded"])
+        yield m
+
+        m = CounterMetricFamily("hstu_cache_evictions", "Users evicted from a tier", labels=["tier"])
+        m.add_metric(["gpu"], s["gpu_evictions"])
+        m.add_metric(["host"], s["host_evictions"])
+        yield m
+
+        m = CounterMetricFamily("hstu_cache_failures", "Failed host<->GPU copies (fail-open)", labels=["stage"])
+        m.add_metric(["onload"], s["onload_failures"])
+        m.add_metric(["offload"], s["offload_failures"])
+        yield m
+
+        m = CounterMetricFamily("hstu_cache_tokens", "History tokens reused or computed", labels=["kind"])
+        m.add_metric(["cached"], s["cached_tokens"])
+        m.add_metric(["computed"], s["computed_tokens"])
+        yield m
+
+        for name, doc, key in (
+            ("hstu_cache_recomputes", "Users recomputed after a failed onload", "recomputes"),
+            ("hstu_cache_invalidations", "Cache entries dropped because the history changed", "invalidations"),
+            ("hstu_cache_offload_skipped", "Offloads skipped (host tier full of pinned users)", "offload_skipped"),
+        ):
+            yield CounterMetricFamily(name, doc, value=s[key])
+        free_pages, free_slots = manager.gpu.num_free_pages(), manager.host.num_free_slots()
+        yield GaugeMetricFamily("hstu_cache_gpu_free_pages", "Free pages in the GPU page pool", value=free_pages)
+        yield GaugeMetricFamily("hstu_cache_host_free_slots", "Free chunk slots in the host arena", value=free_slots)

@@ -1,0 +1,132 @@
+"""ServingRuntime: the served model, its KV cache manager and the batcher, with their lifecycle.
+
+    loading --start()--> ready --close()--> stopped
+    loading --start() raised (load or warm-up)--> failed --close()--> stopped
+
+start() loads in a worker thread so the event loop keeps answering /v2/health/live meanwhile:
+it builds the AsyncKVCacheManager and InferenceRankingGR (weights from config.seed, or the
+checkpoint's state_dict), runs a warm-up (a new history, then the same history extended by one
+event, so both the miss and the GPU-hit paths run once), drops the warm-up user from the cache and
+only then starts the batcher. close() drains the batcher, then closes the manager (drains the
+offloads, joins the cache threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import numpy as np
+import torch
+
+from hstu.model.batch import RankingRequest
+from hstu.model.config import HSTUConfig
+from hstu.model.ranking import InferenceRankingGR, RankOutput
+from hstu.ops.kvcache.manager import AsyncKVCacheManager
+from hstu.serving.batcher import Batcher
+from hstu.serving.metrics import ServingMetrics
+from hstu.serving.schemas import RequestLimits
+from hstu.serving.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+WARMUP_USER = 0
+
+
+class ServingRuntime:
+    """Owns the model, the manager and the batcher; `state` is loading, ready, failed or stopped."""
+
+    def __init__(
+        self, settings: ServerSettings, config: HSTUConfig, limits: RequestLimits, metrics: ServingMetrics
+    ) -> None:
+        self.settings = settings
+        self.config = config
+        self.limits = limits
+        self.metrics = metrics
+        self.state = "loading"
+        self.detail: str | None = "loading the model and warming up"
+        self.model: InferenceRankingGR | None = None
+        self.manager: AsyncKVCacheManager | None = None
+        self.batcher: Batcher | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    async def start(self) -> None:
+        """Load and warm up off the loop, then start the batcher; a failure leaves state 'failed'."""
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(self._load)
+        except Exception as exc:
+            logger.exception("loading the model failed; the server stays not ready")
+            self.state, self.detail = "failed", f"loading failed: {type(exc).__name__}: {exc}"
+            return
+        if self.state != "loading":  # close() ran while loading
+            return
+        s = self.settings
+        self.batcher = Batcher(self._rank, s.max_batch_size, s.max_wait_ms / 1000.0, s.max_queue, self.metrics)
+        self.batcher.start()
+        self.state, self.detail = "ready", None
+        self.metrics.ready.set(1)
+        logger.info("ready after %.2fs (device %s, dtype %s)", time.monotonic() - started, s.device, self.config.dtype)
+
+    def _rank(self, requests: list[RankingRequest]) -> list[RankOutput]:
+        """Runs on the model thread; logits come back on the CPU so the event loop never syncs a GPU."""
+        return [dataclasses.replace(o, logits=o.logits.float().cpu()) for o in self.model.rank(requests)]
+
+    def _load(self) -> None:
+        s, cfg = self.settings, self.config
+        device = torch.device(s.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {s.device!r} requested but torch.cuda.is_available() is False")
+        kv_config = s.kv_config(cfg)
+        logger.info(
+            "cache: %d pages x %d tokens on %s, host arena %d slots of %d tokens (%.1f MiB)",
+            kv_config.num_pages,
+            kv_config.page_size,
+            device,
+            kv_config.host_slots,
+            kv_config.chunk_tokens,
+            kv_config.host_slots * kv_config.chunk_bytes / 2**20,
+        )
+        self.manager = AsyncKVCacheManager(kv_config, device)
+        self.model = InferenceRankingGR(cfg, device, kv_cache=self.manager)
+        if s.checkpoint is not None:
+            state_dict = torch.load(s.checkpoint, map_location=device, weights_only=True)
+            self.model.load_state_dict(state_dict)
+            logger.info("loaded checkpoint %s", s.checkpoint)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        cfg, kv = self.config, self.manager.config
+        events = max(0, min((kv.chunk_tokens + kv.page_size - cfg.num_contextual) // 2, self.limits.max_events - 1))
+        rng = np.random.default_rng(cfg.seed)
+        items = rng.integers(0, cfg.num_items, events + 1)
+        actions = rng.integers(0, cfg.num_actions, events + 1)
+        candidates = rng.integers(0, cfg.num_items, min(8, self.limits.max_candidates))
+        started = time.monotonic()
+        for n in (events, events + 1):
+            request = RankingRequest.create(
+                WARMUP_USER, items[:n], actions[:n], np.arange(n), candidates, config=cfg
+            )
+            (output,) = self.model.rank([request])
+            if not torch.isfinite(output.logits).all():
+                raise RuntimeError(f"warm-up produced non-finite logits for a {n}-event history")
+        self.manager.drain()
+        self.manager.invalidate(WARMUP_USER)
+        logger.info("warm-up (%d and %d events) took %.2fs", events, events + 1, time.monotonic() - started)
+
+    async def close(self, start_task: asyncio.Task | None = None) -> None:
+        """Stop serving: wait for a load in progress, drain the batcher, close the manager."""
+        previous, self.state, self.detail = self.state, "stopped", "shutting down"
+        self.metrics.ready.set(0)
+        if start_task is not None:
+            await start_task
+        if self.batcher is not None:
+            await self.batcher.close()
+        if self.manager is not None:
+            await asyncio.to_thread(self.manager.close)
+        logger.info("stopped (was %s)", previous)

@@ -1,0 +1,148 @@
+"""REST schemas of the ranking server (pydantic v2).
+
+The request model is built per served model (`build_rank_request_model`), so its limits are the
+model's: item ids in [0, num_items), actions in [0, num_actions), contextual features in
+[0, num_contextual_features) and exactly num_contextual of them, at most `max_events` history events
+(num_contextual + 2 * events + 1 <= max_seq_len) and at most `max_candidates` candidates. The
+limits appear in the OpenAPI schema at /docs. Models are strict (no "5" -> 5 or true -> 1
+coercion) and reject unknown fields, so a typo is a 422 and not a silently ignored field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+
+from hstu.model.config import HSTUConfig
+
+MAX_USER_ID = 2**63 - 1
+MAX_TIMESTAMP = 2**62
+MAX_REQUEST_ID_LEN = 128
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The bounds a request must satisfy, derived from the model config and the server settings."""
+
+    num_items: int
+    num_actions: int
+    num_contextual: int
+    num_contextual_features: int
+    max_events: int
+    max_candidates: int
+
+    @classmethod
+    def for_model(cls, cfg: HSTUConfig, max_candidates: int) -> "RequestLimits":
+        max_events = (cfg.max_seq_len - 1 - cfg.num_contextual) // 2
+        if max_events < 1:
+            raise ValueError(
+                f"max_seq_len {cfg.max_seq_len} leaves no room for one event after "
+                f"{cfg.num_contextual} contextual tokens"
+            )
+        return cls(
+            num_items=cfg.num_items,
+            num_actions=cfg.num_actions,
+            num_contextual=cfg.num_contextual,
+            num_contextual_features=cfg.num_contextual_features,
+            max_events=max_events,
+            max_candidates=max_candidates,
+        )
+
+
+_STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+def build_rank_request_model(limits: RequestLimits) -> type[BaseModel]:
+    """The POST /v1/rank body model for these limits (class names are stable for OpenAPI)."""
+    item_id = Annotated[int, Field(ge=0, lt=limits.num_items, description=f"item id in [0, {limits.num_items})")]
+    history_event = create_model(
+        "HistoryEvent",
+        __config__=_STRICT,
+        __doc__="One past interaction of the user; events are oldest first.",
+        item_id=(item_id, ...),
+        action=(int, Field(ge=0, lt=limits.num_actions, description=f"action id in [0, {limits.num_actions})")),
+        timestamp=(int, Field(ge=0, le=MAX_TIMESTAMP, description="event time (any unit); non-decreasing")),
+    )
+
+    def timestamps_non_decreasing(cls, history: list) -> list:
+        for i in range(1, len(history)):
+            if history[i].timestamp < history[i - 1].timestamp:
+                raise ValueError(
+                    f"timestamps must be non-decreasing: event {i} has timestamp {history[i].timestamp} "
+                    f"after {history[i - 1].timestamp}"
+                )
+        return history
+
+    n_ctx = limits.num_contextual
+    contextual = Annotated[
+        int, Field(ge=0, lt=limits.num_contextual_features, description="contextual feature id")
+    ]
+    return create_model(
+        "RankRequest",
+        __config__=_STRICT,
+        __doc__="Score `candidates` for `user_id` given the user's full history (oldest first).",
+        __validators__={"_timestamps": field_validator("history")(timestamps_non_decreasing)},
+        user_id=(int, Field(ge=0, le=MAX_USER_ID, description="user id; keys the user's KV cache")),
+        history=(
+            list[history_event],
+            Field(
+                max_length=limits.max_events,
+                description=(
+                    f"the user's whole history, at most {limits.max_events} events; each request must repeat "
+                    "the previous history and may append to it (a changed history is recomputed, a shorter "
+                    "one is rejected with 409)"
+                ),
+            ),
+        ),
+        candidates=(
+            list[item_id],
+            Field(min_length=1, max_length=limits.max_candidates, description="items to score"),
+        ),
+        contextual=(
+            list[contextual] | None,
+            Field(
+                default=None,
+                min_length=n_ctx,
+                max_length=n_ctx,
+                description=f"exactly {n_ctx} contextual feature ids; derived from user_id when omitted",
+            ),
+        ),
+        request_id=(
+            str | None,
+            Field(
+                default=None,
+                min_length=1,
+                max_length=MAX_REQUEST_ID_LEN,
+                description="echoed back; generated when omitted",
+            ),
+        ),
+    )
+
+
+class CandidateScore(BaseModel):
+    item_id: int
+    scores: dict[str, float] = Field(description="probability per task (sigmoid of the task logit)")
+
+
+class RankResponse(BaseModel):
+    request_id: str
+    user_id: int
+    scores: list[CandidateScore] = Field(description="one entry per candidate, in request order")
+    cached_tokens: int = Field(description="history tokens whose K/V came from the cache")
+    computed_tokens: int = Field(description="tokens computed for this request (new history + candidates)")
+    latency_ms: float = Field(description="server time from the validated request to the response (queue + model)")
+
+
+class ErrorResponse(BaseModel):
+    error: str = Field(
+        description="error kind: invalid_request, history_conflict, capacity, overloaded, unavailable, internal"
+    )
+    detail: str = Field(description="what was wrong, naming the offending value")
+    request_id: str | None = None
+
+
+class HealthResponse(BaseModel):
+    status: str
+    detail: str | None = None

@@ -1,0 +1,163 @@
+"""Batcher behaviour with a fake model: batch formation, per-user order, error mapping, draining."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from hstu.model.batch import RankingRequest
+from hstu.model.ranking import RankOutput
+from hstu.ops.kvcache.manager import CacheCapacityError, HistoryConflictError
+from hstu.serving.batcher import Batcher
+from hstu.serving.errors import RankError
+
+from .conftest import TINY
+
+pytestmark = pytest.mark.anyio
+
+
+def request(user: int, tag: int = 0) -> RankingRequest:
+    """A request whose single candidate id carries `tag`, so outputs can be traced back."""
+    return RankingRequest.create(user, [1, 2], [0, 1], [0, 1], [tag], config=TINY)
+
+
+class FakeModel:
+    """Records each batch as [(user, tag)], returns logits = tag; optional failure per batch."""
+
+    def __init__(self, fail=None, delay_s: float = 0.0) -> None:
+        self.batches: list[list[tuple[int, int]]] = []
+        self.fail = fail
+        self.delay_s = delay_s
+        self.thread_names: set[str] = set()
+
+    def rank(self, requests: list[RankingRequest]) -> list[RankOutput]:
+        self.thread_names.add(threading.current_thread().name)
+        batch = [(r.user_id, int(r.candidates[0])) for r in requests]
+        self.batches.append(batch)
+        if self.fail is not None:
+            self.fail(batch)
+        if self.delay_s:
+            threading.Event().wait(self.delay_s)
+        return [RankOutput(r.user_id, torch.full((1, 3), float(r.candidates[0])), 0, 1) for r in requests]
+
+
+async def submit_all(batcher: Batcher, requests: list[RankingRequest]) -> list:
+    return await asyncio.gather(*(batcher.submit(r) for r in requests), return_exceptions=True)
+
+
+async def test_same_user_never_twice_in_a_batch_and_each_user_runs_in_arrival_order():
+    model = FakeModel()
+    batcher = Batcher(model.rank, max_batch_size=4, max_wait_s=0.05, max_queue=100)
+    batcher.start()
+    arrivals = [(1, 0), (1, 1), (2, 2), (1, 3), (3, 4), (2, 5), (4, 6), (5, 7), (6, 8), (1, 9)]
+    outputs = await submit_all(batcher, [request(u, t) for u, t in arrivals])
+    await batcher.close()
+
+    assert [int(o.logits[0, 0]) for o in outputs] == [t for _, t in arrivals]
+    for batch in model.batches:
+        users = [u for u, _ in batch]
+        assert len(users) == len(set(users)), f"user twice in batch {batch}"
+        assert len(batch) <= 4
+    order = [(u, t) for batch in model.batches for u, t in batch]
+    for user in {u for u, _ in arrivals}:
+        assert [t for u, t in order if u == user] == [t for u, t in arrivals if u == user]
+    assert model.thread_names == {"hstu-model_0"}, "the model runs on the batcher's model thread"
+
+
+async def test_batch_closes_when_full_or_after_max_wait():
+    model = FakeModel()
+    batcher = Batcher(model.rank, max_batch_size=3, max_wait_s=0.2, max_queue=100)
+    batcher.start()
+    await submit_all(batcher, [request(u, u) for u in range(7)])
+    assert [len(b) for b in model.batches] == [3, 3, 1]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await batcher.submit(request(10, 10))
+    waited = loop.time() - started
+    await batcher.close()
+    assert 0.15 <= waited < 2.0, f"a lone request waits about max_wait_s, waited {waited:.3f}s"
+
+
+async def test_batch_over_capacity_is_split_and_a_single_request_over_capacity_gets_503():
+    def fail(batch):
+        if len(batch) > 2 or any(u == 99 for u, _ in batch):
+            raise CacheCapacityError(f"batch needs more pages than exist: {batch}")
+
+    model = FakeModel(fail=fail)
+    batcher = Batcher(model.rank, max_batch_size=8, max_wait_s=0.05, max_queue=100)
+    batcher.start()
+    outputs = await submit_all(batcher, [request(u, u) for u in (1, 2, 3, 4, 5, 99)])
+    await batcher.close()
+
+    assert [int(o.logits[0, 0]) for o in outputs[:5]] == [1, 2, 3, 4, 5]
+    err = outputs[5]
+    assert isinstance(err, RankError) and err.status == 503 and err.kind == "capacity"
+    assert "user 99" in err.detail and "pages" in err.detail
+
+
+async def test_errors_map_per_request_after_a_failing_batch_is_retried_one_by_one():
+    def fail(batch):
+        users = {u for u, _ in batch}
+        if 7 in users:
+            raise HistoryConflictError("user 7: history of 4 tokens is shorter than the 8 cached tokens")
+        if 8 in users:
+            raise ValueError("user 8: item_ids value 5000 out of range [0, 1000)")
+        if 9 in users:
+            raise RuntimeError("injected model failure")
+
+    model = FakeModel(fail=fail)
+    batcher = Batcher(model.rank, max_batch_size=8, max_wait_s=0.05, max_queue=100)
+    batcher.start()
+    outputs = await submit_all(batcher, [request(u, u) for u in (1, 7, 8, 9, 2)])
+    after = await batcher.submit(request(3, 3))
+    await batcher.close()
+
+    assert int(outputs[0].logits[0, 0]) == 1 and int(outputs[4].logits[0, 0]) == 2
+    conflict, invalid, internal = outputs[1:4]
+    assert (conflict.status, conflict.kind) == (409, "history_conflict") and "shorter" in conflict.detail
+    assert (invalid.status, invalid.kind) == (422, "invalid_request") and "5000" in invalid.detail
+    assert (internal.status, internal.kind) == (500, "internal") and "injected model failure" in internal.detail
+    assert int(after.logits[0, 0]) == 3, "the batcher keeps serving after a model failure"
+
+
+async def test_close_finishes_queued_requests_then_refuses_new_ones():
+    model = FakeModel(delay_s=0.02)
+    batcher = Batcher(model.rank, max_batch_size=2, max_wait_s=0.0, max_queue=100)
+    batcher.start()
+    tasks = [asyncio.create_task(batcher.submit(request(u, u))) for u in range(9)]
+    await asyncio.sleep(0)
+    await batcher.close()
+    assert [int(t.result().logits[0, 0]) for t in tasks] == list(range(9))
+    with pytest.raises(RankError) as info:
+        await batcher.submit(request(1))
+    assert info.value.status == 503 and info.value.kind == "unavailable"
+
+
+async def test_full_queue_answers_503_overloaded():
+    model = FakeModel(delay_s=0.2)
+    batcher = Batcher(model.rank, max_batch_size=1, max_wait_s=0.0, max_queue=2)
+    batcher.start()
+    outputs = await submit_all(batcher, [request(u, u) for u in range(3)])
+    await batcher.close()
+    assert isinstance(outputs[0], RankOutput) and isinstance(outputs[1], RankOutput)
+    assert isinstance(outputs[2], RankError) and (outputs[2].status, outputs[2].kind) == (503, "overloaded")
+
+
+async def test_cancelled_request_is_dropped_without_stopping_the_batcher():
+    model = FakeModel(delay_s=0.05)
+    batcher = Batcher(model.rank, max_batch_size=1, max_wait_s=0.0, max_queue=100)
+    batcher.start()
+    first = asyncio.create_task(batcher.submit(request(1, 1)))
+    second = asyncio.create_task(batcher.submit(request(2, 2)))
+    await asyncio.sleep(0.01)
+    second.cancel()
+    third = await batcher.submit(request(3, 3))
+    await batcher.close()
+    assert int((await first).logits[0, 0]) == 1 and int(third.logits[0, 0]) == 3
+    assert second.cancelled()
+    assert [b for b in model.batches if b == [(2, 2)]] == [], "a request cancelled while queued never runs"
+    assert batcher.pending == 0
+    assert len(model.batches) == 2

@@ -1,0 +1,330 @@
+"""The ranking server end to end: in-process (httpx ASGI client + lifespan) and over real uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from hstu.serving.app import create_app
+from hstu.serving.runtime import ServingRuntime
+
+from .conftest import (
+    TASKS,
+    TINY,
+    Timeline,
+    eviction_workload,
+    matches_reference,
+    post_per_user_in_order,
+    serving,
+    tiny_settings,
+    wait_ready,
+)
+
+anyio = pytest.mark.anyio
+
+
+def assert_manager_closed(app) -> None:
+    with pytest.raises(RuntimeError, match="closed"):
+        app.state.runtime.manager.lookup([1], [4])
+
+
+@anyio
+async def test_scores_equal_the_in_process_no_cache_model_and_reuse_the_cache(reference):
+    user = Timeline(7)
+    async with serving() as (_, client):
+        for step, events in enumerate((3, 10, 10, 31, 60)):
+            payload = user.payload(events, num_candidates=4 + step, request_id=f"r{step}")
+            r = await client.post("/v1/rank", json=payload)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["request_id"] == f"r{step}" and body["user_id"] == 7
+            assert [c["item_id"] for c in body["scores"]] == payload["candidates"]
+            assert all(set(c["scores"]) == set(TASKS) for c in body["scores"])
+            assert matches_reference(reference, payload, body), f"step {step}"
+            tokens = TINY.history_tokens(events)
+            assert body["cached_tokens"] + body["computed_tokens"] == tokens + len(payload["candidates"])
+            assert body["latency_ms"] > 0
+            if step > 0:
+                assert body["cached_tokens"] > 0, f"step {step} should reuse the cached history"
+        changed = user.payload(61)
+        changed["history"][5]["item_id"] = (changed["history"][5]["item_id"] + 1) % TINY.num_items
+        r = await client.post("/v1/rank", json=changed)
+        assert r.status_code == 200 and matches_reference(reference, changed, r.json())
+        assert r.json()["cached_tokens"] == 0, "an edited past event invalidates the cache: recomputed"
+        explicit = user.payload(61, contextual=[4, 49])
+        r = await client.post("/v1/rank", json=explicit)
+        assert r.status_code == 200 and matches_reference(reference, explicit, r.json())
+        assert r.json()["cached_tokens"] == 0, "new contextual features change the history: recomputed"
+        generated = (await client.post("/v1/rank", json=user.payload(62, contextual=[4, 49]))).json()
+        assert len(generated["request_id"]) == 32
+
+
+@anyio
+async def test_200_concurrent_requests_from_20_users_with_eviction_match_the_no_cache_model(reference):
+    settings, payloads = eviction_workload(first_user=100)
+    async with serving(settings) as (app, client):
+        responses = await post_per_user_in_order(client, payloads, concurrency=20)
+        stats = app.state.runtime.manager.stats.snapshot()
+    bodies = [r.json() for r in responses]
+    assert [r.status_code for r in responses] == [200] * 200, [b for b in bodies if "error" in b][:3]
+    mismatches = [i for i, (p, b) in enumerate(zip(payloads, bodies)) if not matches_reference(reference, p, b)]
+    assert mismatches == []
+    assert app.state.metrics.registry.get_sample_value("hstu_batch_splits_total") > 0, "batches over the pool split"
+    assert stats["gpu_evictions"] > 0 and stats["host_evictions"] > 0, stats
+    assert stats["gpu_hits"] > 0 and stats["host_hits"] > 0 and stats["bytes_onloaded"] > 0, stats
+    assert sum(b["cached_tokens"] for b in bodies) > 0
+
+
+def without(key: str):
+    return lambda p: {k: v for k, v in p.items() if k != key}
+
+
+def replace(key: str, value):
+    return lambda p: {**p, key: value}
+
+
+def last_event(**changes):
+    return lambda p: {**p, "history": p["history"][:-1] + [{**p["history"][-1], **changes}]}
+
+
+def every_event(**changes):
+    return lambda p: {**p, "history": [{**e, **changes} for e in p["history"]]}
+
+
+def no_timestamp(p: dict) -> dict:
+    return {**p, "history": p["history"][:-1] + [{"item_id": 1, "action": 1}]}
+
+
+# (name, payload -> bad payload (or raw bytes), HTTP status, words the error detail must contain)
+BAD_INPUTS = [
+    ("missing candidates", without("candidates"), 422, ["candidates", "Field required"]),
+    ("missing user_id", without("user_id"), 422, ["user_id", "Field required"]),
+    ("missing event field", no_timestamp, 422, ["timestamp", "Field required"]),
+    ("empty candidates", replace("candidates", []), 422, ["candidates", "at least 1"]),
+    ("negative item id", last_event(item_id=-3), 422, ["item_id", "greater than or equal to 0", "-3"]),
+    ("negative candidate", replace("candidates", [1, -1]), 422, ["candidates.1", "-1"]),
+    ("huge candidate", replace("candidates", [10**12]), 422, ["candidates.0", "less than 1000", str(10**12)]),
+    ("huge action", every_event(action=99), 422, ["action", "less than 4", "99"]),
+    ("huge user id", replace("user_id", 2**70), 422, ["user_id"]),
+    ("negative user id", replace("user_id", -1), 422, ["user_id", "-1"]),
+    ("oversized history", lambda p: {**p, "history": [p["history"][0]] * 127}, 422, ["history", "at most 126"]),
+    ("too many candidates", replace("candidates", [1] * 65), 422, ["candidates", "at most 64"]),
+    ("string item id", replace("candidates", ["abc"]), 422, ["candidates.0", "valid integer", "abc"]),
+    ("numeric string", replace("candidates", ["5"]), 422, ["candidates.0", "'5'"]),
+    ("float id", replace("candidates", [1.5]), 422, ["candidates.0", "1.5"]),
+    ("bool id", replace("candidates", [True]), 422, ["candidates.0"]),
+    ("history not a list", replace("history", "abc"), 422, ["history", "valid list"]),
+    ("unknown field", replace("histroy", []), 422, ["histroy", "Extra inputs"]),
+    ("wrong contextual count", replace("contextual", [1]), 422, ["contextual", "at least 2"]),
+    ("contextual out of range", replace("contextual", [1, 50]), 422, ["contextual.1", "less than 50"]),
+    ("decreasing timestamps", last_event(timestamp=0), 422, ["non-decreasing", "event"]),
+    ("not json", lambda p: b"{user_id: 1", 422, ["JSON"]),
+    ("body is a list", lambda p: [p], 422, ["valid dictionary"]),
+    ("shrinking history", lambda p: {**p, "history": p["history"][:2]}, 409, ["shorter", "cached", "full history"]),
+]
+
+
+@anyio
+async def test_every_bad_input_class_gets_4xx_with_a_clear_message_and_leaves_the_cache_consistent(reference):
+    user = Timeline(21)
+    events = 8
+    async with serving() as (app, client):
+        r = await client.post("/v1/rank", json=user.payload(events))
+        assert r.status_code == 200
+        for name, mutate, status, words in BAD_INPUTS:
+            bad = mutate(copy.deepcopy(user.payload(events)))
+            if isinstance(bad, bytes):
+                r = await client.post("/v1/rank", content=bad, headers={"content-type": "application/json"})
+            else:
+                r = await client.post("/v1/rank", json=bad)
+            assert r.status_code == status, f"{name}: {r.status_code} {r.text}"
+            body = r.json()
+            assert body["error"] in ("invalid_request", "history_conflict"), name
+            for word in words:
+                assert word in body["detail"], f"{name}: {word!r} not in {body['detail']!r}"
+            events += 2
+            good = user.payload(events)
+            r = await client.post("/v1/rank", json=good)
+            assert r.status_code == 200, f"after {name}: {r.text}"
+            assert matches_reference(reference, good, r.json()), f"after {name}"
+            assert r.json()["cached_tokens"] > 0, f"after {name}: the user's cache should still be reused"
+        assert app.state.runtime.manager.gpu.pin_count(21) == 0
+
+
+@anyio
+async def test_request_larger_than_the_whole_cache_gets_503_and_others_still_work(reference):
+    async with serving(tiny_settings(num_pages=8)) as (_, client):
+        big, small = Timeline(1).payload(40), Timeline(2).payload(10)
+        r_big, r_small = await asyncio.gather(client.post("/v1/rank", json=big), client.post("/v1/rank", json=small))
+        assert r_big.status_code == 503 and r_big.json()["error"] == "capacity", r_big.text
+        assert "user 1" in r_big.json()["detail"] and "pages" in r_big.json()["detail"]
+        assert r_small.status_code == 200 and matches_reference(reference, small, r_small.json())
+
+
+@anyio
+async def test_failing_model_call_gives_500_and_the_server_keeps_serving(reference, monkeypatch):
+    bad_user, good_user = Timeline(666), Timeline(5)
+    async with serving() as (app, client):
+        model = app.state.runtime.model
+        embed = model.preprocessor.embed
+
+        def failing_embed(requests, *args, **kwargs):
+            if any(r.user_id == 666 for r in requests):
+                raise RuntimeError("injected embedding failure")
+            return embed(requests, *args, **kwargs)
+
+        monkeypatch.setattr(model.preprocessor, "embed", failing_embed)
+        first_good = good_user.payload(12)
+        r_bad, r_good = await asyncio.gather(
+            client.post("/v1/rank", json=bad_user.payload(12)), client.post("/v1/rank", json=first_good)
+        )
+        assert r_bad.status_code == 500, r_bad.text
+        assert r_bad.json()["error"] == "internal" and "injected embedding failure" in r_bad.json()["detail"]
+        assert r_good.status_code == 200 and matches_reference(reference, first_good, r_good.json())
+        assert (await client.get("/v2/health/live")).status_code == 200
+        assert (await client.get("/v2/health/ready")).status_code == 200
+
+        monkeypatch.undo()
+        retry, more = bad_user.payload(12), good_user.payload(20)
+        r_retry = await client.post("/v1/rank", json=retry)
+        r_more = await client.post("/v1/rank", json=more)
+        assert r_retry.status_code == 200 and matches_reference(reference, retry, r_retry.json())
+        assert r_more.status_code == 200 and matches_reference(reference, more, r_more.json())
+        assert r_more.json()["cached_tokens"] > 0
+        metrics = (await client.get("/metrics")).text
+        assert 'hstu_errors_total{kind="internal"} 1.0' in metrics
+
+
+@anyio
+async def test_ready_is_503_until_warm_up_finishes_while_live_answers(monkeypatch, reference):
+    release = threading.Event()
+    warm_up = ServingRuntime._warm_up
+
+    def slow_warm_up(self):
+        release.wait(30)
+        warm_up(self)
+
+    monkeypatch.setattr(ServingRuntime, "_warm_up", slow_warm_up)
+    async with serving(ready=False) as (_, client):
+        assert (await client.get("/v2/health/live")).status_code == 200
+        r = await client.get("/v2/health/ready")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        payload = Timeline(3).payload(5)
+        r = await client.post("/v1/rank", json=payload)
+        assert r.status_code == 503 and r.json()["error"] == "unavailable"
+        release.set()
+        await wait_ready(client)
+        r = await client.post("/v1/rank", json=payload)
+        assert r.status_code == 200 and matches_reference(reference, payload, r.json())
+
+
+@anyio
+async def test_failed_load_reports_not_live_and_not_ready(tmp_path):
+    async with serving(tiny_settings(checkpoint=str(tmp_path / "missing.pt")), ready=False) as (app, client):
+        for _ in range(500):
+            if app.state.runtime.state != "loading":
+                break
+            await asyncio.sleep(0.01)
+        live, ready = await client.get("/v2/health/live"), await client.get("/v2/health/ready")
+        assert live.status_code == ready.status_code == 503
+        assert "missing.pt" in ready.json()["detail"]
+
+
+@anyio
+async def test_shutdown_drains_in_flight_requests_then_closes_the_cache(reference):
+    users = [Timeline(300 + u) for u in range(12)]
+    payloads = [u.payload(30) for u in users]
+    app = create_app(tiny_settings(max_batch_size=4))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+        async with app.router.lifespan_context(app):
+            await wait_ready(client)
+            tasks = [asyncio.create_task(client.post("/v1/rank", json=p)) for p in payloads]
+            for _ in range(10_000):
+                if app.state.runtime.batcher.pending == len(payloads):
+                    break
+                await asyncio.sleep(0.001)
+            assert app.state.runtime.batcher.pending == len(payloads), "requests did not reach the batcher"
+        assert_manager_closed(app)
+        responses = [await t for t in tasks]
+        assert [r.status_code for r in responses] == [200] * len(payloads)
+        assert all(matches_reference(reference, p, r.json()) for p, r in zip(payloads, responses))
+        r = await client.post("/v1/rank", json=payloads[0])
+        assert r.status_code == 503 and r.json()["error"] == "unavailable"
+
+
+@anyio
+async def test_metrics_expose_latency_batch_size_cache_tiers_bytes_evictions_and_errors():
+    async with serving(tiny_settings(num_pages=16)) as (_, client):
+        for u in range(6):
+            await client.post("/v1/rank", json=Timeline(u).payload(20))
+        await client.post("/v1/rank", json={"user_id": 1})
+        text = (await client.get("/metrics")).text
+    for series in (
+        'hstu_request_latency_seconds_count{status="200"} 6.0',
+        "hstu_batch_size_count",
+        'hstu_cache_hit_rate{tier="gpu"}',
+        'hstu_cache_hit_rate{tier="host"}',
+        'hstu_cache_lookups_total{result="miss"}',
+        'hstu_cache_bytes_total{direction="offload"}',
+        'hstu_cache_bytes_total{direction="onload"}',
+        'hstu_cache_evictions_total{tier="gpu"}',
+        "hstu_cache_recomputes_total",
+        'hstu_errors_total{kind="invalid_request"} 1.0',
+        "hstu_ready 1.0",
+    ):
+        assert series in text, series
+    evictions = next(line for line in text.splitlines() if line.startswith('hstu_cache_evictions_total{tier="gpu"}'))
+    assert float(evictions.split()[-1]) > 0
+
+
+@anyio
+async def test_openapi_docs_describe_the_rank_endpoint_with_the_model_limits():
+    async with serving() as (_, client):
+        assert (await client.get("/docs")).status_code == 200
+        spec = (await client.get("/openapi.json")).json()
+    assert {"/v1/rank", "/v2/health/live", "/v2/health/ready", "/metrics"} <= set(spec["paths"])
+    schemas = spec["components"]["schemas"]
+    assert schemas["RankRequest"]["properties"]["history"]["maxItems"] == 126
+    assert schemas["RankRequest"]["properties"]["candidates"]["maxItems"] == 64
+    assert schemas["HistoryEvent"]["properties"]["item_id"]["exclusiveMaximum"] == 1000
+
+
+async def post_concurrently(base_url: str, payloads: list[dict]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        return await post_per_user_in_order(client, payloads, concurrency=8)
+
+
+def test_real_uvicorn_server_on_loopback_serves_scores_and_stops(reference):
+    app = create_app(tiny_settings())
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        base = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=base, timeout=30) as client:
+            while client.get("/v2/health/ready").status_code != 200:
+                assert time.monotonic() < deadline, "server not ready"
+                time.sleep(0.01)
+            payload = Timeline(11).payload(15)
+            r = client.post("/v1/rank", json=payload)
+            assert r.status_code == 200 and matches_reference(reference, payload, r.json())
+        payloads = [Timeline(400 + u).payload(5 + 4 * k) for k in range(3) for u in range(8)]
+        responses = asyncio.run(post_concurrently(base, payloads))
+        assert [r.status_code for r in responses] == [200] * len(payloads)
+        assert all(matches_reference(reference, p, r.json()) for p, r in zip(payloads, responses))
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert not thread.is_alive(), "uvicorn did not stop"
+    assert_manager_closed(app)

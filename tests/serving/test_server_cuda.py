@@ -1,0 +1,30 @@
+"""The ranking server on a CUDA device: same load as the CPU eviction test, scores vs the CPU model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import eviction_workload, matches_reference, post_per_user_in_order, serving
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+# fp32 on the GPU: the paged attention kernel may use TF32 dot products, hence a looser tolerance.
+CUDA_RTOL = 2e-3
+
+
+@pytest.mark.anyio
+async def test_cuda_server_with_eviction_matches_the_cpu_no_cache_model(reference):
+    settings, payloads = eviction_workload(first_user=500, device="cuda")
+    async with serving(settings) as (app, client):
+        responses = await post_per_user_in_order(client, payloads, concurrency=20)
+        stats = app.state.runtime.manager.stats.snapshot()
+    bodies = [r.json() for r in responses]
+    assert [r.status_code for r in responses] == [200] * len(payloads), [b for b in bodies if "error" in b][:3]
+    mismatches = [
+        i
+        for i, (p, b) in enumerate(zip(payloads, bodies))
+        if not matches_reference(reference, p, b, CUDA_RTOL)
+    ]
+    assert mismatches == []
+    assert stats["gpu_evictions"] > 0 and stats["host_hits"] > 0 and stats["bytes_onloaded"] > 0, stats
