@@ -98,6 +98,9 @@ class ServingRuntime:
             state_dict = torch.load(s.checkpoint, map_location=device, weights_only=True)
             self.model.load_state_dict(state_dict)
             logger.info("loaded checkpoint %s", s.checkpoint)
+        if s.cuda_graphs:
+            self.model.enable_cuda_graphs(max_batch=s.max_batch_size)
+            logger.info("captured CUDA graphs for row buckets %s", self.model.graphs.bucket_sizes)
         self._warm_up()
 
     def _warm_up(self) -> None:

@@ -33,6 +33,7 @@ class ServerSettings:
     max_queue: int = 4096
     max_candidates: int = 1024
     task_names: tuple[str, ...] | None = None
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "chunk_tokens", "max_batch_size", "max_queue", "max_candidates"):
@@ -44,6 +45,8 @@ class ServerSettings:
             raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs needs a CUDA device, got device {self.device!r}")
 
     def resolve_model_config(self) -> HSTUConfig:
         """The served HSTUConfig, with the dtype override applied."""
