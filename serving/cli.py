@@ -45,6 +45,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--max-queue", type=int, default=4096, help="most queued requests before 503 overloaded (default %(default)s)"
     )
     p.add_argument("--max-candidates", type=int, default=1024, help="most candidates per request (default %(default)s)")
+    p.add_argument(
+        "--on-shorter-history",
+        choices=["raise", "invalidate"],
+        default="raise",
+        help="a history shorter than the cached one: 409 (raise) or recompute it (invalidate)",
+    )
     p.add_argument("--cuda-graphs", action="store_true", help="replay the paged layers as CUDA graphs (CUDA only)")
     p.add_argument("--task-names", default=None, help="comma-separated names of the task heads (default task_0,...)")
     p.set_defaults(func=run)
@@ -70,6 +76,7 @@ def settings_from_args(args: argparse.Namespace):
         max_candidates=args.max_candidates,
         task_names=tuple(args.task_names.split(",")) if args.task_names else None,
         cuda_graphs=args.cuda_graphs,
+        on_shorter_history=args.on_shorter_history,
     )
 
 

@@ -15,8 +15,9 @@ class ServerSettings:
 
     `model_config` (an HSTUConfig object) wins over `model_config_path` (an HSTUConfig JSON file);
     with neither, the embedded HSTUConfig defaults are served. `dtype` overrides the config's dtype.
-    The cache always re-ranks an unchanged history (on_no_new_tokens="recompute_last") and rejects a
-    history shorter than the cached one (on_shorter_history="raise" -> HTTP 409).
+    The cache always re-ranks an unchanged history (on_no_new_tokens="recompute_last"); a history
+    shorter than the cached one is rejected (on_shorter_history="raise" -> HTTP 409, the default) or,
+    with on_shorter_history="invalidate", treated as a new history and recomputed.
     """
 
     model_config: HSTUConfig | None = None
@@ -34,6 +35,7 @@ class ServerSettings:
     max_candidates: int = 1024
     task_names: tuple[str, ...] | None = None
     cuda_graphs: bool = False
+    on_shorter_history: str = "raise"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "chunk_tokens", "max_batch_size", "max_queue", "max_candidates"):
@@ -76,5 +78,5 @@ class ServerSettings:
             chunk_tokens=self.chunk_tokens,
             host_capacity_bytes=self.host_cache_bytes,
             on_no_new_tokens="recompute_last",
-            on_shorter_history="raise",
+            on_shorter_history=self.on_shorter_history,
         )

@@ -15,8 +15,8 @@ std::string str(int64_t v) { return std::to_string(v); }
 
 HostStorage::HostStorage(int64_t num_slots, int64_t chunk_tokens)
     : num_slots_(num_slots), chunk_tokens_(chunk_tokens) {
-  if (num_slots < 1 || num_slots > std::numeric_limits<int32_t>::max() || chunk_tokens < 1) {
-    throw std::invalid_argument("HostStorage needs 1 <= num_slots <= 2^31-1 and chunk_tokens >= 1, got num_slots=" +
+  if (num_slots < 0 || num_slots > std::numeric_limits<int32_t>::max() || chunk_tokens < 1) {
+    throw std::invalid_argument("HostStorage needs 0 <= num_slots <= 2^31-1 and chunk_tokens >= 1, got num_slots=" +
                                 str(num_slots) + ", chunk_tokens=" + str(chunk_tokens));
   }
   free_.reserve(num_slots);

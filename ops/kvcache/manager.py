@@ -424,6 +424,13 @@ class AsyncKVCacheManager:
         self.gpu.invalidate(user)
         self.host.invalidate(user)
 
+    def evict_gpu(self, users: list[int]) -> None:
+        """Drop only the GPU copy of users (their host chunks stay), after in-flight offloads finish;
+        the next request of such a user onloads from the host tier."""
+        self._join_offloads(list(users))
+        for u in users:
+            self.gpu.invalidate(u)
+
     def _count_evictions(self) -> None:
         g, h = len(self.gpu.take_evicted()), len(self.host.take_evicted())
         if g or h:

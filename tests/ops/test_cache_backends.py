@@ -446,3 +446,10 @@ def test_concurrent_host_reserve_commit_abort_keeps_slot_invariants(ext):
     assert store.num_free_slots() + len(owned) == store.num_slots()
     assert store.num_users() == sum(store.contains(u) for u in universe)
     assert store.evictions() > 0
+
+
+def test_host_storage_with_no_slots_refuses_every_reserve(ext):
+    store = ext.HostStorage(num_slots=0, chunk_tokens=32)
+    with pytest.raises(ext.CacheCapacityError):
+        store.reserve(1, 0, 1)
+    assert store.num_free_slots() == 0

@@ -182,3 +182,20 @@ def test_close_drains_and_rejects_new_work(tiny_config, book):
     with pytest.raises(RuntimeError, match="closed"):
         model.rank([book.request(1, 1)])
     assert np.isfinite(mgr.kv_cache.sum().item())
+
+
+def test_without_host_tier_gpu_hits_still_work(tiny_config, book):
+    model, mgr = _setup(tiny_config, host_capacity_bytes=0)
+    _check(model, [book.request(1, 9)])
+    assert _check(model, [book.request(1, 2)])[0].cached_tokens > 0
+    mgr.evict_gpu([1])
+    assert _check(model, [book.request(1, 2)])[0].cached_tokens == 0
+    assert mgr.host_arena.shape[0] == 0
+
+
+def test_evict_gpu_keeps_host_copy(tiny_config, book):
+    model, mgr = _setup(tiny_config)
+    _check(model, [book.request(1, 12)])
+    mgr.evict_gpu([1])
+    out = _check(model, [book.request(1, 1)])[0]
+    assert out.cached_tokens == 24 and mgr.stats.snapshot()["host_hits"] == 1

@@ -1,0 +1,1 @@
+"""Workload generation, replay, benchmarks and load tests (installed as hstu.scripts)."""

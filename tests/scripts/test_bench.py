@@ -1,0 +1,98 @@
+"""Benchmark at tiny shapes on CPU: every section runs, its self-checks pass, JSON/markdown/table out."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from hstu.scripts import bench
+
+
+@pytest.fixture(scope="module")
+def tiny_doc(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    return bench.run_bench(bench.TINY_SHAPE, torch.device("cpu"), warmup=1, repeats=2, out_dir=out), out
+
+
+def test_tiny_bench_runs_every_section_without_errors(tiny_doc):
+    doc, out = tiny_doc
+    assert doc["errors"] == []
+    for batch in map(str, bench.TINY_SHAPE.batch_sizes):
+        block, e2e = doc["block"][batch], doc["e2e"][batch]
+        assert block["cached"]["rows"] < block["uncached"]["rows"]
+        assert block["speedup"] > 0 and e2e["speedup"] > 0
+        for name in ("uncached", "cached_gpu", "cached_host"):
+            assert e2e[name]["repeats"] == 2 and e2e[name]["median_ms"] > 0
+        assert e2e["cached_gpu"]["bytes_onloaded_per_forward"] == 0
+        assert e2e["cached_host"]["bytes_onloaded_per_forward"] > 0
+        assert e2e["cached_gpu"]["max_abs_diff_vs_uncached"] < 1e-3
+        assert e2e["exposed_cache_ms"] == pytest.approx(e2e["cached_host"]["median_ms"] - e2e["cached_gpu"]["median_ms"])
+    assert doc["e2e"]["1"]["max_abs_diff_uncached_vs_dense"] < 1e-3
+    assert json.loads((out / "bench.json").read_text())["errors"] == []
+    assert (out / "bench.md").read_text().startswith("| measure |")
+
+
+def test_the_table_names_the_seed_figures(tiny_doc):
+    table = bench.format_table(tiny_doc[0])
+    assert "3-8x" in table and "1.3-2.6x" in table
+    assert "FAILED" not in table
+
+
+def test_a_failing_section_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(bench, "bench_block", broken)
+    shape = dataclasses.replace(bench.TINY_SHAPE, batch_sizes=(1,))
+    doc = bench.run_bench(shape, torch.device("cpu"), warmup=0, repeats=1, out_dir=tmp_path)
+    assert doc["errors"] == [{"section": "block", "batch": 1, "error": "RuntimeError: boom"}]
+    assert doc["e2e"]["1"]["check_failures"] == []
+    assert "FAILED block batch 1" in bench.format_table(doc)
+
+
+def test_cli_tiny_prints_the_table_last_and_forcing_torch_attention_works(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["bench", "--tiny", "--device", "cpu", "--batch-sizes", "1", "--warmup", "0", "--repeats", "1",
+         "--attention", "torch", "--out", str(tmp_path)]
+    )
+    assert args.func(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[:2] == ["measure", "batch"]
+    assert "attention torch" in lines[-1]
+
+
+def test_seed_shape_requests_and_memory_fit_one_h200():
+    shape = bench.BenchShape()
+    model = shape.model_config()
+    prefix, full = bench.make_requests(shape, model, batch=2)
+    assert [r.history_tokens(model) for r in prefix] == [3968, 3968]
+    assert [r.history_tokens(model) for r in full] == [4096, 4096]
+    assert all(r.candidates.shape[0] == 256 for r in full)
+    plan = bench.memory_plan(shape)
+    # 8 layers x 2048 pages x 2 x 32 x 4 x 256 x bf16 = 2 GiB per manager; 1 GiB of block K/V.
+    assert plan["cached_gpu_table"] == plan["uncached_gpu_table"] == 2 << 30
+    assert plan["block_kv"] == 1 << 30
+    assert sum(v for k, v in plan.items() if k != "host_arena_pinned") < 16 << 30
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"cached_tokens": 4096}, {"cached_tokens": 3969}, {"cached_tokens": 3970}, {"batch_sizes": ()}],
+)
+def test_inconsistent_shapes_are_rejected(overrides):
+    with pytest.raises(ValueError):
+        bench.BenchShape(**overrides)
+
+
+def test_cuda_graphs_flag_needs_a_cuda_device(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--tiny", "--device", "cpu", "--cuda-graphs", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        args.func(args)

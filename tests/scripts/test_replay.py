@@ -1,0 +1,137 @@
+"""Replay on a tiny config: JSON + PNG written, cached results equal the dense reference, CLI table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from hstu.model.config import HSTUConfig
+from hstu.scripts import replay as rp
+from hstu.scripts.workload import Workload, WorkloadConfig, count_restarts
+
+MODEL = HSTUConfig(
+    num_items=500, num_contextual_features=100, embedding_dim=32, num_layers=2, num_heads=2,
+    head_dim_qk=16, head_dim_v=16, max_seq_len=256, mlp_hidden=32,
+)
+WORKLOAD = WorkloadConfig(
+    num_requests=40, num_users=12, new_tokens=(8, 64), initial_tokens=(8, 128),
+    max_history_tokens=255, candidates=(4, 24), seed=1,
+)
+# 72 pages of 8 tokens: one batch of 2 users at the limit (64 pages) fits, the 12 users do not, so
+# users are evicted to the host tier and come back from it.
+CACHE = rp.CacheSettings(page_size=8, num_pages=72, chunk_tokens=16, host_capacity_bytes=8 << 20)
+
+
+@pytest.fixture(scope="module")
+def replay_doc(tmp_path_factory):
+    out = tmp_path_factory.mktemp("replay")
+    settings = rp.ReplaySettings(model=MODEL, workload=WORKLOAD, cache=CACHE, batch_size=2, verify=True, progress=False)
+    return rp.replay(settings, out), out
+
+
+def test_replay_writes_json_and_png(replay_doc):
+    doc, out = replay_doc
+    on_disk = json.loads((out / "replay.json").read_text())
+    assert on_disk["summary"] == json.loads(json.dumps(doc["summary"]))
+    assert (out / "replay.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(on_disk["requests"]["cached"]) == len(on_disk["requests"]["uncached"]) == WORKLOAD.num_requests
+
+
+def test_every_cached_result_matches_the_dense_reference(replay_doc):
+    cached = replay_doc[0]["summary"]["cached"]
+    assert cached["verify_mismatches"] == 0
+    assert cached["verify_max_abs_diff"] < 1e-4
+
+
+def test_cached_pass_uses_both_tiers_and_invalidates_restarts(replay_doc):
+    doc = replay_doc[0]
+    cached, uncached = doc["summary"]["cached"], doc["summary"]["uncached"]
+    assert count_restarts(Workload(WORKLOAD, MODEL)) > 0
+    assert cached["gpu_hits"] > 0 and cached["host_hits"] > 0 and cached["bytes_onloaded"] > 0
+    assert cached["invalidations"] >= doc["workload_restarts"] > 0
+    assert cached["recomputes"] == 0 and cached["errors"] == 0
+    assert uncached["gpu_hits"] == uncached["host_hits"] == uncached["cached_tokens"] == 0
+    assert uncached["misses"] == WORKLOAD.num_requests
+    assert set(doc["speedup"]) == {"speedup req/s (cached/uncached)", "speedup p50 latency"}
+
+
+def test_cli_prints_the_table_last(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    rp.add_parser(parser.add_subparsers())
+    model_path = tmp_path / "model.json"
+    model_path.write_text(json.dumps(MODEL.to_dict()))
+    args = parser.parse_args(
+        ["replay", "--model-config", str(model_path), "--device", "cpu", "--requests", "12", "--users", "4",
+         "--new-tokens", "8", "32", "--initial-tokens", "8", "64", "--candidates", "4", "8", "--page-size", "8",
+         "--chunk-tokens", "16", "--batch-size", "2", "--no-uncached", "--verify", "--no-progress", "--out", str(tmp_path / "o")]
+    )
+    assert args.func(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split() == ["metric", "cached"]
+    assert lines[-1].startswith("errors")
+    assert (tmp_path / "o" / "replay.png").exists()
+
+
+def test_server_mode_refuses_non_loopback_hosts():
+    for url in ("http://10.0.0.1:8000", "http://example.com", "ftp://127.0.0.1"):
+        with pytest.raises(ValueError, match="loopback"):
+            rp.check_loopback(url)
+    rp.check_loopback("http://127.0.0.1:8000")
+    rp.check_loopback("http://localhost:1")
+
+
+def test_payload_is_accepted_by_the_server_schema():
+    schemas = pytest.importorskip("hstu.serving.schemas", reason="hstu.serving is not importable")
+    request = next(iter(Workload(WORKLOAD, MODEL)))
+    model = schemas.build_rank_request_model(schemas.RequestLimits.for_model(MODEL, max_candidates=64))
+    body = model.model_validate(rp.request_payload(request))
+    assert body.user_id == request.user_id
+    assert [e.item_id for e in body.history] == request.item_ids.tolist()
+    assert body.contextual == request.contextual.tolist()
+
+
+def test_parse_server_metrics_reads_the_cache_counters():
+    text = "\n".join(
+        [
+            "# TYPE hstu_cache_lookups counter",
+            'hstu_cache_lookups_total{result="gpu_hit"} 5.0',
+            'hstu_cache_lookups_total{result="host_hit"} 2.0',
+            'hstu_cache_lookups_total{result="miss"} 1.0',
+            "# TYPE hstu_cache_recomputes counter",
+            "hstu_cache_recomputes_total 3.0",
+            "# TYPE hstu_batch_size histogram",
+            'hstu_batch_size_bucket{le="1.0"} 1.0',
+            'hstu_batch_size_bucket{le="+Inf"} 4.0',
+            "hstu_batch_size_count 4.0",
+            "hstu_batch_size_sum 8.0",
+            "",
+        ]
+    )
+    stats = rp.parse_server_metrics(text)
+    assert stats == {"gpu_hits": 5, "host_hits": 2, "misses": 1, "recomputes": 3, "batches": 4, "batched_requests": 8}
+
+
+def test_a_pool_smaller_than_one_batch_is_rejected():
+    with pytest.raises(ValueError, match="cannot hold one batch"):
+        rp.CacheSettings(page_size=8, num_pages=40).build(MODEL, WORKLOAD, batch_size=2)
+
+
+def test_uncached_pass_never_reuses_anything():
+    kv = CACHE.build(MODEL, WORKLOAD, 2)
+    requests = list(Workload(WorkloadConfig(**{**WORKLOAD.__dict__, "num_requests": 6}), MODEL))
+    result = rp.run_pass("uncached", MODEL, rp.uncached_cache_config(kv), [requests[:3], requests[3:]], torch.device("cpu"),
+                         fresh_users=True, progress=False)
+    assert [r.cached_tokens for r in result.records] == [0] * 6
+    assert result.stats["misses"] == 6
+
+
+def test_seed_preset_resolves_to_the_benchmark_model_and_fits_the_history_limit():
+    parser = argparse.ArgumentParser()
+    rp.add_parser(parser.add_subparsers())
+    settings = rp.settings_from_args(parser.parse_args(["replay", "--preset", "seed", "--page-size", "64"]))
+    assert (settings.model.num_layers, settings.model.embedding_dim, settings.model.dtype) == (8, 1024, "bfloat16")
+    assert settings.cache.page_size == 64 and settings.cache.chunk_tokens == 128
+    assert settings.workload.history_limit(settings.model) == 4096
