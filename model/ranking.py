@@ -112,7 +112,9 @@ class InferenceRankingGR(nn.Module):
             r.validate(self.config)
 
     def _logits(self, y: torch.Tensor, layout: JaggedLayout) -> torch.Tensor:
-        rows = torch.from_numpy(layout.candidate_rows).to(y.device)
+        rows = torch.from_numpy(layout.candidate_rows)
+        if y.is_cuda:  # pinned + async: no host sync on the compute stream
+            rows = rows.pin_memory().to(y.device, non_blocking=True)
         return self.head(self.postprocessor(y.index_select(0, rows)))
 
     @torch.inference_mode()
