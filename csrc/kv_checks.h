@@ -5,16 +5,32 @@
 //   host_arena  [S, L, pages_per_chunk, 2, page_size, H, d]  host chunk slots (page images)
 //   k, v        [T, H, d]                               new tokens' keys / values (jagged batch)
 // Index tensors are int32. Errors name the offending values.
+//
+// Messages format integers with std::to_string (num/dims below), never through ostream's
+// operator<<(long): on the GPU image an extension built by nvcc crashed inside its own copy of
+// std::ostream::_M_insert<long> when a TORCH_CHECK message streamed an integer.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <string>
+#include <utility>
+#include <vector>
+
 namespace hstu {
+
+inline std::string num(int64_t v) { return std::to_string(v); }
+
+inline std::string dims(at::IntArrayRef sizes) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  return out + "]";
+}
 
 inline void check_kv_cache(const at::Tensor& kv_cache) {
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(2) == 2,
-              "kv_cache must be [L, P, 2, page_size, H, d], got ", kv_cache.sizes());
+              "kv_cache must be [L, P, 2, page_size, H, d], got ", dims(kv_cache.sizes()));
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
   TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16 ||
                   kv_cache.scalar_type() == at::kHalf,
@@ -22,13 +38,13 @@ inline void check_kv_cache(const at::Tensor& kv_cache) {
 }
 
 inline void check_layer(const at::Tensor& kv_cache, int64_t layer) {
-  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(0), "layer ", layer, " out of range [0, ",
-              kv_cache.size(0), ")");
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(0), "layer ", num(layer), " out of range [0, ",
+              num(kv_cache.size(0)), ")");
 }
 
 inline void check_index(const at::Tensor& idx, const char* name, int64_t dim) {
   TORCH_CHECK(idx.scalar_type() == at::kInt, name, " must be int32, got ", idx.scalar_type());
-  TORCH_CHECK(idx.dim() == dim, name, " must have ", dim, " dims, got ", idx.sizes());
+  TORCH_CHECK(idx.dim() == dim, name, " must have ", num(dim), " dims, got ", dims(idx.sizes()));
   TORCH_CHECK(idx.is_contiguous(), name, " must be contiguous");
 }
 
@@ -37,8 +53,8 @@ inline void check_range_cpu(const at::Tensor& idx, const char* name, int64_t upp
   if (idx.numel() == 0 || !idx.is_cpu()) return;
   const int64_t lo = idx.min().item<int64_t>();
   const int64_t hi = idx.max().item<int64_t>();
-  TORCH_CHECK(lo >= 0 && hi < upper, name, " values must lie in [0, ", upper, "), got min ", lo,
-              " max ", hi);
+  TORCH_CHECK(lo >= 0 && hi < upper, name, " values must lie in [0, ", num(upper), "), got min ", num(lo),
+              " max ", num(hi));
 }
 
 inline void check_append(const at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
@@ -49,13 +65,13 @@ inline void check_append(const at::Tensor& kv_cache, const at::Tensor& k, const 
   check_index(page_offsets, "page_offsets", 1);
   const int64_t T = k.size(0);
   TORCH_CHECK(k.dim() == 3 && k.size(1) == kv_cache.size(4) && k.size(2) == kv_cache.size(5),
-              "k must be [T, H=", kv_cache.size(4), ", d=", kv_cache.size(5), "], got ", k.sizes());
-  TORCH_CHECK(v.sizes() == k.sizes(), "v must match k ", k.sizes(), ", got ", v.sizes());
+              "k must be [T, H=", num(kv_cache.size(4)), ", d=", num(kv_cache.size(5)), "], got ", dims(k.sizes()));
+  TORCH_CHECK(v.sizes() == k.sizes(), "v must match k ", dims(k.sizes()), ", got ", dims(v.sizes()));
   TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type(),
               "k/v dtype ", k.scalar_type(), "/", v.scalar_type(), " must equal kv_cache dtype ",
               kv_cache.scalar_type());
-  TORCH_CHECK(page_ids.size(0) == T && page_offsets.size(0) == T, "page_ids/page_offsets need ", T,
-              " entries, got ", page_ids.size(0), "/", page_offsets.size(0));
+  TORCH_CHECK(page_ids.size(0) == T && page_offsets.size(0) == T, "page_ids/page_offsets need ", num(T),
+              " entries, got ", num(page_ids.size(0)), "/", num(page_offsets.size(0)));
   TORCH_CHECK(k.device() == kv_cache.device() && page_ids.device() == kv_cache.device() &&
                   page_offsets.device() == kv_cache.device(),
               "append_kvcache tensors must share kv_cache's device ", kv_cache.device());
@@ -65,12 +81,12 @@ inline void check_append(const at::Tensor& kv_cache, const at::Tensor& k, const 
 
 inline void check_host_arena(const at::Tensor& kv_cache, const at::Tensor& host_arena) {
   TORCH_CHECK(host_arena.dim() == 7, "host_arena must be [S, L, pages_per_chunk, 2, page_size, H, d], got ",
-              host_arena.sizes());
+              dims(host_arena.sizes()));
   TORCH_CHECK(host_arena.is_contiguous(), "host_arena must be contiguous");
   TORCH_CHECK(host_arena.size(1) == kv_cache.size(0) && host_arena.size(3) == 2 &&
                   host_arena.size(4) == kv_cache.size(3) && host_arena.size(5) == kv_cache.size(4) &&
                   host_arena.size(6) == kv_cache.size(5),
-              "host_arena ", host_arena.sizes(), " does not match kv_cache ", kv_cache.sizes());
+              "host_arena ", dims(host_arena.sizes()), " does not match kv_cache ", dims(kv_cache.sizes()));
   TORCH_CHECK(host_arena.scalar_type() == kv_cache.scalar_type(), "host_arena dtype ",
               host_arena.scalar_type(), " must equal kv_cache dtype ", kv_cache.scalar_type());
 }
@@ -88,23 +104,62 @@ inline void check_onload(const at::Tensor& kv_cache, const at::Tensor& host_aren
   check_index(slot_ids, "slot_ids", 1);
   check_chunk_pages(kv_cache, page_ids);
   TORCH_CHECK(page_ids.size(0) == slot_ids.size(0) && page_ids.size(1) == host_arena.size(2),
-              "page_ids must be [n_chunks=", slot_ids.size(0), ", pages_per_chunk=", host_arena.size(2),
-              "], got ", page_ids.sizes());
+              "page_ids must be [n_chunks=", num(slot_ids.size(0)), ", pages_per_chunk=", num(host_arena.size(2)),
+              "], got ", dims(page_ids.sizes()));
   check_range_cpu(slot_ids, "slot_ids", host_arena.size(0));
 }
 
 inline void check_store(const at::Tensor& host_arena, const at::Tensor& chunks, const at::Tensor& slot_ids) {
   TORCH_CHECK(host_arena.dim() == 7 && host_arena.is_contiguous(),
               "host_arena must be a contiguous [S, L, pages_per_chunk, 2, page_size, H, d], got ",
-              host_arena.sizes());
+              dims(host_arena.sizes()));
   TORCH_CHECK(chunks.dim() == 7 && chunks.sizes().slice(1) == host_arena.sizes().slice(1),
-              "chunks must be [n, ", host_arena.sizes().slice(1), "], got ", chunks.sizes());
+              "chunks must be [n, ", dims(host_arena.sizes().slice(1)), "], got ", dims(chunks.sizes()));
   TORCH_CHECK(chunks.scalar_type() == host_arena.scalar_type(), "chunks dtype ", chunks.scalar_type(),
               " must equal host_arena dtype ", host_arena.scalar_type());
   check_index(slot_ids, "slot_ids", 1);
-  TORCH_CHECK(slot_ids.size(0) == chunks.size(0), "slot_ids needs ", chunks.size(0), " entries, got ",
-              slot_ids.size(0));
+  TORCH_CHECK(slot_ids.size(0) == chunks.size(0), "slot_ids needs ", num(chunks.size(0)), " entries, got ",
+              num(slot_ids.size(0)));
   check_range_cpu(slot_ids, "slot_ids", host_arena.size(0));
+}
+
+// Per-token (page, offset) of a jagged batch given as a CSR page list (CPU int32 tensors), checked:
+// user b owns pages page_indices[page_indptr[b] : page_indptr[b+1]], its last holding
+// last_page_len[b] tokens. Used by the CPU and CUDA gather_kvcache (a utility op, host-side math).
+inline std::pair<std::vector<int64_t>, std::vector<int64_t>> token_slots_host(
+    const at::Tensor& page_indices, const at::Tensor& page_indptr, const at::Tensor& last_page_len,
+    int64_t page_size, int64_t num_pages) {
+  check_index(page_indices, "page_indices", 1);
+  check_index(page_indptr, "page_indptr", 1);
+  check_index(last_page_len, "last_page_len", 1);
+  const int64_t B = last_page_len.size(0);
+  TORCH_CHECK(page_indptr.size(0) == B + 1, "page_indptr needs B+1=", num(B + 1), " entries, got ",
+              num(page_indptr.size(0)));
+  const auto pages = page_indices.cpu();
+  const auto indptr = page_indptr.cpu();
+  const auto last = last_page_len.cpu();
+  check_range_cpu(pages, "page_indices", num_pages);
+  const int32_t* ip = indptr.data_ptr<int32_t>();
+  const int32_t* lp = last.data_ptr<int32_t>();
+  const int32_t* pg = pages.data_ptr<int32_t>();
+  TORCH_CHECK(ip[0] == 0 && ip[B] == pages.size(0), "page_indptr must run from 0 to ", num(pages.size(0)),
+              ", got ", num(ip[0]), "..", num(ip[B]));
+  std::vector<int64_t> tok_page, tok_off;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = ip[b + 1] - ip[b];
+    TORCH_CHECK(n >= 0, "page_indptr must be non-decreasing at user ", num(b));
+    if (n == 0) continue;
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= page_size, "last_page_len[", num(b), "]=", num(lp[b]),
+                " must lie in [1, ", num(page_size), "]");
+    for (int64_t p = 0; p < n; ++p) {
+      const int64_t len = (p == n - 1) ? lp[b] : page_size;
+      for (int64_t o = 0; o < len; ++o) {
+        tok_page.push_back(pg[ip[b] + p]);
+        tok_off.push_back(o);
+      }
+    }
+  }
+  return {std::move(tok_page), std::move(tok_off)};
 }
 
 }  // namespace hstu

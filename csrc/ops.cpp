@@ -24,46 +24,6 @@ void append_kvcache_cpu(at::Tensor kv_cache, const at::Tensor& k, const at::Tens
   layer_cache.select(1, 1).index_put_({pages, offsets}, v);
 }
 
-// Per-token (page, offset) of the jagged batch described by a CSR page list.
-std::pair<at::Tensor, at::Tensor> token_slots(const at::Tensor& page_indices, const at::Tensor& page_indptr,
-                                              const at::Tensor& last_page_len, int64_t page_size,
-                                              int64_t num_pages) {
-  check_index(page_indices, "page_indices", 1);
-  check_index(page_indptr, "page_indptr", 1);
-  check_index(last_page_len, "last_page_len", 1);
-  const int64_t B = last_page_len.size(0);
-  TORCH_CHECK(page_indptr.size(0) == B + 1, "page_indptr needs B+1=", B + 1, " entries, got ",
-              page_indptr.size(0));
-  check_range_cpu(page_indices, "page_indices", num_pages);
-  const auto indptr = page_indptr.cpu();
-  const auto last = last_page_len.cpu();
-  const auto pages = page_indices.cpu();
-  const int32_t* ip = indptr.data_ptr<int32_t>();
-  const int32_t* lp = last.data_ptr<int32_t>();
-  const int32_t* pg = pages.data_ptr<int32_t>();
-  TORCH_CHECK(ip[0] == 0 && ip[B] == page_indices.size(0), "page_indptr must run from 0 to ",
-              page_indices.size(0), ", got ", ip[0], "..", ip[B]);
-  std::vector<int64_t> tok_page, tok_off;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = ip[b + 1] - ip[b];
-    TORCH_CHECK(n >= 0, "page_indptr must be non-decreasing at user ", b);
-    if (n == 0) continue;
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= page_size, "last_page_len[", b, "]=", lp[b], " must lie in [1, ",
-                page_size, "]");
-    for (int64_t p = 0; p < n; ++p) {
-      const int64_t len = (p == n - 1) ? lp[b] : page_size;
-      for (int64_t o = 0; o < len; ++o) {
-        tok_page.push_back(pg[ip[b] + p]);
-        tok_off.push_back(o);
-      }
-    }
-  }
-  auto opts = at::TensorOptions().dtype(at::kLong);
-  auto tp = at::tensor(tok_page, opts).to(page_indices.device());
-  auto to = at::tensor(tok_off, opts).to(page_indices.device());
-  return {tp, to};
-}
-
 // Pages -> contiguous jagged K and V ([sum_len, H, d] each) of one layer.
 std::tuple<at::Tensor, at::Tensor> gather_kvcache_cpu(const at::Tensor& kv_cache, int64_t layer,
                                                       const at::Tensor& page_indices,
@@ -71,7 +31,11 @@ std::tuple<at::Tensor, at::Tensor> gather_kvcache_cpu(const at::Tensor& kv_cache
                                                       const at::Tensor& last_page_len) {
   check_kv_cache(kv_cache);
   check_layer(kv_cache, layer);
-  auto [tp, to] = token_slots(page_indices, page_indptr, last_page_len, kv_cache.size(3), kv_cache.size(1));
+  auto [pages, offsets] =
+      token_slots_host(page_indices, page_indptr, last_page_len, kv_cache.size(3), kv_cache.size(1));
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  const auto tp = at::tensor(pages, opts);
+  const auto to = at::tensor(offsets, opts);
   auto layer_cache = kv_cache.select(0, layer);
   auto k = layer_cache.select(1, 0).index({tp, to});
   auto v = layer_cache.select(1, 1).index({tp, to});

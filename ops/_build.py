@@ -78,8 +78,8 @@ def load_extension() -> ModuleType:
         build_dir = _build_dir(name)
         if not any(build_dir.glob(f"{name}*.so")):
             logger.warning("building hstu ops (first run only, a few minutes on 2 cores) in %s", build_dir)
-        cflags = ["-O2", "-std=c++17"]
-        cuda_flags = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
+        cflags = ["-O2"]  # the C++ standard is torch's own (cpp_extension adds it); never override it
+        cuda_flags = ["-O3", "--use_fast_math", "-lineinfo"]
         arch = os.environ.get("HSTU_CUDA_ARCH", "90")
         cuda_flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
         _module = load(

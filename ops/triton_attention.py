@@ -23,6 +23,7 @@ so that the grid fills the GPU, and the float32 partials are summed afterwards.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -49,11 +50,15 @@ class AttentionConfig:
     num_stages: int
 
 
+# Module-level instances, so torch.compile sees constants rather than dataclass construction.
+_CONFIG_LARGE_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+_CONFIG_SMALL_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+
+
 def default_config(head_dim: int) -> AttentionConfig:
-    """Tile configuration for a head dim (tuned on H200, see benchmarks/RESULTS.md)."""
-    if head_dim > 128:
-        return AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
-    return AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    """Tile configuration for a head dim. Head dims > 128: the fastest of an 8-config sweep on
+    H200 at the seed shapes (benchmarks/RESULTS.md); <= 128: not tuned yet (tested only)."""
+    return _CONFIG_LARGE_HEAD if head_dim > 128 else _CONFIG_SMALL_HEAD
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -69,14 +74,52 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _split_keys(programs: int, max_keys: int, block_n: int, num_sms: int, num_splits: int) -> tuple[int, int]:
-    """(number of key splits, keys per split): enough programs for one wave over the SMs."""
+    """(number of key splits, keys per split) for `programs` programs per split.
+
+    num_splits > 0 is taken as asked (capped at one key block per split). Otherwise no split when
+    the programs already cover half the SMs (H200, seed shapes: batch 8 = 96 programs on 132 SMs
+    ran 241 us unsplit, 262-289 us split 2-4 ways, the partial sums costing more than the idle
+    SMs), else the fewest splits whose waves over the SMs are at least 95% full, searching up to
+    twice the count that makes one wave (batch 1 = 12 programs: 11 splits, 57 us against 228 us
+    unsplit).
+    """
+
+    def split_of(want: int) -> tuple[int, int]:
+        blocks_per_split = triton.cdiv(key_blocks, max(1, min(want, key_blocks)))
+        return triton.cdiv(key_blocks, blocks_per_split), blocks_per_split * block_n
+
     key_blocks = max(1, triton.cdiv(max_keys, block_n))
-    want = num_splits if num_splits > 0 else triton.cdiv(num_sms, max(programs, 1))
-    blocks_per_split = triton.cdiv(key_blocks, max(1, min(want, key_blocks)))
-    return triton.cdiv(key_blocks, blocks_per_split), blocks_per_split * block_n
+    programs = max(programs, 1)
+    if num_splits > 0:
+        return split_of(num_splits)
+    if 2 * programs >= num_sms:
+        return split_of(1)
+    best, best_fill = split_of(1), 0.0
+    for want in range(1, 2 * triton.cdiv(num_sms, programs) + 1):
+        splits, keys = split_of(want)
+        fill = programs * splits / (triton.cdiv(programs * splits, num_sms) * num_sms)
+        if fill > best_fill + 1e-9:
+            best, best_fill = (splits, keys), fill
+        if fill >= 0.95:
+            break
+    return best
 
 
+# Triton 3.6's interpreter (TRITON_INTERPRET=1, the CPU test path) runs tl.dot on bf16's uint16
+# storage; there the operands are upcast first, which computes the same products (bf16 x bf16 is
+# exact in float32) with the same float32 accumulation.
 if triton is not None:
+    _UPCAST_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        """a @ b accumulated in float32; IEEE: exact float32 products (no tf32) for fp32 inputs."""
+        if _UPCAST_DOT:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a, b)
 
     @triton.jit
     def _paged_hstu_attention_kernel(
@@ -84,8 +127,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_os, stride_ot, stride_oh,
         layer_offset, page_stride, kv_stride, token_stride,
-        max_pages, head_dim, scale, inv_scale_len, keys_per_split,
-        NUM_SPLITS: tl.constexpr,
+        max_pages, head_dim, scale, inv_scale_len, keys_per_split, num_splits,
         PAGE_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -94,8 +136,8 @@ if triton is not None:
     ):
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
-        b = tl.program_id(2) // NUM_SPLITS
-        split = tl.program_id(2) % NUM_SPLITS
+        b = tl.program_id(2) // num_splits
+        split = tl.program_id(2) % num_splits
         q_end = tl.load(Q_OFF + b + 1)
         row0 = tl.load(Q_OFF + b) + pid_m * BLOCK_M
         if row0 >= q_end:
@@ -128,15 +170,9 @@ if triton is not None:
             ptrs = kv_base + page[:, None] * page_stride + (keys % PAGE_SIZE)[:, None] * token_stride + dd[None, :]
             k_tile = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
             v_tile = tl.load(ptrs + kv_stride, mask=d_ok[None, :], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(k_tile)) * scale
+            s = _dot(q, tl.trans(k_tile), IEEE) * scale
             w = (s * tl.sigmoid(s)).to(v_tile.dtype)
-            if IEEE:
-                acc += tl.dot(w, v_tile, input_precision="ieee")
-            else:
-                acc += tl.dot(w, v_tile)
+            acc += _dot(w, v_tile, IEEE)
 
         # Tiles across the causal boundary (or the end of the history): masked.
         for start in range(full_hi, key_hi, BLOCK_N):
@@ -147,15 +183,9 @@ if triton is not None:
             tile_mask = key_ok[:, None] & d_ok[None, :]
             k_tile = tl.load(ptrs, mask=tile_mask, other=0.0)
             v_tile = tl.load(ptrs + kv_stride, mask=tile_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k_tile), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(k_tile)) * scale
+            s = _dot(q, tl.trans(k_tile), IEEE) * scale
             w = tl.where(keys[None, :] <= last_key[:, None], s * tl.sigmoid(s), 0.0).to(v_tile.dtype)
-            if IEEE:
-                acc += tl.dot(w, v_tile, input_precision="ieee")
-            else:
-                acc += tl.dot(w, v_tile)
+            acc += _dot(w, v_tile, IEEE)
 
         # Candidates also see themselves (their K/V are not in the cache).
         if split == 0:
@@ -206,8 +236,7 @@ if triton is not None:
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             stride_os, stride_ot, stride_oh,
             layer * kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-            max_pages, d, 1.0 / math.sqrt(d), 1.0 / scale_len, keys_per_split,
-            NUM_SPLITS=splits,
+            max_pages, d, 1.0 / math.sqrt(d), 1.0 / scale_len, keys_per_split, splits,
             PAGE_SIZE=page_size,
             BLOCK_M=block_m,
             BLOCK_N=block_n,

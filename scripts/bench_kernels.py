@@ -1,0 +1,301 @@
+"""Benchmarks of the KV kernels and the Triton paged attention against measured ceilings (CUDA).
+
+One run measures, as medians of triton.testing.do_bench (CUDA events, L2 flushed between reps):
+  ceilings   device-to-device copy (bytes read + written), pinned H2D and D2H (one large copy),
+             bf16 matmul 8192^3 on random data
+  append     append_kvcache of many tokens, GB/s (read + written) over the D2D ceiling
+  gather     gather_kvcache_all_layers, GB/s (read + written) over the D2D ceiling
+  onload     onload_kvcache, both variants (HSTU_ONLOAD_IMPL=memcpy|zerocopy), pages in runs of a
+             chunk or scattered, GB/s over the H2D ceiling
+  offload    store_host_chunks, GB/s over the D2H ceiling
+  attention  paged HSTU attention at the seed shapes (8 layers, 4 heads x 256, page 32, bf16,
+             history 4096 with 3968 cached -> 128 new + 256 candidates; batch 1 and 8): useful
+             TFLOP/s (masked-out work not counted) over the matmul ceiling, timed as CUDA-graph
+             replays of the 8 layers (per layer), for the default tile config, a sweep of configs
+             and key splits (each checked against the torch implementation), the torch
+             implementation, and the default's eager time (the op's host overhead included).
+Prints a short table last and writes everything as JSON to --out.
+
+Usage: python3 scripts/bench_kernels.py --out kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import triton
+
+from hstu.ops import kv_ops
+from hstu.ops import triton_attention as ta
+from hstu.ops.attention import paged_hstu_attention_torch
+from hstu.ops.kvcache.metadata import KVCacheMetadata
+
+logger = logging.getLogger("bench_kernels")
+
+GB = 1e9
+# Seed model shapes.
+LAYERS, HEADS, HEAD_DIM, PAGE, DTYPE = 8, 4, 256, 32, torch.bfloat16
+HISTORY, CACHED, CANDIDATES, CHUNK_TOKENS = 4096, 3968, 256, 128
+
+
+def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of fn on the current stream."""
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+@contextmanager
+def onload_impl(name: str):
+    old = os.environ.get("HSTU_ONLOAD_IMPL")
+    os.environ["HSTU_ONLOAD_IMPL"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("HSTU_ONLOAD_IMPL")
+        else:
+            os.environ["HSTU_ONLOAD_IMPL"] = old
+
+
+def ceilings(nbytes: int) -> dict:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    host.copy_(src.cpu())
+    d2d = 2 * nbytes / (bench_ms(lambda: dst.copy_(src)) * 1e-3) / GB
+    h2d = nbytes / (bench_ms(lambda: dst.copy_(host, non_blocking=True)) * 1e-3) / GB
+    d2h = nbytes / (bench_ms(lambda: host.copy_(src, non_blocking=True)) * 1e-3) / GB
+    del src, dst, host
+    n = 8192
+    a, b = (torch.randn((n, n), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mm = 2 * n**3 / (bench_ms(lambda: a @ b) * 1e-3) / 1e12
+    return {"d2d_GBps": d2d, "h2d_GBps": h2d, "d2h_GBps": d2h, "bf16_matmul_TFLOPs": mm, "copy_bytes": nbytes}
+
+
+def page_bytes() -> int:
+    return 2 * PAGE * HEADS * HEAD_DIM * torch.finfo(DTYPE).bits // 8
+
+
+def bench_append(cache: torch.Tensor, tokens: int) -> dict:
+    slots = torch.randperm(cache.shape[1] * PAGE, device="cuda")[:tokens]
+    page_ids, offsets = (slots // PAGE).int(), (slots % PAGE).int()
+    k, v = (torch.randn((tokens, HEADS, HEAD_DIM), device="cuda", dtype=DTYPE) for _ in range(2))
+    ms = bench_ms(lambda: kv_ops.append_kvcache(cache, k, v, page_ids, offsets, 3))
+    moved = 4 * tokens * HEADS * HEAD_DIM * cache.element_size()
+    return {"tokens": tokens, "ms": ms, "GBps": moved / (ms * 1e-3) / GB}
+
+
+def bench_gather(cache: torch.Tensor, chunks: int, ppc: int) -> dict:
+    page_ids = torch.randperm(cache.shape[1], device="cuda")[: chunks * ppc].int().view(chunks, ppc)
+    ms = bench_ms(lambda: kv_ops.gather_kvcache_all_layers(cache, page_ids))
+    moved = 2 * chunks * LAYERS * ppc * page_bytes()
+    return {"chunks": chunks, "pages_per_chunk": ppc, "ms": ms, "GBps": moved / (ms * 1e-3) / GB}
+
+
+def bench_onload(cache: torch.Tensor, arena: torch.Tensor, chunks: int, ppc: int, stream) -> dict:
+    slots = torch.randperm(arena.shape[0])[:chunks].int()
+    perm = torch.randperm(cache.shape[1] // ppc)[:chunks]
+    patterns = {
+        # each chunk's pages consecutive (one copy run per chunk), chunks scattered
+        "chunk_runs": (perm.view(-1, 1) * ppc + torch.arange(ppc)).int(),
+        # every page on its own
+        "scattered": torch.randperm(cache.shape[1])[: chunks * ppc].int().view(chunks, ppc),
+    }
+    moved = chunks * ppc * page_bytes()
+    out = {"chunks": chunks, "pages_per_chunk": ppc, "bytes_per_call": moved}
+    with torch.cuda.stream(stream):
+        for impl in ("memcpy", "zerocopy"):
+            with onload_impl(impl):
+                for name, pages in patterns.items():
+                    ms = bench_ms(lambda: kv_ops.onload_kvcache(cache, arena, slots, pages, 5))
+                    out[f"{impl}_{name}"] = {"ms": ms, "GBps": moved / (ms * 1e-3) / GB}
+    return out
+
+
+def bench_offload(arena: torch.Tensor, chunks: int, stream) -> dict:
+    src = torch.randn((chunks, *arena.shape[1:]), device="cuda").to(DTYPE)
+    slots = torch.randperm(arena.shape[0])[:chunks].int()
+    moved = src.numel() * src.element_size()
+    with torch.cuda.stream(stream):
+        ms = bench_ms(lambda: kv_ops.store_host_chunks(arena, src, slots))
+    return {"chunks": chunks, "ms": ms, "GBps": moved / (ms * 1e-3) / GB}
+
+
+def seed_metadata(batch: int, num_pages: int) -> KVCacheMetadata:
+    """Seed batch: each user has HISTORY tokens (CACHED reused), HISTORY-CACHED new rows, CANDIDATES."""
+    rng = np.random.default_rng(batch)
+    need = -(-HISTORY // PAGE)
+    perm = rng.permutation(num_pages)[: batch * need]
+    pages = [perm[b * need : (b + 1) * need].tolist() for b in range(batch)]
+    rows = list(range(CACHED, HISTORY)) + [-1] * CANDIDATES
+    n = len(rows)
+    q_pos = np.tile(np.asarray(rows, np.int64), batch)
+    q_batch = np.repeat(np.arange(batch, dtype=np.int64), n)
+    q_local = np.tile(np.arange(n, dtype=np.int64), batch)
+    append_rows = np.nonzero(q_pos >= 0)[0]
+    offsets = np.arange(batch + 1, dtype=np.int64) * n
+    return KVCacheMetadata.from_pages(
+        pages, [HISTORY] * batch, [CACHED] * batch, offsets, q_batch, q_local, q_pos, append_rows, PAGE
+    ).to("cuda")
+
+
+def useful_flops(batch: int) -> float:
+    """2 matmuls x 2 FLOP per multiply-add over the keys each row sees."""
+    seen = sum(p + 1 for p in range(CACHED, HISTORY)) + CANDIDATES * (HISTORY + 1)
+    return 4.0 * HEADS * HEAD_DIM * batch * seen
+
+
+SWEEP = [
+    ta.AttentionConfig(128, 64, 8, 2),
+    ta.AttentionConfig(128, 32, 8, 3),
+    ta.AttentionConfig(128, 32, 8, 2),
+    ta.AttentionConfig(64, 64, 4, 2),
+    ta.AttentionConfig(64, 32, 4, 3),
+    ta.AttentionConfig(128, 64, 8, 1),
+    ta.AttentionConfig(64, 64, 8, 2),
+    ta.AttentionConfig(64, 128, 4, 1),
+]
+SPLITS = (0, 1, 2, 4)  # 0: the automatic choice
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def bench_attention(cache: torch.Tensor, batch: int) -> dict:
+    """GPU time per layer from CUDA-graph replays of all 8 layers (what the paged block runs:
+    per-layer graphs), plus the eager time of one call (host overhead of the op included)."""
+    meta = seed_metadata(batch, cache.shape[1])
+    T = int(meta.q_pos.shape[0])
+    q, k, v = (torch.randn((T, HEADS, HEAD_DIM), device="cuda", dtype=DTYPE) for _ in range(3))
+    flops = useful_flops(batch)
+    scale_len = HISTORY + CANDIDATES
+    m = meta
+    ref = paged_hstu_attention_torch(
+        q, k, v, cache, 0, m.page_table, m.kv_lens, m.q_batch, m.q_local, m.q_pos, m.max_q, scale_len
+    )
+
+    def attn(layer: int, cfg: ta.AttentionConfig | None = None, splits: int = 0) -> torch.Tensor:
+        return ta.paged_hstu_attention_triton(q, k, v, cache, layer, meta, scale_len, config=cfg, num_splits=splits)
+
+    def measure(cfg: ta.AttentionConfig | None, splits: int) -> dict:
+        try:
+            err = rel_err(attn(0, cfg, splits), ref)
+            ms = float(triton.testing.do_bench_cudagraph(
+                lambda: [attn(layer, cfg, splits) for layer in range(LAYERS)], rep=50, return_mode="median"
+            )) / LAYERS
+        except Exception as exc:  # a tile config that does not fit shared memory: reported, not fatal
+            logger.warning("attention batch %d %s splits=%d failed: %s", batch, cfg, splits, exc)
+            return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        return {"ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12, "rel_err_vs_torch": err}
+
+    out = {"batch": batch, "rows": T, "useful_GFLOP": flops / 1e9}
+    cfg = ta.default_config(HEAD_DIM)
+    out["default"] = {"config": asdict(cfg), **measure(None, 0)}
+    layer = [0]
+
+    def eager_step():  # rotate layers so batch 1 (16 MB of K/V a layer) does not sit in L2
+        layer[0] = (layer[0] + 1) % LAYERS
+        return attn(layer[0])
+
+    eager_ms = bench_ms(eager_step)
+    out["default_eager"] = {"ms": eager_ms, "TFLOPs": flops / (eager_ms * 1e-3) / 1e12}
+    out["sweep"] = [{"config": asdict(c), "num_splits": sp, **measure(c, sp)} for c in SWEEP for sp in SPLITS]
+
+    def torch_layers():
+        return [paged_hstu_attention_torch(q, k, v, cache, layer, m.page_table, m.kv_lens, m.q_batch, m.q_local,
+                                           m.q_pos, m.max_q, scale_len) for layer in range(LAYERS)]
+
+    try:
+        torch_ms = float(triton.testing.do_bench_cudagraph(torch_layers, rep=50, return_mode="median")) / LAYERS
+        out["torch"] = {"ms": torch_ms, "TFLOPs": flops / (torch_ms * 1e-3) / 1e12}
+    except Exception as exc:
+        out["torch"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="JSON result path")
+    parser.add_argument("--copy-gib", type=float, default=1.0, help="size of the ceiling copies")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.manual_seed(0)
+    t0 = time.time()
+    props = torch.cuda.get_device_properties(0)
+    res: dict = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+                 "triton": triton.__version__, "cuda": torch.version.cuda}
+    logger.info("ceilings on %s", props.name)
+    res["ceilings"] = ceil = ceilings(int(args.copy_gib * (1 << 30)))
+
+    num_pages = 4096  # 8 layers x 4096 pages x 128 KiB = 4 GiB
+    cache = torch.randn((LAYERS, num_pages, 2, PAGE, HEADS, HEAD_DIM), device="cuda").to(DTYPE)
+    logger.info("append / gather")
+    res["append"] = bench_append(cache, 65536)
+    res["append_seed"] = bench_append(cache, 8 * (HISTORY - CACHED))
+    ppc = CHUNK_TOKENS // PAGE
+    res["gather_all_layers"] = bench_gather(cache, 256, ppc)
+
+    logger.info("onload / offload")
+    slots = 256
+    shape = (slots, LAYERS, ppc, 2, PAGE, HEADS, HEAD_DIM)
+    arena = torch.empty(shape, dtype=DTYPE).pin_memory()  # 1 GiB
+    arena.copy_(torch.randn(shape, device="cuda", dtype=DTYPE))
+    stream = torch.cuda.Stream()
+    res["onload"] = bench_onload(cache, arena, 128, ppc, stream)
+    res["offload"] = bench_offload(arena, 64, stream)
+
+    logger.info("attention")
+    res["attention"] = {f"batch{b}": bench_attention(cache, b) for b in (1, 8)}
+    res["wall_s"] = time.time() - t0
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=2)
+
+    d2d, h2d, d2h, mm = ceil["d2d_GBps"], ceil["h2d_GBps"], ceil["d2h_GBps"], ceil["bf16_matmul_TFLOPs"]
+    rows = [
+        ("ceiling D2D copy", f"{d2d:.0f} GB/s", "1.00"),
+        ("ceiling H2D pinned", f"{h2d:.1f} GB/s", "1.00"),
+        ("ceiling D2H pinned", f"{d2h:.1f} GB/s", "1.00"),
+        ("ceiling bf16 matmul", f"{mm:.0f} TFLOP/s", "1.00"),
+        (f"append {res['append']['tokens']} tok", f"{res['append']['GBps']:.0f} GB/s", f"{res['append']['GBps'] / d2d:.2f} of D2D"),
+        (f"append {res['append_seed']['tokens']} tok (seed)", f"{res['append_seed']['ms'] * 1e3:.1f} us",
+         f"{res['append_seed']['GBps'] / d2d:.2f} of D2D"),
+        ("gather_all_layers", f"{res['gather_all_layers']['GBps']:.0f} GB/s", f"{res['gather_all_layers']['GBps'] / d2d:.2f} of D2D"),
+    ]
+    for key in ("memcpy_chunk_runs", "memcpy_scattered", "zerocopy_chunk_runs", "zerocopy_scattered"):
+        r = res["onload"][key]
+        rows.append((f"onload {key}", f"{r['GBps']:.1f} GB/s", f"{r['GBps'] / h2d:.2f} of H2D"))
+    rows.append(("offload store_host_chunks", f"{res['offload']['GBps']:.1f} GB/s", f"{res['offload']['GBps'] / d2h:.2f} of D2H"))
+    for b in ("batch1", "batch8"):
+        a = res["attention"][b]
+        for key in ("default", "default_eager"):
+            r = a[key]
+            if "error" in r:
+                rows.append((f"attention {b} {key}", "FAILED", r["error"][:60]))
+            else:
+                rows.append((f"attention {b} {key}", f"{r['TFLOPs']:.0f} TFLOP/s ({r['ms'] * 1e3:.0f} us)",
+                             f"{r['TFLOPs'] / mm:.2f} of matmul"))
+        ran = [s for s in a["sweep"] if "TFLOPs" in s and s["rel_err_vs_torch"] < 1e-2]
+        if ran:
+            best = max(ran, key=lambda s: s["TFLOPs"])
+            rows.append((f"attention {b} best of sweep",
+                         f"{best['TFLOPs']:.0f} TFLOP/s {tuple(best['config'].values())} splits={best['num_splits']}",
+                         f"{best['TFLOPs'] / mm:.2f} of matmul"))
+        if "TFLOPs" in a["torch"]:
+            rows.append((f"attention {b} torch", f"{a['torch']['TFLOPs']:.1f} TFLOP/s",
+                         f"{a['torch']['TFLOPs'] / mm:.3f} of matmul"))
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{props.name}  ({res['wall_s']:.0f} s)")
+    for name, value, ratio in rows:
+        print(f"{name:<{width}}  {value:<34}  {ratio}")
+
+
+if __name__ == "__main__":
+    main()

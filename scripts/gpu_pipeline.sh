@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The whole cached pipeline on the GPU in one call: install (server wheels carried in .whl when
+# present), build, every `cuda` test (kernels, Triton attention, pipeline oracle, CUDA graphs,
+# server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
+#   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
+# Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
+# are listed last and make the exit status non-zero. scripts/gpu_check.sh covers the kernels alone
+# (compute-sanitizer, kernel benchmarks).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HSTU_BUILD_DIR=/tmp/hstu_build MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out}"
+LOG="$OUT/gpu_pipeline.log"
+mkdir -p "$OUT"
+failed=()
+
+stage() {  # stage NAME SECONDS CMD...: run under a time limit, append to the one log
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name ($(date +%T), limit ${limit}s)" | tee -a "$LOG"
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$name")
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$LOG"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -e . --no-deps --no-build-isolation -q 2>&1 | tail -2 | tee -a "$LOG"
+stage build 240 python3 -c "from hstu.ops._build import cuda_build_enabled, load_extension; assert cuda_build_enabled(); load_extension(); print('extension built')"
+stage pytest_cuda 200 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/
+stage bench 120 python3 -m hstu.cli bench --device cuda --out "$OUT/bench"
+stage replay 100 python3 -m hstu.cli replay --preset seed --device cuda --verify --no-progress --out "$OUT/replay"
+stage bench_graphs 90 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e --out "$OUT/bench_graphs"
+rm -f "$OUT/bench_graphs/bench.md"
+
+if ((${#failed[@]})); then
+  echo "FAILED stages: ${failed[*]}" | tee -a "$LOG"
+  exit 1
+fi
+echo "all stages passed" | tee -a "$LOG"

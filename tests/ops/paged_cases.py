@@ -1,0 +1,121 @@
+"""Random paged-attention batches and a float64 reference, shared by the attention tests."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hstu.ops.kvcache.metadata import KVCacheMetadata
+
+
+@dataclass
+class PagedCase:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_cache: torch.Tensor
+    layer: int
+    meta: KVCacheMetadata
+    scale_len: int
+
+
+def make_paged_case(
+    history_lens: list[int],
+    cached_lens: list[int],
+    num_candidates: list[int],
+    *,
+    num_layers: int = 2,
+    layer: int = 1,
+    heads: int = 2,
+    head_dim: int = 64,
+    page_size: int = 16,
+    spare_pages: int = 5,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> PagedCase:
+    """A jagged batch: user b has history_lens[b] tokens in its pages (cached_lens[b] reused, the
+    rest new rows of this batch, already appended) and num_candidates[b] candidate rows.
+
+    Pages are a random permutation of the pool, and every slot (unused ones too) holds random
+    data, so a kernel that reads past a user's history or through a wrong page gets wrong answers.
+    """
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    B = len(history_lens)
+    need = [-(-h // page_size) for h in history_lens]
+    num_pages = sum(need) + spare_pages
+    perm = rng.permutation(num_pages).astype(np.int64)
+    page_lists, start = [], 0
+    for n in need:
+        page_lists.append(perm[start : start + n].tolist())
+        start += n
+
+    q_batch, q_local, q_pos, append_rows, offsets = [], [], [], [], [0]
+    for b in range(B):
+        new = list(range(cached_lens[b], history_lens[b]))
+        rows = new + [-1] * num_candidates[b]
+        for i, pos in enumerate(rows):
+            if pos >= 0:
+                append_rows.append(len(q_pos))
+            q_batch.append(b)
+            q_local.append(i)
+            q_pos.append(pos)
+        offsets.append(offsets[-1] + len(rows))
+    meta = KVCacheMetadata.from_pages(
+        page_lists,
+        history_lens,
+        cached_lens,
+        np.asarray(offsets, np.int64),
+        np.asarray(q_batch, np.int64),
+        np.asarray(q_local, np.int64),
+        np.asarray(q_pos, np.int64),
+        np.asarray(append_rows, np.int64),
+        page_size,
+    )
+    T = len(q_pos)
+    shape = (T, heads, head_dim)
+    q, k, v = (torch.randn(shape, generator=g).to(dtype) for _ in range(3))
+    kv_cache = torch.randn((num_layers, num_pages, 2, page_size, heads, head_dim), generator=g).to(dtype)
+    pages = torch.from_numpy(meta.append_page_ids.numpy().astype(np.int64))
+    offs = torch.from_numpy(meta.append_offsets.numpy().astype(np.int64))
+    rows = meta.append_rows
+    kv_cache[layer, pages, 0, offs] = k[rows]
+    kv_cache[layer, pages, 1, offs] = v[rows]
+    scale_len = max(history_lens) + max(num_candidates) + 3
+    return PagedCase(q.to(device), k.to(device), v.to(device), kv_cache.to(device), layer, meta.to(device), scale_len)
+
+
+def reference_fp64(case: PagedCase) -> torch.Tensor:
+    """Per-user dense HSTU attention in float64 on the CPU, straight from the definition."""
+    m = case.meta
+    q, k, v = (t.detach().cpu().double() for t in (case.q, case.k, case.v))
+    cache = case.kv_cache[case.layer].detach().cpu().double()  # [P, 2, ps, H, d]
+    out = torch.zeros_like(q)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    offsets, kv_lens, q_pos = m.q_offsets.cpu().tolist(), m.kv_lens.cpu().tolist(), m.q_pos.cpu()
+    indptr, indices = m.page_indptr.cpu().tolist(), m.page_indices.cpu().long()
+    for b in range(len(kv_lens)):
+        pages = indices[indptr[b] : indptr[b + 1]]
+        keys = cache[pages, 0].reshape(-1, *cache.shape[3:])[: kv_lens[b]]  # [n, H, d]
+        vals = cache[pages, 1].reshape(-1, *cache.shape[3:])[: kv_lens[b]]
+        for r in range(offsets[b], offsets[b + 1]):
+            pos = int(q_pos[r])
+            last = kv_lens[b] - 1 if pos < 0 else pos
+            s = torch.einsum("hd,nhd->hn", q[r], keys[: last + 1]) * scale
+            o = torch.einsum("hn,nhd->hd", torch.nn.functional.silu(s), vals[: last + 1])
+            if pos < 0:
+                s_self = (q[r] * k[r]).sum(-1) * scale
+                o = o + torch.nn.functional.silu(s_self).unsqueeze(-1) * v[r]
+            out[r] = o / case.scale_len
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64."""
+    out, ref = out.detach().cpu().double(), ref.detach().cpu().double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return float((out - ref).norm() / ref.norm())

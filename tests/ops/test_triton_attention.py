@@ -1,0 +1,62 @@
+"""The Triton paged HSTU attention kernel on the CPU, through Triton's interpreter.
+
+The interpreter runs the kernel's logic (page-table walk, causal and candidate masks, key splits)
+on CPU tensors; it needs TRITON_INTERPRET=1 before the kernel module is imported, so the checks run
+in a fresh interpreter process. Skipped where triton is missing. The interpreter of Triton 3.6
+cannot take a tensor as a loop bound under numpy >= 2.4, and it truncates float32 -> bfloat16 (the
+GPU rounds to nearest), so bf16 accuracy against the 2x bound is checked on the GPU only
+(test_cuda_kernels.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("triton")
+if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4):
+    pytest.skip("Triton's interpreter needs numpy < 2.4 for tensor loop bounds", allow_module_level=True)
+
+_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    sys.path.insert(0, {root!r})
+    from tests.ops.paged_cases import make_paged_case, reference_fp64, rel_err
+    from hstu.ops import triton_attention as ta
+
+    cases = [
+        # (history, cached, candidates, page_size, head_dim, heads, config, splits)
+        ([37, 16, 70], [30, 0, 64], [5, 3, 0], 16, 64, 2, ta.AttentionConfig(16, 16, 4, 1), 0),
+        ([37, 16, 70], [30, 0, 64], [5, 3, 0], 16, 64, 2, ta.AttentionConfig(16, 32, 4, 1), 3),
+        ([65, 1], [1, 0], [4, 17], 32, 40, 3, ta.AttentionConfig(32, 16, 4, 1), 1),
+        ([130], [0], [2], 64, 64, 1, ta.AttentionConfig(64, 64, 4, 1), 2),
+        ([20, 33, 5], [20, 0, 5], [0, 2, 1], 16, 32, 2, ta.AttentionConfig(16, 16, 4, 1), 0),
+    ]
+    for i, (hist, cached, cand, ps, d, h, cfg, splits) in enumerate(cases):
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            c = make_paged_case(hist, cached, cand, page_size=ps, head_dim=d, heads=h, dtype=dtype, seed=i)
+            out = ta.paged_hstu_attention_triton(
+                c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=cfg, num_splits=splits
+            )
+            assert out.dtype == dtype and out.shape == c.q.shape
+            err = rel_err(out, reference_fp64(c))
+            assert err < tol, (i, dtype, err)
+    print("ok")
+    """
+)
+
+
+def test_triton_kernel_matches_fp64_reference_in_interpreter():
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT.format(root=root)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
