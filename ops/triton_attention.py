@@ -198,8 +198,7 @@ if triton is not None:
         out_ptrs = OUT + split * stride_os + rows[:, None] * stride_ot + h * stride_oh + dd[None, :]
         tl.store(out_ptrs, (acc * inv_scale_len).to(OUT.dtype.element_ty), mask=io_mask)
 
-    @torch.library.triton_op("hstu::paged_hstu_attention", mutates_args=())
-    def _paged_hstu_attention_op(
+    def _launch_attention(
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -249,6 +248,31 @@ if triton is not None:
             return out
         return dest.sum(0).to(q.dtype)
 
+    @torch.library.triton_op("hstu::paged_hstu_attention", mutates_args=())
+    def _paged_hstu_attention_op(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
+        page_table: torch.Tensor,
+        kv_lens: torch.Tensor,
+        q_offsets: torch.Tensor,
+        q_pos: torch.Tensor,
+        max_q: int,
+        scale_len: int,
+        block_m: int,
+        block_n: int,
+        num_warps: int,
+        num_stages: int,
+        num_splits: int,
+    ) -> torch.Tensor:
+        """The op torch.compile traces; eager calls skip the dispatcher (see the caller)."""
+        return _launch_attention(
+            q, k, v, kv_cache, layer, page_table, kv_lens, q_offsets, q_pos, max_q, scale_len,
+            block_m, block_n, num_warps, num_stages, num_splits,
+        )
+
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int) -> None:
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
@@ -283,7 +307,12 @@ def paged_hstu_attention_triton(
     """
     _check(q, k, v, kv_cache, layer)
     cfg = config or default_config(q.shape[2])
-    return torch.ops.hstu.paged_hstu_attention(
+    args = (
         q, k, v, kv_cache, layer, meta.page_table, meta.kv_lens, meta.q_offsets, meta.q_pos, meta.max_q, scale_len,
         cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, num_splits,
     )
+    if torch.compiler.is_compiling():
+        return torch.ops.hstu.paged_hstu_attention(*args)
+    # Eager (and CUDA-graph capture): launch directly; the custom-op dispatch costs ~100 us a call,
+    # more than the kernel itself at batch 1 (benchmarks/RESULTS.md).
+    return _launch_attention(*args)
