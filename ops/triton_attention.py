@@ -121,7 +121,9 @@ if triton is not None:
         else:
             return tl.dot(a, b)
 
-    @triton.jit
+    # Batch-dependent ints are not specialised: one compiled kernel serves every batch shape, so a
+    # new batch never pays a JIT compile (seen as 3 s latency spikes in the seed replay).
+    @triton.jit(do_not_specialize=["max_pages", "keys_per_split", "num_splits"])
     def _paged_hstu_attention_kernel(
         Q, K, V, KV, PT, KV_LENS, Q_OFF, Q_POS, OUT,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
