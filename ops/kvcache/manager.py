@@ -18,8 +18,9 @@ Invariants:
   - A user's pages are never evicted or shrunk while pinned (in a batch, or being offloaded).
   - A host slot is reused only after its user was unpinned (no onload reads it) or, if reserved,
     after its copy was committed or aborted.
-  - A user's in-flight offload is joined before that user is looked up again, so consecutive
-    batches of the same user see settled state.
+  - A user's in-flight offload is joined before a lookup that could shrink, drop or onload the
+    user; a plain extension (GPU hit, more tokens, same prefix) runs beside it, since it only
+    appends after the committed tokens the offload reads (its pages are pinned once per batch).
   - The GPU tier never holds less than the host tier for a resident user (host is filled from GPU).
 """
 
@@ -134,7 +135,6 @@ class AsyncKVCacheManager:
         for u, n in zip(user_ids, history_lens):
             if n <= 0:
                 raise ValueError(f"user {u}: history length must be positive, got {n}")
-        self._join_offloads(user_ids)
         result = LookupResult(list(user_ids), list(history_lens), keys, [], [])
         pinned: list[int] = []
         try:
@@ -155,6 +155,13 @@ class AsyncKVCacheManager:
         return result
 
     def _lookup_one(self, user: int, n: int, keys: np.ndarray | None, result: LookupResult) -> tuple[int, str]:
+        gpu_len, gpu_fp = self.gpu.lookup(user)
+        if 0 < gpu_len < n and fingerprint(keys, gpu_len) == gpu_fp:
+            # A plain extension only appends after the committed tokens: it may run while this
+            # user's previous offload still reads its full chunks.
+            return gpu_len, "gpu"
+        # Anything else may shrink or drop the user's pages or read its host slots: settle first.
+        self._join_offloads([user])
         gpu_len, gpu_fp = self.gpu.lookup(user)
         if gpu_len > 0:
             usable = self._usable_length(user, n, keys, gpu_len, gpu_fp)

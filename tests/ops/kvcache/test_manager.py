@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -199,3 +200,24 @@ def test_evict_gpu_keeps_host_copy(tiny_config, book):
     mgr.evict_gpu([1])
     out = _check(model, [book.request(1, 1)])[0]
     assert out.cached_tokens == 24 and mgr.stats.snapshot()["host_hits"] == 1
+
+
+def test_plain_extension_does_not_wait_for_the_users_offload(tiny_config, book, monkeypatch):
+    import hstu.ops.kvcache.manager as manager_module
+
+    model, mgr = _setup(tiny_config)
+    release = threading.Event()
+    real_store = manager_module.store_host_chunks
+
+    def slow_store(*args):
+        release.wait(10)
+        real_store(*args)
+
+    monkeypatch.setattr(manager_module, "store_host_chunks", slow_store)
+    _check(model, [book.request(1, 12)])  # its offload now blocks in slow_store
+    assert mgr.gpu.pin_count(1) == 1
+    out = _check(model, [book.request(1, 3)])[0]  # must not wait for that offload
+    assert out.cached_tokens == tiny_config.history_tokens(12)
+    release.set()
+    mgr.drain()
+    assert mgr.gpu.pin_count(1) == 0 and len(mgr.host.lookup(1)[0]) == tiny_config.history_tokens(15) // 8
