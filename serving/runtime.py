@@ -118,9 +118,20 @@ class ServingRuntime:
             (output,) = self.model.rank([request])
             if not torch.isfinite(output.logits).all():
                 raise RuntimeError(f"warm-up produced non-finite logits for a {n}-event history")
+        # A full batch too: on CUDA the attention kernel has a variant for few programs (key
+        # splits) and one for many; both compile here rather than on a live request.
+        pages_per_user = -(-cfg.history_tokens(events) // kv.page_size)
+        batch = max(1, min(self.settings.max_batch_size, kv.num_pages // max(pages_per_user, 1)))
+        users = [WARMUP_USER + 1 + i for i in range(batch)]  # dropped again below, before serving
+        self.model.rank(
+            [RankingRequest.create(u, items[:events], actions[:events], np.arange(events), candidates, config=cfg) for u in users]
+        )
         self.manager.drain()
-        self.manager.invalidate(WARMUP_USER)
-        logger.info("warm-up (%d and %d events) took %.2fs", events, events + 1, time.monotonic() - started)
+        for u in [WARMUP_USER, *users]:
+            self.manager.invalidate(u)
+        logger.info(
+            "warm-up (%d and %d events, then a batch of %d) took %.2fs", events, events + 1, batch, time.monotonic() - started
+        )
 
     async def close(self, start_task: asyncio.Task | None = None) -> None:
         """Stop serving: wait for a load in progress, drain the batcher, close the manager."""
