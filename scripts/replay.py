@@ -207,11 +207,17 @@ def run_pass(
     fresh_users: bool,
     verify: bool = False,
     progress: bool = True,
+    cuda_graphs: bool = False,
 ) -> PassResult:
-    """Rank every batch through a new model + cache manager; `fresh_users` makes every lookup miss."""
+    """Rank every batch through a new model + cache manager; `fresh_users` makes every lookup miss.
+
+    cuda_graphs: replay the paged layers as per-layer CUDA graphs (batches past the graphs' row
+    buckets run eagerly)."""
     manager = AsyncKVCacheManager(cache_config, device)
     try:
         model = InferenceRankingGR(model_config, device, kv_cache=manager)
+        if cuda_graphs:
+            model.enable_cuda_graphs(max_batch=max((len(b) for b in batches), default=1))
         next_id = UNCACHED_USER_BASE
         warmup = []
         for r in batches[0] if batches else []:
@@ -539,6 +545,7 @@ class ReplaySettings:
     server: str | None = None
     concurrency: int = 8
     progress: bool = True
+    cuda_graphs: bool = False
 
 
 def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
@@ -564,7 +571,15 @@ def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
         batches = list(distinct_user_batches(requests, settings.batch_size))
         results.append(
             run_pass(
-                "cached", model_cfg, kv_cfg, batches, device, fresh_users=False, verify=settings.verify, progress=settings.progress
+                "cached",
+                model_cfg,
+                kv_cfg,
+                batches,
+                device,
+                fresh_users=False,
+                verify=settings.verify,
+                progress=settings.progress,
+                cuda_graphs=settings.cuda_graphs,
             )
         )
         if settings.uncached:
@@ -577,6 +592,7 @@ def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
                     device,
                     fresh_users=True,
                     progress=settings.progress,
+                    cuda_graphs=settings.cuda_graphs,
                 )
             )
     summaries = {r.name: r.summary() for r in results}
@@ -589,6 +605,7 @@ def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
             "cache": None if kv_cfg is None else {**dataclasses.asdict(kv_cfg), "dtype": str(kv_cfg.dtype)},
             "batch_size": settings.batch_size,
             "device": str(device),
+            "cuda_graphs": settings.cuda_graphs,
             "server": settings.server,
             "concurrency": settings.concurrency if settings.server else None,
             "uncached_method": None if settings.server or not settings.uncached else UNCACHED_METHOD,
@@ -653,6 +670,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--server", help="URL of a running `hstu serve` on loopback, e.g. http://127.0.0.1:8000")
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight in --server mode")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--cuda-graphs", action="store_true", help="per-layer CUDA graphs for the paged layers (CUDA only)")
     p.add_argument("--out", type=Path, default=Path("out/replay"))
     p.set_defaults(func=main)
     return p
@@ -691,6 +709,7 @@ def settings_from_args(args: argparse.Namespace) -> ReplaySettings:
         server=args.server,
         concurrency=args.concurrency,
         progress=not args.no_progress,
+        cuda_graphs=args.cuda_graphs,
     )
 
 
