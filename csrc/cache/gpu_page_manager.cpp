@@ -69,12 +69,10 @@ std::vector<std::vector<int32_t>> GpuPageManager::reserve(const std::vector<int6
     shrink += std::max<int64_t>(0, have - want[i]);
   }
   const int64_t free = static_cast<int64_t>(free_.size()) + shrink;
+  const auto in_this_call = [&](int64_t u) { return in_call.count(u) > 0; };
   if (grow > free) {
-    int64_t evictable = 0;
-    for (int64_t u : lru_) {
-      const Entry& e = entries_.at(u);
-      if (e.pin_count == 0 && !in_call.count(u)) evictable += static_cast<int64_t>(e.pages.size());
-    }
+    const int64_t evictable = evictable_locked(
+        in_this_call, [](const GpuUserEntry& e) { return static_cast<int64_t>(e.pages.size()); });
     if (grow > free + evictable) throw CacheCapacityError("batch", grow, free, evictable, num_pages_, "pages");
   }
 
@@ -88,24 +86,12 @@ std::vector<std::vector<int32_t>> GpuPageManager::reserve(const std::vector<int6
       pages.pop_back();
     }
   }
-  for (auto lit = lru_.begin(); static_cast<int64_t>(free_.size()) < grow;) {
-    auto it = entries_.find(*lit++);
-    if (it->second.pin_count > 0 || in_call.count(it->first)) continue;
-    evicted_.push_back(it->first);
-    ++evictions_;
-    drop_locked(it);
-  }
+  evict_lru_locked([&] { return static_cast<int64_t>(free_.size()) < grow; }, in_this_call,
+                   [&](EntryMap::iterator it) { drop_locked(it); });
   std::vector<std::vector<int32_t>> result;
   result.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    auto it = entries_.find(users[i]);
-    if (it == entries_.end()) {
-      it = entries_.emplace(users[i], Entry{}).first;
-      it->second.lru = lru_.insert(lru_.end(), users[i]);
-    } else {
-      lru_.splice(lru_.end(), lru_, it->second.lru);
-    }
-    Entry& e = it->second;
+    GpuUserEntry& e = use_locked(users[i]);
     while (static_cast<int64_t>(e.pages.size()) < want[i]) {
       e.pages.push_back(free_.back());
       free_.pop_back();
@@ -122,7 +108,7 @@ void GpuPageManager::commit(int64_t user, int64_t length, uint64_t fingerprint) 
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(user);
   if (it == entries_.end()) throw std::invalid_argument("commit: user " + str(user) + " has no pages");
-  Entry& e = it->second;
+  GpuUserEntry& e = it->second;
   const int64_t capacity = static_cast<int64_t>(e.pages.size()) * page_size_;
   if (length < 0 || length > capacity) {
     throw std::invalid_argument("commit: user " + str(user) + " length " + str(length) + " not in [0, " +
@@ -134,34 +120,13 @@ void GpuPageManager::commit(int64_t user, int64_t length, uint64_t fingerprint) 
 
 void GpuPageManager::release(const std::vector<int64_t>& users) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::unordered_map<int64_t, int> count;
-  for (int64_t u : users) {
-    auto it = entries_.find(u);
-    const int pins = it == entries_.end() ? 0 : it->second.pin_count;
-    if (++count[u] > pins) {
-      throw std::logic_error("release: user " + str(u) + " is not pinned (pin_count " + str(pins) + ", released " +
-                             str(count[u]) + " times)");
-    }
-  }
-  for (const auto& [u, k] : count) entries_.at(u).pin_count -= k;
+  unpin_locked(users, "release");
 }
 
 void GpuPageManager::invalidate(int64_t user) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = entries_.find(user);
-  if (it == entries_.end()) return;
-  if (it->second.pin_count > 0) {
-    throw std::logic_error("invalidate: user " + str(user) + " is pinned (pin_count " + str(it->second.pin_count) +
-                           ")");
-  }
-  drop_locked(it);
-}
-
-std::vector<int64_t> GpuPageManager::take_evicted() {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<int64_t> out;
-  out.swap(evicted_);
-  return out;
+  auto it = unpinned_locked(user, "invalidate");
+  if (it != entries_.end()) drop_locked(it);
 }
 
 std::vector<int32_t> GpuPageManager::pages(int64_t user) const {
@@ -170,31 +135,14 @@ std::vector<int32_t> GpuPageManager::pages(int64_t user) const {
   return it == entries_.end() ? std::vector<int32_t>{} : it->second.pages;
 }
 
-bool GpuPageManager::contains(int64_t user) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return entries_.count(user) > 0;
-}
 
-int GpuPageManager::pin_count(int64_t user) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = entries_.find(user);
-  return it == entries_.end() ? 0 : it->second.pin_count;
-}
 
 int64_t GpuPageManager::num_free_pages() const {
   std::lock_guard<std::mutex> lock(mu_);
   return static_cast<int64_t>(free_.size());
 }
 
-int64_t GpuPageManager::num_users() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int64_t>(entries_.size());
-}
 
-int64_t GpuPageManager::evictions() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return evictions_;
-}
 
 int64_t GpuPageManager::allocations() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -204,8 +152,7 @@ int64_t GpuPageManager::allocations() const {
 void GpuPageManager::drop_locked(EntryMap::iterator it) {
   const std::vector<int32_t>& pages = it->second.pages;
   free_.insert(free_.end(), pages.rbegin(), pages.rend());
-  lru_.erase(it->second.lru);
-  entries_.erase(it);
+  forget_locked(it);
 }
 
 }  // namespace hstu

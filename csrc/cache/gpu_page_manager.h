@@ -25,10 +25,19 @@
 #include <vector>
 
 #include "errors.h"
+#include "user_index.h"
 
 namespace hstu {
 
-class GpuPageManager {
+struct GpuUserEntry {
+  std::vector<int32_t> pages;
+  int64_t length = 0;
+  uint64_t fingerprint = 0;
+  int pin_count = 0;
+  std::list<int64_t>::iterator lru;
+};
+
+class GpuPageManager : public UserIndex<GpuUserEntry> {
  public:
   GpuPageManager(int64_t num_pages, int64_t page_size);
 
@@ -51,40 +60,22 @@ class GpuPageManager {
   void release(const std::vector<int64_t>& users);
   // Drops the user and frees its pages; no-op if absent; std::logic_error if pinned.
   void invalidate(int64_t user);
-  // Users evicted since the last call, in eviction order.
-  std::vector<int64_t> take_evicted();
 
   std::vector<int32_t> pages(int64_t user) const;  // empty if absent
-  bool contains(int64_t user) const;
-  int pin_count(int64_t user) const;  // 0 if absent
   int64_t num_free_pages() const;
-  int64_t num_users() const;
   int64_t num_pages() const { return num_pages_; }
   int64_t page_size() const { return page_size_; }
-  int64_t evictions() const;
   int64_t allocations() const;  // pages handed out by reserve, cumulative
 
  private:
-  struct Entry {
-    std::vector<int32_t> pages;
-    int64_t length = 0;
-    uint64_t fingerprint = 0;
-    int pin_count = 0;
-    std::list<int64_t>::iterator lru;
-  };
-  using EntryMap = std::unordered_map<int64_t, Entry>;
 
   void drop_locked(EntryMap::iterator it);  // frees the pages, forgets the user
 
   const int64_t num_pages_;
   const int64_t page_size_;
-  mutable std::mutex mu_;
   std::vector<int32_t> free_;  // stack; the lowest ids are handed out first
-  EntryMap entries_;
-  std::list<int64_t> lru_;  // front = least recently used
-  std::vector<int64_t> evicted_;
-  int64_t evictions_ = 0;
   int64_t allocations_ = 0;
+  // contains, pin_count, num_users, evictions, take_evicted: from UserIndex.
 };
 
 }  // namespace hstu

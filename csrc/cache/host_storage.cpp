@@ -52,21 +52,14 @@ std::vector<int32_t> HostStorage::reserve(int64_t user, int64_t first_chunk, int
   }
   const int64_t free = static_cast<int64_t>(free_.size());
   if (n_chunks > free) {
-    int64_t evictable = 0;
-    for (int64_t u : lru_) {
-      const Entry& e = entries_.at(u);
-      if (e.pin_count == 0 && u != user) evictable += static_cast<int64_t>(e.slots.size());
-    }
+    const auto is_self = [user](int64_t u) { return u == user; };
+    const int64_t evictable = evictable_locked(
+        is_self, [](const HostUserEntry& e) { return static_cast<int64_t>(e.slots.size()); });
     if (n_chunks > free + evictable) {
       throw CacheCapacityError("host reserve for user " + str(user), n_chunks, free, evictable, num_slots_, "slots");
     }
-    for (auto lit = lru_.begin(); static_cast<int64_t>(free_.size()) < n_chunks;) {
-      auto it = entries_.find(*lit++);
-      if (it->second.pin_count > 0 || it->first == user) continue;
-      evicted_.push_back(it->first);
-      ++evictions_;
-      drop_locked(it);
-    }
+    evict_lru_locked([&] { return static_cast<int64_t>(free_.size()) < n_chunks; }, is_self,
+                     [&](EntryMap::iterator it) { drop_locked(it); });
   }
   std::vector<int32_t> slots(free_.end() - n_chunks, free_.end());
   std::reverse(slots.begin(), slots.end());
@@ -89,13 +82,7 @@ bool HostStorage::commit(int64_t user, const std::vector<int32_t>& slots, int64_
     free_slots_locked(slots);
     return false;
   }
-  if (it == entries_.end()) {
-    it = entries_.emplace(user, Entry{}).first;
-    it->second.lru = lru_.insert(lru_.end(), user);
-  } else {
-    lru_.splice(lru_.end(), lru_, it->second.lru);
-  }
-  Entry& e = it->second;
+  HostUserEntry& e = use_locked(user);
   if (rewrite) {
     free_slots_locked(e.slots);
     e.slots.clear();
@@ -118,54 +105,18 @@ void HostStorage::pin(const std::vector<int64_t>& users) {
   for (int64_t u : users) {
     if (!entries_.count(u)) throw std::invalid_argument("host pin: user " + str(u) + " has no host chunks");
   }
-  for (int64_t u : users) {
-    Entry& e = entries_.at(u);
-    ++e.pin_count;
-    lru_.splice(lru_.end(), lru_, e.lru);
-  }
+  for (int64_t u : users) ++use_locked(u).pin_count;
 }
 
 void HostStorage::unpin(const std::vector<int64_t>& users) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::unordered_map<int64_t, int> count;
-  for (int64_t u : users) {
-    auto it = entries_.find(u);
-    const int pins = it == entries_.end() ? 0 : it->second.pin_count;
-    if (++count[u] > pins) {
-      throw std::logic_error("host unpin: user " + str(u) + " is not pinned (pin_count " + str(pins) +
-                             ", unpinned " + str(count[u]) + " times)");
-    }
-  }
-  for (const auto& [u, k] : count) entries_.at(u).pin_count -= k;
+  unpin_locked(users, "host unpin");
 }
 
 void HostStorage::invalidate(int64_t user) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = entries_.find(user);
-  if (it == entries_.end()) return;
-  if (it->second.pin_count > 0) {
-    throw std::logic_error("host invalidate: user " + str(user) + " is pinned (pin_count " +
-                           str(it->second.pin_count) + ")");
-  }
-  drop_locked(it);
-}
-
-std::vector<int64_t> HostStorage::take_evicted() {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<int64_t> out;
-  out.swap(evicted_);
-  return out;
-}
-
-bool HostStorage::contains(int64_t user) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return entries_.count(user) > 0;
-}
-
-int HostStorage::pin_count(int64_t user) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = entries_.find(user);
-  return it == entries_.end() ? 0 : it->second.pin_count;
+  auto it = unpinned_locked(user, "host invalidate");
+  if (it != entries_.end()) drop_locked(it);
 }
 
 int64_t HostStorage::num_free_slots() const {
@@ -178,15 +129,7 @@ int64_t HostStorage::num_reserved_slots() const {
   return reserved_;
 }
 
-int64_t HostStorage::num_users() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int64_t>(entries_.size());
-}
 
-int64_t HostStorage::evictions() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return evictions_;
-}
 
 void HostStorage::check_reserved_locked(const std::vector<int32_t>& slots, const char* op) const {
   std::unordered_set<int32_t> seen;
@@ -207,8 +150,7 @@ void HostStorage::free_slots_locked(const std::vector<int32_t>& slots) {
 
 void HostStorage::drop_locked(EntryMap::iterator it) {
   free_slots_locked(it->second.slots);
-  lru_.erase(it->second.lru);
-  entries_.erase(it);
+  forget_locked(it);
 }
 
 }  // namespace hstu

@@ -26,10 +26,18 @@
 #include <vector>
 
 #include "errors.h"
+#include "user_index.h"
 
 namespace hstu {
 
-class HostStorage {
+struct HostUserEntry {
+  std::vector<int32_t> slots;
+  uint64_t fingerprint = 0;
+  int pin_count = 0;
+  std::list<int64_t>::iterator lru;
+};
+
+class HostStorage : public UserIndex<HostUserEntry> {
  public:
   HostStorage(int64_t num_slots, int64_t chunk_tokens);
 
@@ -60,27 +68,14 @@ class HostStorage {
   void unpin(const std::vector<int64_t>& users);
   // Drops the user and frees its slots; no-op if absent; std::logic_error if pinned.
   void invalidate(int64_t user);
-  // Users evicted since the last call, in eviction order.
-  std::vector<int64_t> take_evicted();
 
-  bool contains(int64_t user) const;
-  int pin_count(int64_t user) const;  // 0 if absent
   int64_t num_free_slots() const;
   int64_t num_reserved_slots() const;
-  int64_t num_users() const;
   int64_t num_slots() const { return num_slots_; }
   int64_t chunk_tokens() const { return chunk_tokens_; }
-  int64_t evictions() const;
 
  private:
   enum class SlotState : uint8_t { kFree, kReserved, kOwned };
-  struct Entry {
-    std::vector<int32_t> slots;
-    uint64_t fingerprint = 0;
-    int pin_count = 0;
-    std::list<int64_t>::iterator lru;
-  };
-  using EntryMap = std::unordered_map<int64_t, Entry>;
 
   void check_reserved_locked(const std::vector<int32_t>& slots, const char* op) const;
   void free_slots_locked(const std::vector<int32_t>& slots);
@@ -88,14 +83,10 @@ class HostStorage {
 
   const int64_t num_slots_;
   const int64_t chunk_tokens_;
-  mutable std::mutex mu_;
   std::vector<int32_t> free_;  // stack; the lowest ids are handed out first
   std::vector<SlotState> state_;
   int64_t reserved_ = 0;
-  EntryMap entries_;
-  std::list<int64_t> lru_;  // front = least recently used
-  std::vector<int64_t> evicted_;
-  int64_t evictions_ = 0;
+  // contains, pin_count, num_users, evictions, take_evicted: from UserIndex.
 };
 
 }  // namespace hstu
