@@ -250,30 +250,8 @@ if triton is not None:
             return out
         return dest.sum(0).to(q.dtype)
 
-    @torch.library.triton_op("hstu::paged_hstu_attention", mutates_args=())
-    def _paged_hstu_attention_op(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layer: int,
-        page_table: torch.Tensor,
-        kv_lens: torch.Tensor,
-        q_offsets: torch.Tensor,
-        q_pos: torch.Tensor,
-        max_q: int,
-        scale_len: int,
-        block_m: int,
-        block_n: int,
-        num_warps: int,
-        num_stages: int,
-        num_splits: int,
-    ) -> torch.Tensor:
-        """The op torch.compile traces; eager calls skip the dispatcher (see the caller)."""
-        return _launch_attention(
-            q, k, v, kv_cache, layer, page_table, kv_lens, q_offsets, q_pos, max_q, scale_len,
-            block_m, block_n, num_warps, num_stages, num_splits,
-        )
+    # The op torch.compile traces; eager calls use _launch_attention directly (see the caller).
+    _paged_hstu_attention_op = torch.library.triton_op("hstu::paged_hstu_attention", _launch_attention, mutates_args=())
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int) -> None:
