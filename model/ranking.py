@@ -6,7 +6,7 @@ forward(requests) with a cache manager runs the asynchronous flow of DESIGN.md:
   2. ... while this thread embeds only the new history tokens and the candidates;
   3. wait_prepared joins the prepare future;
   4. the block runs layer by layer, layer i waiting only for its own onload;
-  5. finish commits, starts the offload and names users whose onload failed: they are recomputed
+  5. offload_async commits, starts the offload and names users whose onload failed: they are recomputed
      from scratch in a second pass, so a failed onload never serves stale K/V;
   6. postprocessor and head -> logits.
 forward_no_cache(requests) is the reference: each user's whole sequence through the dense path.
@@ -175,7 +175,7 @@ class InferenceRankingGR(nn.Module):
         except BaseException:
             mgr.abort(prepared)
             raise
-        failed = mgr.finish(prepared)
+        failed = mgr.offload_async(prepared)
         outputs = self._split(requests, logits, lookup.cached_lens)
         if failed:
             redo = [r for r in requests if r.user_id in failed]

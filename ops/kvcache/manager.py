@@ -7,7 +7,7 @@ Lifecycle of a batch (one model thread drives it; workers run beside it):
                    the batch's KVCacheMetadata, hands the host->GPU copies to the onload worker,
                    which enqueues them layer by layer on the onload stream (one event per layer).
   wait_prepared()  joins the prepare future (re-raising its error) and moves metadata to the device.
-  finish()         after the block ran: commits new lengths, invalidates users whose onload
+  offload_async()  after the block ran: commits new lengths, invalidates users whose onload
                    failed (the caller recomputes them), and offloads newly full chunks: the offload
                    worker gathers all layers' pages in one op on the offload stream, copies them
                    into host slots, commits them to the host index only after the copy completed,
@@ -310,9 +310,11 @@ class AsyncKVCacheManager:
             prepared.metadata = prepared.metadata.to(self.device, non_blocking=True)
         return prepared
 
-    # ----------------------------------------------------------------- finish
-    def finish(self, prepared: PreparedBatch) -> list[int]:
-        """Commit the batch, start its offload, and return the users that must be recomputed."""
+    # ---------------------------------------------------------- commit + offload
+    def offload_async(self, prepared: PreparedBatch) -> list[int]:
+        """After the block ran: commit the batch, start its offload (gather + D2H on the offload
+        stream, host commit once the copy completed, then unpin), and return the users whose
+        onload failed, which the caller must recompute."""
         handle = prepared.handle
         handle.wait_done()
         lk = prepared.lookup

@@ -293,9 +293,9 @@ def test_triton_attention_under_torch_compile_matches_eager():
     assert math.isfinite(float(compiled.float().abs().sum()))
 
 
-# Rejections. Each runs in a child process: on the H200 image (2026-12-02) an error message that
-# formats an integer segfaulted inside the extension (std::ostream::_M_insert<long> resolved into
-# hstu_ext_cuda.so), which would otherwise kill the whole session instead of failing one test.
+# Rejections. Each runs in a child process, so a crash fails one test instead of the session: on the
+# H200 image (2026-12-02) an error message that formatted an integer once segfaulted inside the
+# extension (then built with -std=c++17 against torch's C++20 headers; fixed, see kv_checks.h).
 
 _REJECT_PRELUDE = """
 import os, torch
