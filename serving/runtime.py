@@ -129,6 +129,7 @@ class ServingRuntime:
         self.manager.drain()
         for u in [WARMUP_USER, *users]:
             self.manager.invalidate(u)
+        self.manager.stats.reset()
         logger.info(
             "warm-up (%d and %d events, then a batch of %d) took %.2fs", events, events + 1, batch, time.monotonic() - started
         )

@@ -29,6 +29,13 @@ class CacheStats:
             for name, value in deltas.items():
                 setattr(self, name, getattr(self, name) + value)
 
+    def reset(self) -> None:
+        """Zero every counter (e.g. after a server's warm-up, so metrics count real traffic only)."""
+        with self._lock:
+            for f in fields(self):
+                if f.name != "_lock":
+                    setattr(self, f.name, 0)
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
