@@ -24,7 +24,7 @@ class OnloadHandle:
         self.error: BaseException | None = None
 
     @classmethod
-    def completed(cls, num_layers: int, device: torch.device) -> "OnloadHandle":
+    def completed(cls, num_layers: int) -> "OnloadHandle":
         """A handle for a batch with nothing to onload."""
         handle = cls(num_layers, torch.device("cpu"))
         for layer in range(num_layers):

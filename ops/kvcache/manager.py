@@ -244,7 +244,7 @@ class AsyncKVCacheManager:
         )
         onload_users = list(lookup.onload_slots)
         if not onload_users:
-            handle = OnloadHandle.completed(self.config.num_layers, self.device)
+            handle = OnloadHandle.completed(self.config.num_layers)
         else:
             handle = OnloadHandle(self.config.num_layers, self.device, self.config.onload_timeout_s)
             slot_ids, page_ids = self._onload_plan(lookup, pages)
@@ -276,7 +276,7 @@ class AsyncKVCacheManager:
         stream = self._onload_stream
         error: BaseException | None = None
         try:
-            with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            with torch.cuda.stream(stream):  # a no-op for None (CPU)
                 if stream is not None and compute_done is not None:
                     stream.wait_event(compute_done)
                 for layer in range(self.config.num_layers):
@@ -391,7 +391,7 @@ class AsyncKVCacheManager:
             if reserved:
                 page_ids = torch.tensor(page_rows, dtype=torch.int32).reshape(-1, ppc)
                 slot_ids = torch.tensor(slot_list, dtype=torch.int32)
-                with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+                with torch.cuda.stream(stream):  # a no-op for None (CPU)
                     if stream is not None:
                         stream.wait_event(compute_done)
                         page_ids = page_ids.to(self.device, non_blocking=True)
@@ -458,10 +458,3 @@ class AsyncKVCacheManager:
         for pool in (self._prepare_pool, self._onload_pool, self._offload_pool):
             pool.shutdown(wait=True)
 
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
