@@ -110,12 +110,11 @@ class Preprocessor(torch.nn.Module):
     def forward(self, requests: list[RankingRequest], cached_lens: list[int]) -> tuple[torch.Tensor, JaggedLayout]:
         hist = [r.history_tokens(self.config) for r in requests]
         layout = JaggedLayout.build(hist, cached_lens, [r.candidates.shape[0] for r in requests])
-        return self.embed(requests, cached_lens, layout)
+        return self.embed(requests, cached_lens), layout
 
-    def embed(
-        self, requests: list[RankingRequest], cached_lens: list[int], layout: JaggedLayout
-    ) -> tuple[torch.Tensor, JaggedLayout]:
-        """Embed the rows of `layout` (built by the caller, e.g. to share it with the cache)."""
+    def embed(self, requests: list[RankingRequest], cached_lens: list[int]) -> torch.Tensor:
+        """Inputs [T, D] of the rows JaggedLayout.build gives for these cached lengths (new history
+        tokens, then candidates, user by user), for callers that build the layout themselves."""
         cfg, emb = self.config, self.embeddings
         feats = np.concatenate(
             [token_features(r, cfg, c, emb.item_offset, emb.action_offset) for r, c in zip(requests, cached_lens)], axis=1
@@ -124,4 +123,4 @@ class Preprocessor(torch.nn.Module):
         device = emb.tokens.weight.device
         if device.type == "cuda":
             f = f.pin_memory().to(device, non_blocking=True)
-        return emb(f[0], f[1], f[2], f[3]), layout
+        return emb(f[0], f[1], f[2], f[3])

@@ -121,6 +121,9 @@ class InferenceRankingGR(nn.Module):
     def forward_no_cache(self, requests: list[RankingRequest]) -> torch.Tensor:
         """Reference logits [sum M, num_tasks]: every user's full sequence, dense, one at a time."""
         self._validate(requests)
+        return self._dense_logits(requests)
+
+    def _dense_logits(self, requests: list[RankingRequest]) -> torch.Tensor:
         out = []
         for r in requests:
             n = r.history_tokens(self.config)
@@ -139,7 +142,7 @@ class InferenceRankingGR(nn.Module):
         """Per-user outputs; batches are serialised, the cache workers overlap them."""
         self._validate(requests)
         if self.kv_cache is None:
-            logits = self.forward_no_cache(requests)
+            logits = self._dense_logits(requests)
             return self._split(requests, logits, [0] * len(requests))
         with self._lock:
             return self._rank_cached(requests)
@@ -164,7 +167,7 @@ class InferenceRankingGR(nn.Module):
             mgr.release_lookup(lookup)
             raise
         try:
-            x, _ = self.preprocessor.embed(requests, lookup.cached_lens, layout)
+            x = self.preprocessor.embed(requests, lookup.cached_lens)
         except BaseException:
             mgr.abort(mgr.wait_prepared(future))
             raise

@@ -26,7 +26,7 @@ def test_compiled_paged_block_matches_eager(tiny_config, book):
     layout = JaggedLayout.build(hist, lookup.cached_lens, [len(r.candidates) for r in reqs])
     prepared = mgr.wait_prepared(mgr.prepare_async(lookup, layout))
     try:
-        x, _ = model.preprocessor.embed(reqs, lookup.cached_lens, layout)
+        x = model.preprocessor.embed(reqs, lookup.cached_lens)
         kv_eager, kv_compiled = mgr.kv_cache.clone(), mgr.kv_cache.clone()
         y_eager = model.block.forward_paged(x, kv_eager, prepared.metadata)
         compiled = torch.compile(model.block.forward_paged, fullgraph=True)
