@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hstu.model.preprocessor import JaggedLayout
 from hstu.ops.kvcache.metadata import KVCacheMetadata
 
 
@@ -45,7 +46,6 @@ def make_paged_case(
     """
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    B = len(history_lens)
     need = [-(-h // page_size) for h in history_lens]
     num_pages = sum(need) + spare_pages
     perm = rng.permutation(num_pages).astype(np.int64)
@@ -54,29 +54,19 @@ def make_paged_case(
         page_lists.append(perm[start : start + n].tolist())
         start += n
 
-    q_batch, q_local, q_pos, append_rows, offsets = [], [], [], [], [0]
-    for b in range(B):
-        new = list(range(cached_lens[b], history_lens[b]))
-        rows = new + [-1] * num_candidates[b]
-        for i, pos in enumerate(rows):
-            if pos >= 0:
-                append_rows.append(len(q_pos))
-            q_batch.append(b)
-            q_local.append(i)
-            q_pos.append(pos)
-        offsets.append(offsets[-1] + len(rows))
+    layout = JaggedLayout.build(history_lens, cached_lens, num_candidates)
     meta = KVCacheMetadata.from_pages(
         page_lists,
         history_lens,
         cached_lens,
-        np.asarray(offsets, np.int64),
-        np.asarray(q_batch, np.int64),
-        np.asarray(q_local, np.int64),
-        np.asarray(q_pos, np.int64),
-        np.asarray(append_rows, np.int64),
+        layout.q_offsets,
+        layout.q_batch,
+        layout.q_local,
+        layout.q_pos,
+        layout.history_rows,
         page_size,
     )
-    T = len(q_pos)
+    T = layout.num_rows
     shape = (T, heads, head_dim)
     q, k, v = (torch.randn(shape, generator=g).to(dtype) for _ in range(3))
     kv_cache = torch.randn((num_layers, num_pages, 2, page_size, heads, head_dim), generator=g).to(dtype)
