@@ -121,6 +121,8 @@ if triton is not None:
         else:
             return tl.dot(a, b)
 
+    # The two scales are constexprs (model constants, so no extra compiles): as runtime floats,
+    # Inductor passes them as fp64, which promoted the accumulator to fp64 and failed to compile.
     # Batch-dependent ints are not specialised: one compiled kernel serves every batch shape, so a
     # new batch never pays a JIT compile (seen as 3 s latency spikes in the seed replay).
     @triton.jit(do_not_specialize=["max_pages", "keys_per_split", "num_splits"])
@@ -129,7 +131,9 @@ if triton is not None:
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_os, stride_ot, stride_oh,
         layer_offset, page_stride, kv_stride, token_stride,
-        max_pages, head_dim, scale, inv_scale_len, keys_per_split, num_splits,
+        max_pages, head_dim, keys_per_split, num_splits,
+        SCALE: tl.constexpr,
+        INV_SCALE_LEN: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -172,7 +176,7 @@ if triton is not None:
             ptrs = kv_base + page[:, None] * page_stride + (keys % PAGE_SIZE)[:, None] * token_stride + dd[None, :]
             k_tile = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
             v_tile = tl.load(ptrs + kv_stride, mask=d_ok[None, :], other=0.0)
-            s = _dot(q, tl.trans(k_tile), IEEE) * scale
+            s = _dot(q, tl.trans(k_tile), IEEE) * SCALE
             w = (s * tl.sigmoid(s)).to(v_tile.dtype)
             acc += _dot(w, v_tile, IEEE)
 
@@ -185,7 +189,7 @@ if triton is not None:
             tile_mask = key_ok[:, None] & d_ok[None, :]
             k_tile = tl.load(ptrs, mask=tile_mask, other=0.0)
             v_tile = tl.load(ptrs + kv_stride, mask=tile_mask, other=0.0)
-            s = _dot(q, tl.trans(k_tile), IEEE) * scale
+            s = _dot(q, tl.trans(k_tile), IEEE) * SCALE
             w = tl.where(keys[None, :] <= last_key[:, None], s * tl.sigmoid(s), 0.0).to(v_tile.dtype)
             acc += _dot(w, v_tile, IEEE)
 
@@ -193,12 +197,12 @@ if triton is not None:
         if split == 0:
             k_self = tl.load(K + rows[:, None] * stride_kt + h * stride_kh + dd[None, :], mask=io_mask, other=0.0)
             v_self = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + dd[None, :], mask=io_mask, other=0.0)
-            s_self = tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1) * scale
+            s_self = tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1) * SCALE
             w_self = tl.where(is_cand & row_ok, s_self * tl.sigmoid(s_self), 0.0)
             acc += w_self[:, None] * v_self.to(tl.float32)
 
         out_ptrs = OUT + split * stride_os + rows[:, None] * stride_ot + h * stride_oh + dd[None, :]
-        tl.store(out_ptrs, (acc * inv_scale_len).to(OUT.dtype.element_ty), mask=io_mask)
+        tl.store(out_ptrs, (acc * INV_SCALE_LEN).to(OUT.dtype.element_ty), mask=io_mask)
 
     def _launch_attention(
         q: torch.Tensor,
@@ -237,7 +241,9 @@ if triton is not None:
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             stride_os, stride_ot, stride_oh,
             layer * kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-            max_pages, d, 1.0 / math.sqrt(d), 1.0 / scale_len, keys_per_split, splits,
+            max_pages, d, keys_per_split, splits,
+            SCALE=1.0 / math.sqrt(d),
+            INV_SCALE_LEN=1.0 / scale_len,
             PAGE_SIZE=page_size,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
