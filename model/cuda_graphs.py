@@ -4,6 +4,9 @@ Why per layer: layer i must wait for its own onload event, and a stream wait on 
 by another thread cannot live inside a captured graph. So each (bucket, layer) is its own graph;
 the waits run eagerly between replays, on the same stream.
 
+Compiled layers: `layer_fns` (torch.compile'd paged layers, one static shape per bucket) replace
+the eager layers inside the captures; the graphs then replay Inductor's fused kernels.
+
 Padding (static shapes per bucket of T_pad rows, at most max_batch users):
   rows T..T_pad-1        exist in x but belong to no user (q_offsets stops at T): never attended,
                          their outputs are ignored;
@@ -16,7 +19,9 @@ Padding (static shapes per bucket of T_pad rows, at most max_batch users):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
@@ -35,8 +40,21 @@ class _Bucket:
 class PagedLayerGraphs:
     """Captures and replays the paged layers of `block` for row buckets on one CUDA device."""
 
-    def __init__(self, block, kv_cache: torch.Tensor, scratch_page: int, max_batch: int, buckets: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        block,
+        kv_cache: torch.Tensor,
+        scratch_page: int,
+        max_batch: int,
+        buckets: tuple[int, ...],
+        layer_fns: Sequence[Callable] | None = None,
+    ) -> None:
         self.block = block
+        n = len(block.layers)
+        if layer_fns is not None and len(layer_fns) != n:
+            raise ValueError(f"layer_fns has {len(layer_fns)} functions for {n} layers")
+        # layer_fns[i](x, kv_cache, meta): what each captured graph records for layer i.
+        self.layer_fns = list(layer_fns) if layer_fns is not None else [functools.partial(block.paged_layer, i) for i in range(n)]
         self.kv_cache = kv_cache
         self.scratch_page = scratch_page
         self.max_batch = max_batch
@@ -82,20 +100,19 @@ class PagedLayerGraphs:
     def _capture(self, rows: int) -> _Bucket:
         x = torch.zeros((rows, self.block.config.embedding_dim), dtype=self.dtype, device=self.device)
         meta = self._static_meta(rows)
-        n = len(self.block.layers)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up: Triton compiles, allocator settles
+        with torch.cuda.stream(side):  # warm-up: Triton and Inductor compile, allocator settles
             for _ in range(2):
                 h = x
-                for i in range(n):
-                    h = self.block.paged_layer(i, h, self.kv_cache, meta)
+                for fn in self.layer_fns:
+                    h = fn(h, self.kv_cache, meta)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graphs, outputs, h = [], [], x
-        for i in range(n):
+        for fn in self.layer_fns:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
-                h = self.block.paged_layer(i, h, self.kv_cache, meta)
+                h = fn(h, self.kv_cache, meta)
             graphs.append(g)
             outputs.append(h)
         bucket = _Bucket(rows, x, meta, outputs, graphs)

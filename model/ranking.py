@@ -77,21 +77,43 @@ class InferenceRankingGR(nn.Module):
 
     def compile_paged_layers(self, **compile_kwargs) -> None:
         """torch.compile each paged layer on its own (fullgraph), so the per-layer onload waits
-        stay outside the compiled regions."""
-        self.layer_fns = [
+        stay outside the compiled regions. Eager batches then recompile per new shape; for serving,
+        enable_cuda_graphs(compile=True) compiles once per row bucket instead."""
+        self.layer_fns = self._compiled_layers(**compile_kwargs)
+
+    def _compiled_layers(self, **compile_kwargs) -> list[Callable]:
+        return [
             torch.compile(functools.partial(self.block.paged_layer, i), fullgraph=True, **compile_kwargs)
             for i in range(self.config.num_layers)
         ]
 
-    def enable_cuda_graphs(self, max_batch: int = 8, buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096)) -> None:
+    def enable_cuda_graphs(
+        self,
+        max_batch: int = 8,
+        buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096),
+        compile: bool = False,
+    ) -> None:
         """Replay the paged layers as per-layer CUDA graphs for batches that fit a row bucket
-        (padded); larger batches run eagerly. Captures every bucket now, before serving."""
+        (padded); larger batches run eagerly. Captures every bucket now, before serving.
+
+        compile: the graphs capture torch.compile'd layers (Inductor fuses each layer's
+        projections, norms and gating around the custom ops), compiled once per (layer, bucket)
+        with static shapes; eager fallback batches keep the eager layers, so no batch ever
+        triggers a compile while serving.
+        """
         if self.kv_cache is None or self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA model with a KV cache manager")
         from hstu.model.cuda_graphs import PagedLayerGraphs
 
-        self.graphs = PagedLayerGraphs(self.block, self.kv_cache.kv_cache, self.kv_cache.scratch_page, max_batch, buckets)
-        self.graphs.capture_all()
+        layer_fns = self._compiled_layers(dynamic=False) if compile else None
+        self.graphs = PagedLayerGraphs(
+            self.block, self.kv_cache.kv_cache, self.kv_cache.scratch_page, max_batch, buckets, layer_fns
+        )
+        # Every layer is one code object (paged_layer) compiled once per (layer, bucket): lift
+        # Dynamo's per-code recompile limit for the captures, else the later ones run uncompiled.
+        limit = max(torch._dynamo.config.recompile_limit, self.config.num_layers * len(buckets) + 8)
+        with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=limit):
+            self.graphs.capture_all()
 
     def _run_block(self, x: torch.Tensor, prepared) -> torch.Tensor:
         wait = prepared.handle.wait

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from hstu.model.config import HSTUConfig
 from hstu.model.ranking import InferenceRankingGR
@@ -73,16 +74,22 @@ def test_fp32_oracle_on_cuda_matches_no_cache():
     mgr.close()
 
 
-def test_cuda_graph_replay_matches_eager_and_reference():
+@pytest.mark.parametrize("compile_layers", [False, True], ids=["eager_layers", "compiled_layers"])
+def test_cuda_graph_replay_matches_eager_and_reference(compile_layers):
     cfg = _config("float32")
     torch.backends.cuda.matmul.allow_tf32 = False
+    buckets = (128, 256, 512)  # 3 layers x 3 buckets = 9 compiles: past Dynamo's default limit of 8
 
     def build():
         kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=128, chunk_tokens=32, host_capacity_bytes=32 << 20)
         return InferenceRankingGR(cfg, device="cuda", kv_cache=AsyncKVCacheManager(kv, device="cuda"))
 
     graphed, eager = build(), build()
-    graphed.enable_cuda_graphs(max_batch=4, buckets=(128, 512))
+    torch._dynamo.reset()
+    counters.clear()
+    graphed.enable_cuda_graphs(max_batch=4, buckets=buckets, compile=compile_layers)
+    if compile_layers:  # every (layer, bucket) compiled, none skipped at the recompile limit
+        assert counters["stats"]["unique_graphs"] == cfg.num_layers * len(buckets), dict(counters["stats"])
     book_g, book_e = HistoryBook(cfg, seed=8), HistoryBook(cfg, seed=8)
     for step in range(12):
         users = [step % 5, 5 + step % 3] if step % 4 else [1, 2, 3, 4, 6]  # 5 users: eager fallback
@@ -93,5 +100,7 @@ def test_cuda_graph_replay_matches_eager_and_reference():
         assert rel_err(out_g, out_e) < 1e-5
         assert rel_err(out_g, graphed.forward_no_cache(rg)) < 1e-5
     assert graphed.graphs.replays >= 8
+    if compile_layers:  # serving never compiled: eager fallbacks ran the eager layers
+        assert counters["stats"]["unique_graphs"] == cfg.num_layers * len(buckets)
     graphed.kv_cache.close()
     eager.kv_cache.close()
