@@ -380,7 +380,9 @@ def _compare(name: str, outputs: list[RankOutput], reference: list[torch.Tensor]
 class EndToEnd:
     """The cached and uncached models (same seeded weights) and their managers, shared by sections."""
 
-    def __init__(self, shape: BenchShape, device: torch.device, cuda_graphs: bool = False) -> None:
+    def __init__(
+        self, shape: BenchShape, device: torch.device, cuda_graphs: bool = False, compile_layers: bool = False
+    ) -> None:
         self.shape = shape
         self.device = device
         self.model_config = shape.model_config()
@@ -396,7 +398,9 @@ class EndToEnd:
             rows = {b * (shape.new_tokens + shape.num_candidates) for b in shape.batch_sizes}
             rows |= {b * (shape.history_tokens + shape.num_candidates) for b in shape.batch_sizes}
             for model in (self.cached, self.uncached):
-                model.enable_cuda_graphs(max_batch=max(shape.batch_sizes), buckets=tuple(sorted(rows)))
+                model.enable_cuda_graphs(
+                    max_batch=max(shape.batch_sizes), buckets=tuple(sorted(rows)), compile=compile_layers
+                )
 
     def _replays(self, model: InferenceRankingGR) -> int:
         return model.graphs.replays if model.graphs is not None else 0
@@ -554,14 +558,16 @@ def run_bench(
     sections: tuple[str, ...] = ("block", "e2e"),
     attention: str = "auto",
     cuda_graphs: bool = False,
+    compile_layers: bool = False,
 ) -> dict[str, Any]:
     """Run the sections for every batch size; write bench.json (after each section) and bench.md.
 
     cuda_graphs: the end-to-end models replay per-layer CUDA graphs (InferenceRankingGR.enable_cuda_graphs);
-    the block section always runs the eager block.
+    compile_layers: those graphs capture torch.compile'd layers. The block section always runs the
+    eager block.
     """
     with attention_backend(attention):
-        return _run_bench(shape, device, warmup, repeats, out_dir, sections, cuda_graphs)
+        return _run_bench(shape, device, warmup, repeats, out_dir, sections, cuda_graphs, compile_layers)
 
 
 def _run_bench(
@@ -572,6 +578,7 @@ def _run_bench(
     out_dir: Path,
     sections: tuple[str, ...],
     cuda_graphs: bool,
+    compile_layers: bool,
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = memory_plan(shape)
@@ -582,6 +589,7 @@ def _run_bench(
         "warmup": warmup,
         "repeats": repeats,
         "cuda_graphs": cuda_graphs,
+        "compile_layers": compile_layers,
         "environment": environment(device),
         "memory_plan_bytes": plan,
         "seed_reference": SEED_REFERENCE,
@@ -614,7 +622,7 @@ def _run_bench(
     timer = Timer(device)
     try:
         check_memory(shape, device, plan)
-        e2e = EndToEnd(shape, device, cuda_graphs)
+        e2e = EndToEnd(shape, device, cuda_graphs, compile_layers)
     except Exception as exc:
         logger.exception("setup failed")
         doc["errors"].append({"section": "setup", "batch": None, "error": f"{type(exc).__name__}: {exc}"})
@@ -689,6 +697,7 @@ def format_table(doc: dict) -> str:
         f"{s['num_heads']}x{s['head_dim']} heads, page {s['page_size']}, {s['dtype']}; history {s['history_tokens']} "
         f"({s['cached_tokens']} cached), {s['num_candidates']} candidates; median of {doc['repeats']}"
         + ("; e2e with CUDA graphs" if doc["cuda_graphs"] else "")
+        + (" of compiled layers" if doc.get("compile_layers") else "")
     )
     for err in doc["errors"]:
         lines.append(f"FAILED {err['section']} batch {err['batch']}: {err['error']}")
@@ -729,6 +738,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--sections", nargs="+", choices=["block", "e2e"], default=["block", "e2e"])
     p.add_argument("--attention", choices=["auto", "torch"], default="auto", help="torch: bypass the Triton kernel")
     p.add_argument("--cuda-graphs", action="store_true", help="end-to-end models replay per-layer CUDA graphs (CUDA only)")
+    p.add_argument("--compile", action="store_true", help="those graphs capture torch.compile'd layers (implies --cuda-graphs)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", type=Path, default=Path("out/bench"))
@@ -751,8 +761,9 @@ def shape_from_args(args: argparse.Namespace) -> BenchShape:
 def main(args: argparse.Namespace) -> int:
     if args.warmup < 0 or args.repeats <= 0:
         raise ValueError(f"need warmup >= 0 and repeats > 0, got {args.warmup}, {args.repeats}")
+    args.cuda_graphs = args.cuda_graphs or args.compile
     if args.cuda_graphs and not args.device.startswith("cuda"):
-        raise ValueError(f"--cuda-graphs needs a CUDA device, got --device {args.device}")
+        raise ValueError(f"--cuda-graphs/--compile need a CUDA device, got --device {args.device}")
     doc = run_bench(
         shape_from_args(args),
         torch.device(args.device),
@@ -762,6 +773,7 @@ def main(args: argparse.Namespace) -> int:
         tuple(args.sections),
         args.attention,
         args.cuda_graphs,
+        args.compile,
     )
     logger.info("wrote %s and %s", args.out / "bench.json", args.out / "bench.md")
     print(format_table(doc))

@@ -208,16 +208,17 @@ def run_pass(
     verify: bool = False,
     progress: bool = True,
     cuda_graphs: bool = False,
+    compile_layers: bool = False,
 ) -> PassResult:
     """Rank every batch through a new model + cache manager; `fresh_users` makes every lookup miss.
 
     cuda_graphs: replay the paged layers as per-layer CUDA graphs (batches past the graphs' row
-    buckets run eagerly)."""
+    buckets run eagerly); compile_layers: the graphs capture torch.compile'd layers."""
     manager = AsyncKVCacheManager(cache_config, device)
     try:
         model = InferenceRankingGR(model_config, device, kv_cache=manager)
         if cuda_graphs:
-            model.enable_cuda_graphs(max_batch=max((len(b) for b in batches), default=1))
+            model.enable_cuda_graphs(max_batch=max((len(b) for b in batches), default=1), compile=compile_layers)
         next_id = UNCACHED_USER_BASE
         warmup = []
         for r in batches[0] if batches else []:
@@ -546,6 +547,7 @@ class ReplaySettings:
     concurrency: int = 8
     progress: bool = True
     cuda_graphs: bool = False
+    compile_layers: bool = False
 
 
 def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
@@ -580,6 +582,7 @@ def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
                 verify=settings.verify,
                 progress=settings.progress,
                 cuda_graphs=settings.cuda_graphs,
+                compile_layers=settings.compile_layers,
             )
         )
         if settings.uncached:
@@ -593,6 +596,7 @@ def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
                     fresh_users=True,
                     progress=settings.progress,
                     cuda_graphs=settings.cuda_graphs,
+                    compile_layers=settings.compile_layers,
                 )
             )
     summaries = {r.name: r.summary() for r in results}
@@ -606,6 +610,7 @@ def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
             "batch_size": settings.batch_size,
             "device": str(device),
             "cuda_graphs": settings.cuda_graphs,
+            "compile_layers": settings.compile_layers,
             "server": settings.server,
             "concurrency": settings.concurrency if settings.server else None,
             "uncached_method": None if settings.server or not settings.uncached else UNCACHED_METHOD,
@@ -671,6 +676,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight in --server mode")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true", help="per-layer CUDA graphs for the paged layers (CUDA only)")
+    p.add_argument("--compile", action="store_true", help="CUDA graphs of torch.compile'd layers (implies --cuda-graphs)")
     p.add_argument("--out", type=Path, default=Path("out/replay"))
     p.set_defaults(func=main)
     return p
@@ -709,7 +715,8 @@ def settings_from_args(args: argparse.Namespace) -> ReplaySettings:
         server=args.server,
         concurrency=args.concurrency,
         progress=not args.no_progress,
-        cuda_graphs=args.cuda_graphs,
+        cuda_graphs=args.cuda_graphs or args.compile,
+        compile_layers=args.compile,
     )
 
 

@@ -52,6 +52,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="a history shorter than the cached one: 409 (raise) or recompute it (invalidate)",
     )
     p.add_argument("--cuda-graphs", action="store_true", help="replay the paged layers as CUDA graphs (CUDA only)")
+    p.add_argument(
+        "--compile", action="store_true", help="CUDA graphs of torch.compile'd layers (implies --cuda-graphs; slower start)"
+    )
     p.add_argument("--task-names", default=None, help="comma-separated names of the task heads (default task_0,...)")
     p.set_defaults(func=run)
     return p
@@ -75,7 +78,8 @@ def settings_from_args(args: argparse.Namespace):
         max_queue=args.max_queue,
         max_candidates=args.max_candidates,
         task_names=tuple(args.task_names.split(",")) if args.task_names else None,
-        cuda_graphs=args.cuda_graphs,
+        cuda_graphs=args.cuda_graphs or args.compile,
+        compile_layers=args.compile,
         on_shorter_history=args.on_shorter_history,
     )
 

@@ -99,8 +99,12 @@ class ServingRuntime:
             self.model.load_state_dict(state_dict)
             logger.info("loaded checkpoint %s", s.checkpoint)
         if s.cuda_graphs:
-            self.model.enable_cuda_graphs(max_batch=s.max_batch_size)
-            logger.info("captured CUDA graphs for row buckets %s", self.model.graphs.bucket_sizes)
+            self.model.enable_cuda_graphs(max_batch=s.max_batch_size, compile=s.compile_layers)
+            logger.info(
+                "captured CUDA graphs of %s layers for row buckets %s",
+                "compiled" if s.compile_layers else "eager",
+                self.model.graphs.bucket_sizes,
+            )
         self._warm_up()
 
     def _warm_up(self) -> None:

@@ -35,6 +35,7 @@ class ServerSettings:
     max_candidates: int = 1024
     task_names: tuple[str, ...] | None = None
     cuda_graphs: bool = False
+    compile_layers: bool = False
     on_shorter_history: str = "raise"
 
     def __post_init__(self) -> None:
@@ -49,6 +50,8 @@ class ServerSettings:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs needs a CUDA device, got device {self.device!r}")
+        if self.compile_layers and not self.cuda_graphs:
+            raise ValueError("compile_layers compiles the layers the CUDA graphs capture: it needs cuda_graphs")
 
     def resolve_model_config(self) -> HSTUConfig:
         """The served HSTUConfig, with the dtype override applied."""

@@ -90,9 +90,10 @@ def test_inconsistent_shapes_are_rejected(overrides):
         bench.BenchShape(**overrides)
 
 
-def test_cuda_graphs_flag_needs_a_cuda_device(tmp_path):
+@pytest.mark.parametrize("flag", ["--cuda-graphs", "--compile"])
+def test_cuda_graphs_flags_need_a_cuda_device(tmp_path, flag):
     parser = argparse.ArgumentParser()
     bench.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["bench", "--tiny", "--device", "cpu", "--cuda-graphs", "--out", str(tmp_path)])
-    with pytest.raises(ValueError, match="needs a CUDA device"):
+    args = parser.parse_args(["bench", "--tiny", "--device", "cpu", flag, "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="need a CUDA device"):
         args.func(args)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from hstu.serving.cli import add_parser, settings_from_args
+from hstu.serving.settings import ServerSettings
 
 from .conftest import TINY
 
@@ -46,6 +47,13 @@ def test_serve_flags_map_to_settings_and_the_config_file(tmp_path):
     assert (kv.on_no_new_tokens, kv.on_shorter_history) == ("recompute_last", "raise")
 
 
+def test_compile_flag_turns_on_cuda_graphs_of_compiled_layers():
+    s = settings_from_args(parse(["serve", "--device", "cuda", "--compile"]))
+    assert s.cuda_graphs and s.compile_layers
+    s = settings_from_args(parse(["serve", "--device", "cuda", "--cuda-graphs"]))
+    assert s.cuda_graphs and not s.compile_layers
+
+
 def test_bad_settings_are_rejected_with_the_offending_value():
     with pytest.raises(ValueError, match="max_batch_size must be positive, got 0"):
         settings_from_args(parse(["serve", "--max-batch-size", "0"]))
@@ -54,3 +62,7 @@ def test_bad_settings_are_rejected_with_the_offending_value():
     with pytest.raises(ValueError, match="3 distinct task names"):
         s = settings_from_args(parse(["serve", "--task-names", "a,b"]))
         s.resolve_task_names(s.resolve_model_config())
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device, got device 'cpu'"):
+        settings_from_args(parse(["serve", "--compile"]))
+    with pytest.raises(ValueError, match="compile_layers .* needs cuda_graphs"):
+        ServerSettings(device="cuda", compile_layers=True)
