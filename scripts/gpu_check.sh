@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
 SANITIZER_TIMEOUT="${SANITIZER_TIMEOUT:-150}"  # seconds per sanitizer run
 SUITE_TIMEOUT="${SUITE_TIMEOUT:-600}"          # seconds for the rest of the CUDA suite
+KERNEL_BENCH="${KERNEL_BENCH:-1}"              # 0: skip the kernel benchmarks
 mkdir -p "$OUT"
 failed=()
 
@@ -29,6 +30,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
 
 stage "install"
+if [ -d .whl ]; then  # server wheels carried from the dev machine (the GPU image has no fastapi)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 if ! python3 -m pip install -e . --no-deps --no-build-isolation -q 2>&1 | tee "$OUT/install.log"; then
   # Fallback: a package folder of links mirroring pyproject's package-dir (hstu.ops -> ops/ ...).
   echo "editable install failed; using a linked package folder on PYTHONPATH"
@@ -71,7 +76,9 @@ run_stage "racecheck" racecheck.log timeout "$SANITIZER_TIMEOUT" \
   python3 -m pytest -q -p no:cacheprovider -m cuda tests/ops/test_cuda_kernels.py \
   -k 'not triton and (bf16 or roundtrip)'
 
-run_stage "bench" bench.log python3 scripts/bench_kernels.py --out "$OUT/kernels.json"
+if [ "$KERNEL_BENCH" = 1 ]; then
+  run_stage "bench" bench.log python3 scripts/bench_kernels.py --out "$OUT/kernels.json"
+fi
 
 echo
 if ((${#failed[@]})); then

@@ -3,6 +3,8 @@
 # present), build, every `cuda` test (kernels, Triton attention, pipeline oracle, CUDA graphs,
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
+# STAGES picks the stages (default: all but the slower compiled-layer bench), e.g.
+#   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
 # are listed last and make the exit status non-zero. scripts/gpu_check.sh covers the kernels alone
 # (compute-sanitizer, kernel benchmarks).
@@ -14,9 +16,12 @@ LOG="$OUT/gpu_pipeline.log"
 mkdir -p "$OUT"
 failed=()
 
-stage() {  # stage NAME SECONDS CMD...: run under a time limit, append to the one log
+STAGES="${STAGES:-build pytest_cuda bench replay bench_graphs replay_graphs}"
+
+stage() {  # stage NAME SECONDS CMD...: run under a time limit, append to the one log (if in STAGES)
   local name=$1 limit=$2
   shift 2
+  [[ " $STAGES " == *" $name "* ]] || return 0
   echo "== $name ($(date +%T), limit ${limit}s)" | tee -a "$LOG"
   timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$name")
@@ -29,11 +34,14 @@ if [ -d .whl ]; then
 fi
 python3 -m pip install -e . --no-deps --no-build-isolation -q 2>&1 | tail -2 | tee -a "$LOG"
 stage build 240 python3 -c "from hstu.ops._build import cuda_build_enabled, load_extension; assert cuda_build_enabled(); load_extension(); print('extension built')"
-stage pytest_cuda 200 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/
+stage pytest_cuda 300 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/
 stage bench 120 python3 -m hstu.cli bench --device cuda --out "$OUT/bench"
 stage replay 100 python3 -m hstu.cli replay --preset seed --device cuda --verify --no-progress --out "$OUT/replay"
 stage bench_graphs 90 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e --out "$OUT/bench_graphs"
-rm -f "$OUT/bench_graphs/bench.md"
+stage replay_graphs 120 python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress \
+  --out "$OUT/replay_graphs"
+stage bench_compiled 200 python3 -m hstu.cli bench --device cuda --compile --sections e2e --batch-sizes 8 --out "$OUT/bench_compiled"
+rm -f "$OUT/bench_graphs/bench.md" "$OUT/bench_compiled/bench.md"
 
 if ((${#failed[@]})); then
   echo "FAILED stages: ${failed[*]}" | tee -a "$LOG"
