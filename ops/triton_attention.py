@@ -22,6 +22,7 @@ so that the grid fills the GPU, and the float32 partials are summed afterwards.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -74,6 +75,15 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _split_keys(programs: int, max_keys: int, block_n: int, num_sms: int, num_splits: int) -> tuple[int, int]:
+    """_choose_split, memoised for plain ints (it runs per layer on the eager hot path); symbolic
+    sizes under a dynamic-shape compile go uncached."""
+    args = (programs, max_keys, block_n, num_sms, num_splits)
+    if all(type(a) is int for a in args):
+        return _choose_split_cached(*args)
+    return _choose_split(*args)
+
+
+def _choose_split(programs: int, max_keys: int, block_n: int, num_sms: int, num_splits: int) -> tuple[int, int]:
     """(number of key splits, keys per split) for `programs` programs per split.
 
     num_splits > 0 is taken as asked (capped at one key block per split). Otherwise no split when
@@ -103,6 +113,9 @@ def _split_keys(programs: int, max_keys: int, block_n: int, num_sms: int, num_sp
         if fill >= 0.95:
             break
     return best
+
+
+_choose_split_cached = functools.lru_cache(maxsize=4096)(_choose_split)
 
 
 # Triton 3.6's interpreter (TRITON_INTERPRET=1, the CPU test path) runs tl.dot on bf16's uint16
