@@ -101,6 +101,7 @@ class KVCacheMetadata:
         return cls(**_views(buffer, layout), max_q=int(q_counts.max()) if q_counts.size else 0, packed=(buffer, layout))
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor field by name (not max_q, not the packed buffer)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("max_q", "packed")}
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "KVCacheMetadata":
