@@ -571,34 +571,15 @@ def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
     else:
         kv_cfg = settings.cache.build(model_cfg, wl_cfg, settings.batch_size)
         batches = list(distinct_user_batches(requests, settings.batch_size))
+        common = dict(
+            progress=settings.progress, cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers
+        )
         results.append(
-            run_pass(
-                "cached",
-                model_cfg,
-                kv_cfg,
-                batches,
-                device,
-                fresh_users=False,
-                verify=settings.verify,
-                progress=settings.progress,
-                cuda_graphs=settings.cuda_graphs,
-                compile_layers=settings.compile_layers,
-            )
+            run_pass("cached", model_cfg, kv_cfg, batches, device, fresh_users=False, verify=settings.verify, **common)
         )
         if settings.uncached:
-            results.append(
-                run_pass(
-                    "uncached",
-                    model_cfg,
-                    uncached_cache_config(kv_cfg),
-                    batches,
-                    device,
-                    fresh_users=True,
-                    progress=settings.progress,
-                    cuda_graphs=settings.cuda_graphs,
-                    compile_layers=settings.compile_layers,
-                )
-            )
+            uncached_cfg = uncached_cache_config(kv_cfg)
+            results.append(run_pass("uncached", model_cfg, uncached_cfg, batches, device, fresh_users=True, **common))
     summaries = {r.name: r.summary() for r in results}
     speed = speedups(summaries["cached"], summaries["uncached"]) if "uncached" in summaries else None
     out_dir.mkdir(parents=True, exist_ok=True)

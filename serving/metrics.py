@@ -30,6 +30,20 @@ def _batch_buckets(max_batch_size: int) -> tuple[float, ...]:
     return tuple(buckets)
 
 
+# (metric, help, label, [(label value, stats key)]): cache counters exported with one label each.
+_LABELLED_COUNTERS = (
+    ("hstu_cache_lookups", "Lookups by result, one per user per batch", "result",
+     (("gpu_hit", "gpu_hits"), ("host_hit", "host_hits"), ("miss", "misses"))),
+    ("hstu_cache_bytes", "Bytes copied between the tiers", "direction",
+     (("onload", "bytes_onloaded"), ("offload", "bytes_offloaded"))),
+    ("hstu_cache_evictions", "Users evicted from a tier", "tier", (("gpu", "gpu_evictions"), ("host", "host_evictions"))),
+    ("hstu_cache_failures", "Failed host<->GPU copies (fail-open)", "stage",
+     (("onload", "onload_failures"), ("offload", "offload_failures"))),
+    ("hstu_cache_tokens", "History tokens reused or computed", "kind",
+     (("cached", "cached_tokens"), ("computed", "computed_tokens"))),
+)
+
+
 class ServingMetrics:
     """The server's metrics; `registry` is what /metrics exposes."""
 
@@ -89,36 +103,16 @@ class CacheCollector(Collector):
         s = manager.stats.snapshot()
         lookups = s["gpu_hits"] + s["host_hits"] + s["misses"]
 
-        m = CounterMetricFamily("hstu_cache_lookups", "Lookups by result, one per user per batch", labels=["result"])
-        m.add_metric(["gpu_hit"], s["gpu_hits"])
-        m.add_metric(["host_hit"], s["host_hits"])
-        m.add_metric(["miss"], s["misses"])
-        yield m
-
         m = GaugeMetricFamily("hstu_cache_hit_rate", "Fraction of lookups hit in a tier", labels=["tier"])
         for tier, hits in (("gpu", s["gpu_hits"]), ("host", s["host_hits"]), ("any", s["gpu_hits"] + s["host_hits"])):
             m.add_metric([tier], hits / lookups if lookups else 0.0)
         yield m
 
-        m = CounterMetricFamily("hstu_cache_bytes", "Bytes copied between the tiers", labels=["direction"])
-        m.add_metric(["onload"], s["bytes_onloaded"])
-        m.add_metric(["offload"], s["bytes_offloaded"])
-        yield m
-
-        m = CounterMetricFamily("hstu_cache_evictions", "Users evicted from a tier", labels=["tier"])
-        m.add_metric(["gpu"], s["gpu_evictions"])
-        m.add_metric(["host"], s["host_evictions"])
-        yield m
-
-        m = CounterMetricFamily("hstu_cache_failures", "Failed host<->GPU copies (fail-open)", labels=["stage"])
-        m.add_metric(["onload"], s["onload_failures"])
-        m.add_metric(["offload"], s["offload_failures"])
-        yield m
-
-        m = CounterMetricFamily("hstu_cache_tokens", "History tokens reused or computed", labels=["kind"])
-        m.add_metric(["cached"], s["cached_tokens"])
-        m.add_metric(["computed"], s["computed_tokens"])
-        yield m
+        for name, doc, label, values in _LABELLED_COUNTERS:
+            m = CounterMetricFamily(name, doc, labels=[label])
+            for value, key in values:
+                m.add_metric([value], s[key])
+            yield m
 
         for name, doc, key in (
             ("hstu_cache_recomputes", "Users recomputed after a failed onload", "recomputes"),

@@ -28,6 +28,16 @@ def host_state(store, users) -> tuple:
     return per_user, store.num_free_slots(), store.num_reserved_slots(), store.num_users(), store.evictions()
 
 
+def run_threads(worker, n_threads: int, failures: list) -> None:
+    """Run worker(t) on n_threads threads, join them all, then fail with what the workers caught."""
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not failures, failures
+
+
 def cache_user(mgr, user: int, length: int, fingerprint: int = 0) -> list[int]:
     """One full lifecycle (reserve, commit, release) leaving `user` cached with `length` tokens."""
     (pages,) = mgr.reserve([user], [0], [length])
@@ -393,12 +403,7 @@ def test_concurrent_reserve_commit_release_keeps_page_invariants(ext):
         except BaseException as err:  # surfaced in the main thread below
             failures.append(err)
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not failures, failures
+    run_threads(worker, n_threads, failures)
     universe = [t * 1000 + i for t in range(n_threads) for i in range(users_per_thread)]
     check_gpu_invariants(mgr, universe)
     assert all(mgr.pin_count(u) == 0 for u in universe)
@@ -433,12 +438,7 @@ def test_concurrent_host_reserve_commit_abort_keeps_slot_invariants(ext):
         except BaseException as err:  # surfaced in the main thread below
             failures.append(err)
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not failures, failures
+    run_threads(worker, n_threads, failures)
     universe = [t * 1000 + i for t in range(n_threads) for i in range(users_per_thread)]
     owned = [s for u in universe for s in store.lookup(u)[0]]
     assert len(owned) == len(set(owned)), "a slot is owned twice"
