@@ -260,17 +260,7 @@ def block_inputs(
     pages = [perm[b * ppu : (b + 1) * ppu] for b in range(batch)]
     hist, cached_lens, cands = [shape.history_tokens] * batch, [cached] * batch, [shape.num_candidates] * batch
     layout = JaggedLayout.build(hist, cached_lens, cands)
-    meta = KVCacheMetadata.from_pages(
-        pages,
-        hist,
-        cached_lens,
-        layout.q_offsets,
-        layout.q_batch,
-        layout.q_local,
-        layout.q_pos,
-        layout.history_rows,
-        shape.page_size,
-    ).to(device, non_blocking=False)
+    meta = KVCacheMetadata.from_layout(pages, layout, shape.page_size).to(device, non_blocking=False)
     x = torch.randn((layout.num_rows, cfg.embedding_dim), generator=g, device=device, dtype=cfg.torch_dtype)
     return x, kv, meta
 

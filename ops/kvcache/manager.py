@@ -210,6 +210,11 @@ class AsyncKVCacheManager:
         `layout` is the batch's model.preprocessor.JaggedLayout (rows of new tokens and candidates).
         """
         self._check_open()
+        if list(layout.history_lens) != lookup.history_lens or list(layout.cached_lens) != lookup.cached_lens:
+            raise ValueError(
+                f"layout (history {layout.history_lens}, cached {layout.cached_lens}) does not match the lookup "
+                f"(history {lookup.history_lens}, cached {lookup.cached_lens})"
+            )
         after = None
         if self.is_cuda:
             after = torch.cuda.Event()
@@ -230,18 +235,7 @@ class AsyncKVCacheManager:
             self.host.unpin(list(lookup.onload_slots))
             raise
         self._count_evictions()
-        metadata = KVCacheMetadata.from_pages(
-            pages,
-            lookup.history_lens,
-            lookup.cached_lens,
-            layout.q_offsets,
-            layout.q_batch,
-            layout.q_local,
-            layout.q_pos,
-            layout.history_rows,
-            self.config.page_size,
-            pin=self.is_cuda,
-        )
+        metadata = KVCacheMetadata.from_layout(pages, layout, self.config.page_size, pin=self.is_cuda)
         onload_users = list(lookup.onload_slots)
         if not onload_users:
             handle = OnloadHandle.completed(self.config.num_layers)

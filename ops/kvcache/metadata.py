@@ -100,6 +100,22 @@ class KVCacheMetadata:
         q_counts = np.diff(q_offsets)
         return cls(**_views(buffer, layout), max_q=int(q_counts.max()) if q_counts.size else 0, packed=(buffer, layout))
 
+    @classmethod
+    def from_layout(cls, page_lists: list[list[int]], layout, page_size: int, pin: bool = False) -> "KVCacheMetadata":
+        """from_pages for a model.preprocessor.JaggedLayout (its lengths and row arrays)."""
+        return cls.from_pages(
+            page_lists,
+            layout.history_lens,
+            layout.cached_lens,
+            layout.q_offsets,
+            layout.q_batch,
+            layout.q_local,
+            layout.q_pos,
+            layout.history_rows,
+            page_size,
+            pin=pin,
+        )
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor field by name (not max_q, not the packed buffer)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("max_q", "packed")}

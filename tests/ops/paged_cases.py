@@ -55,17 +55,7 @@ def make_paged_case(
         start += n
 
     layout = JaggedLayout.build(history_lens, cached_lens, num_candidates)
-    meta = KVCacheMetadata.from_pages(
-        page_lists,
-        history_lens,
-        cached_lens,
-        layout.q_offsets,
-        layout.q_batch,
-        layout.q_local,
-        layout.q_pos,
-        layout.history_rows,
-        page_size,
-    )
+    meta = KVCacheMetadata.from_layout(page_lists, layout, page_size)
     T = layout.num_rows
     shape = (T, heads, head_dim)
     q, k, v = (torch.randn(shape, generator=g).to(dtype) for _ in range(3))

@@ -28,9 +28,7 @@ def _paged_case(history, cached, cands, seed=0):
         full.append((q, k, v))
         page_lists.append(pages)
     layout = JaggedLayout.build(history, cached, cands)
-    meta = KVCacheMetadata.from_pages(
-        page_lists, history, cached, layout.q_offsets, layout.q_batch, layout.q_local, layout.q_pos, layout.history_rows, PS
-    )
+    meta = KVCacheMetadata.from_layout(page_lists, layout, PS)
     q_rows = torch.cat([q[c:] for (q, _, _), c in zip(full, cached)])
     k_rows = torch.cat([k[c:] for (_, k, _), c in zip(full, cached)])
     v_rows = torch.cat([v[c:] for (_, _, v), c in zip(full, cached)])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hstu.model.batch import RankingRequest
+from hstu.model.preprocessor import JaggedLayout
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.manager import AsyncKVCacheManager, CacheCapacityError, HistoryConflictError
@@ -111,6 +112,17 @@ def test_duplicate_user_in_batch_is_rejected(tiny_config, book):
     model, _ = _setup(tiny_config)
     with pytest.raises(ValueError, match="user 2 appears twice"):
         model.rank([book.request(2, 3), book.request(2, 1)])
+
+
+def test_layout_that_does_not_match_the_lookup_is_rejected(tiny_config, book):
+    _, mgr = _setup(tiny_config)
+    req = book.request(2, 3)
+    n = req.history_tokens(tiny_config)
+    lookup = mgr.lookup([2], [n], [req.token_keys(tiny_config)])
+    with pytest.raises(ValueError, match=rf"layout \(history \[{n - 1}\].*does not match the lookup \(history \[{n}\]"):
+        mgr.prepare_async(lookup, JaggedLayout.build([n - 1], [0], [3]))
+    mgr.release_lookup(lookup)
+    mgr.close()
 
 
 def test_out_of_range_ids_name_the_value(tiny_config):

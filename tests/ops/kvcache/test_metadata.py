@@ -15,8 +15,7 @@ def _meta(history: list[int], cached: list[int], candidates: list[int], page_siz
         n = -(-h // page_size)
         pages.append(list(range(next_page, next_page + n)))
         next_page += n
-    return KVCacheMetadata.from_pages(pages, history, cached, layout.q_offsets, layout.q_batch, layout.q_local,
-                                      layout.q_pos, layout.history_rows, page_size)
+    return KVCacheMetadata.from_layout(pages, layout, page_size)
 
 
 def test_every_field_is_an_aligned_view_into_one_buffer():
