@@ -407,19 +407,17 @@ class AsyncKVCacheManager:
         finally:
             self.gpu.release(users)
 
-    def _join_offloads(self, user_ids: list[int]) -> None:
+    def _join_offloads(self, user_ids: list[int] | None) -> None:
+        """Wait for the in-flight offloads of these users (None: of every user)."""
         with self._offloads_lock:
-            futures = {self._offloads.pop(u) for u in user_ids if u in self._offloads}
+            users = list(self._offloads) if user_ids is None else [u for u in user_ids if u in self._offloads]
+            futures = {self._offloads.pop(u) for u in users}
         for f in futures:
             f.result()
 
     def drain(self) -> None:
         """Wait for every in-flight offload."""
-        with self._offloads_lock:
-            futures = set(self._offloads.values())
-            self._offloads.clear()
-        for f in futures:
-            f.result()
+        self._join_offloads(None)
 
     # ------------------------------------------------------------ maintenance
     def invalidate(self, user: int) -> None:
