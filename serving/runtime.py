@@ -74,8 +74,12 @@ class ServingRuntime:
         logger.info("ready after %.2fs (device %s, dtype %s)", time.monotonic() - started, s.device, self.config.dtype)
 
     def _rank(self, requests: list[RankingRequest]) -> list[RankOutput]:
-        """Runs on the model thread; logits come back on the CPU so the event loop never syncs a GPU."""
-        return [dataclasses.replace(o, logits=o.logits.float().cpu()) for o in self.model.rank(requests)]
+        """Runs on the model thread; logits come back on the CPU so the event loop never syncs a GPU.
+        One copy for the whole batch, not one (and one sync) per request."""
+        outputs = self.model.rank(requests)
+        host = torch.cat([o.logits for o in outputs]).float().cpu()
+        parts = torch.split(host, [o.logits.shape[0] for o in outputs])
+        return [dataclasses.replace(o, logits=p) for o, p in zip(outputs, parts)]
 
     def _load(self) -> None:
         s, cfg = self.settings, self.config
