@@ -1,0 +1,96 @@
+"""Exact identity of cached K/V: digests that decide whether a cached prefix may be reused.
+
+The K/V of history token t depend on every input of tokens 0..t and on the model. Cached K/V
+are therefore reused only when a collision-resistant digest over all of those inputs matches;
+an arithmetic mix of the fields (which can wrap, or be cancelled by a change in another field)
+is never used.
+
+Token records: each history token is one fixed-size record of two little-endian int64,
+    contextual token c      [contextual[c], 0]
+    item token of event e   [item_ids[e],   timestamps[e]]
+    action token of event e [actions[e],    timestamps[e]]
+The token type at each position follows from num_contextual, which the model identity covers,
+so the byte string of a prefix determines its inputs exactly (fixed-size records: no two
+different inputs share bytes). The time-gap feature of event e reads timestamps[e - 1], which is
+in the prefix too.
+
+Chain: D_0 = H_root(model identity); D_{b+1} = H_block(D_b || records of block b), blocks of
+BLOCK_TOKENS tokens. The digest of a prefix of L tokens is D_{L / B} when L is a block boundary,
+else H_tail(D_{L // B} || records of the partial block). H is blake2b with 16-byte digests and a
+distinct personalisation per role, so a tail digest never stands for a block digest. Chaining
+means a longer prefix extends a shorter one by hashing only the new blocks.
+
+The model identity is a digest of the config and of every weight (computed once per model and
+again after a checkpoint load), so K/V never outlive the weights that produced them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import torch
+
+BLOCK_TOKENS = 128
+DIGEST_BYTES = 16
+_ROOT, _BLOCK, _TAIL, _MODEL = b"hstu.root", b"hstu.block", b"hstu.tail", b"hstu.model"
+
+
+def _h(person: bytes, *parts) -> bytes:
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=person)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def token_records(contextual: np.ndarray, item_ids: np.ndarray, actions: np.ndarray, timestamps: np.ndarray) -> np.ndarray:
+    """[num_contextual + 2E, 2] little-endian int64 records, one per history token (layout above)."""
+    c, e = contextual.shape[0], item_ids.shape[0]
+    rec = np.zeros((c + 2 * e, 2), dtype="<i8")
+    rec[:c, 0] = contextual
+    rec[c::2, 0] = item_ids
+    rec[c + 1 :: 2, 0] = actions
+    rec[c::2, 1] = timestamps
+    rec[c + 1 :: 2, 1] = timestamps
+    return rec
+
+
+class HistoryIdentity:
+    """Prefix digests of one history under one model; block digests are computed once, lazily."""
+
+    __slots__ = ("_bytes", "_chain", "num_tokens")
+
+    def __init__(self, model_id: bytes, records: np.ndarray) -> None:
+        self._bytes = memoryview(np.ascontiguousarray(records, dtype="<i8")).cast("B")
+        self.num_tokens = int(records.shape[0])
+        self._chain = [_h(_ROOT, model_id)]
+
+    def _block(self, b: int) -> bytes:
+        step = BLOCK_TOKENS * 16
+        while len(self._chain) <= b:
+            i = len(self._chain) - 1
+            self._chain.append(_h(_BLOCK, self._chain[i], self._bytes[i * step : (i + 1) * step]))
+        return self._chain[b]
+
+    def prefix(self, length: int) -> bytes:
+        """Digest of the first `length` tokens (0 <= length <= num_tokens)."""
+        if not 0 <= length <= self.num_tokens:
+            raise ValueError(f"prefix length {length} outside [0, {self.num_tokens}]")
+        b, rest = divmod(length, BLOCK_TOKENS)
+        head = self._block(b)
+        if rest == 0:
+            return head
+        start = b * BLOCK_TOKENS * 16
+        return _h(_TAIL, head, self._bytes[start : start + rest * 16])
+
+
+def model_identity(model: torch.nn.Module, config) -> bytes:
+    """Digest of a model's config and every parameter and buffer (name, dtype, shape, bytes)."""
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=_MODEL)
+    h.update(json.dumps(config.to_dict(), sort_keys=True).encode())
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.digest()
