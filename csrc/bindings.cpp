@@ -1,6 +1,6 @@
 // pybind11 bindings of the cache bookkeeping backends (GpuPageManager, HostStorage).
 //
-// Python view: user ids and lengths are int, fingerprints are int in [0, 2^64), page/slot lists are
+// Python view: user ids and lengths are int, digests are bytes (b"" = none), page/slot lists are
 // list[int]. C++ errors map to Python as: CacheCapacityError -> ext.CacheCapacityError (a
 // RuntimeError), std::invalid_argument -> ValueError, std::logic_error -> RuntimeError (pybind11's
 // std::exception fallback). Mutating and lookup calls release the GIL; the classes lock internally.
@@ -15,6 +15,19 @@ namespace py = pybind11;
 using hstu::GpuPageManager;
 using hstu::HostStorage;
 
+namespace {
+// lookup() with the GIL released for the locked call, the digest returned as bytes (pybind11 would
+// decode a std::string as UTF-8 text).
+template <typename Index>
+py::tuple lookup_as_bytes(const Index& index, int64_t user) {
+  auto found = [&] {
+    py::gil_scoped_release nogil;
+    return index.lookup(user);
+  }();
+  return py::make_tuple(py::cast(found.first), py::bytes(found.second));
+}
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::register_exception<hstu::CacheCapacityError>(m, "CacheCapacityError", PyExc_RuntimeError);
   using nogil = py::call_guard<py::gil_scoped_release>;
@@ -22,16 +35,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<GpuPageManager>(m, "GpuPageManager",
                              "GPU KV page pool bookkeeping: per-user page lists, user LRU, pinning.")
       .def(py::init<int64_t, int64_t>(), py::arg("num_pages"), py::arg("page_size"))
-      .def("lookup", &GpuPageManager::lookup, py::arg("user"), nogil(),
-           "(valid length, fingerprint) or (0, 0) if absent; does not change the LRU order.")
+      .def("lookup", &lookup_as_bytes<GpuPageManager>, py::arg("user"),
+           "(valid length, digest) or (0, b'') if absent; does not change the LRU order.")
       .def("reserve", &GpuPageManager::reserve, py::arg("users"), py::arg("keep_lens"), py::arg("target_lens"),
            nogil(),
            "All-or-nothing: keep each user's first keep_len tokens, size its pages to ceil(target_len / "
            "page_size), set length = keep_len, pin, mark MRU; evicts LRU unpinned users outside the call. "
            "Returns list[list[int]] page lists. Raises ValueError, RuntimeError (shrinking a pinned user), "
            "CacheCapacityError.")
-      .def("commit", &GpuPageManager::commit, py::arg("user"), py::arg("length"), py::arg("fingerprint"), nogil(),
-           "Sets the valid length (<= pages * page_size) and fingerprint.")
+      .def("commit", &GpuPageManager::commit, py::arg("user"), py::arg("length"), py::arg("digest"), nogil(),
+           "Sets the valid length (<= pages * page_size) and the digest (bytes) of that prefix.")
       .def("release", &GpuPageManager::release, py::arg("users"), nogil(),
            "Unpins each listed user once; RuntimeError if not pinned (nothing changes then).")
       .def("invalidate", &GpuPageManager::invalidate, py::arg("user"), nogil(),
@@ -50,15 +63,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<HostStorage>(m, "HostStorage",
                           "Host KV arena index: per-user chunk slots, slot allocator, user LRU, pinning.")
       .def(py::init<int64_t, int64_t>(), py::arg("num_slots"), py::arg("chunk_tokens"))
-      .def("lookup", &HostStorage::lookup, py::arg("user"), nogil(),
-           "(slots in chunk order, fingerprint) or ([], 0) if absent; does not change the LRU order.")
+      .def("lookup", &lookup_as_bytes<HostStorage>, py::arg("user"),
+           "(slots in chunk order, digest) or ([], b'') if absent; does not change the LRU order.")
       .def("touch", &HostStorage::touch, py::arg("user"), "Marks the user most recently used.")
       .def("reserve", &HostStorage::reserve, py::arg("user"), py::arg("first_chunk"), py::arg("n_chunks"), nogil(),
            "Reserves n_chunks slots for chunks [first_chunk, first_chunk + n_chunks); first_chunk is the "
            "committed chunk count (append) or 0 (rewrite). Raises ValueError, RuntimeError (rewrite of a "
            "pinned user), CacheCapacityError.")
       .def("commit", &HostStorage::commit, py::arg("user"), py::arg("slots"), py::arg("first_chunk"),
-           py::arg("fingerprint"), nogil(),
+           py::arg("digest"), nogil(),
            "Makes reserved slots the user's chunks; returns False (slots freed) if that would leave a hole "
            "or rewrite a pinned user.")
       .def("abort", &HostStorage::abort, py::arg("slots"), nogil(), "Returns reserved slots to the free list.")

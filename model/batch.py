@@ -3,23 +3,28 @@
 A history of E events becomes num_contextual + 2E tokens: the contextual tokens, then for each
 event an item token and an action token. Every token's embedding depends only on the history up to
 that token (never on the request time or the candidates), so K/V computed once stay valid while the
-history only grows. `token_keys` identifies each token for the cache's prefix fingerprint.
+history only grows. `identity(model_id)` gives the exact prefix digests (model/identity.py) that
+decide whether cached K/V may be reused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from hstu.model.config import HSTUConfig
+from hstu.model.identity import HistoryIdentity, token_records
 
 TOKEN_CONTEXTUAL, TOKEN_ITEM, TOKEN_ACTION, TOKEN_CANDIDATE = 0, 1, 2, 3
 
 
 @dataclass
 class RankingRequest:
-    """One user's ranking request: the full history (oldest first) and the items to score."""
+    """One user's ranking request: the full history (oldest first) and the items to score.
+
+    The arrays are read-only copies: the request's identity digests are computed once and must
+    keep describing exactly these values."""
 
     user_id: int
     item_ids: np.ndarray
@@ -27,6 +32,7 @@ class RankingRequest:
     timestamps: np.ndarray
     candidates: np.ndarray
     contextual: np.ndarray
+    _identities: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def create(
@@ -45,11 +51,11 @@ class RankingRequest:
             contextual = [(user_id * 7919 + i * 104729) % cfg.num_contextual_features for i in range(cfg.num_contextual)]
         req = cls(
             user_id=int(user_id),
-            item_ids=np.asarray(item_ids, dtype=np.int64).reshape(-1),
-            actions=np.asarray(actions, dtype=np.int64).reshape(-1),
-            timestamps=np.asarray(timestamps, dtype=np.int64).reshape(-1),
-            candidates=np.asarray(candidates, dtype=np.int64).reshape(-1),
-            contextual=np.asarray(contextual, dtype=np.int64).reshape(-1),
+            item_ids=_frozen(item_ids),
+            actions=_frozen(actions),
+            timestamps=_frozen(timestamps),
+            candidates=_frozen(candidates),
+            contextual=_frozen(contextual),
         )
         req.validate(cfg)
         return req
@@ -92,13 +98,19 @@ class RankingRequest:
         if n and self.timestamps.min() < 0:
             raise ValueError(f"user {self.user_id}: timestamps must be >= 0, got {int(self.timestamps.min())}")
 
-    def token_keys(self, config: HSTUConfig) -> np.ndarray:
-        """One int64 per history token that changes whenever that token's input changes."""
-        ctx = self.contextual * 4 + TOKEN_CONTEXTUAL
-        items = (self.item_ids * 1_000_003 + self.timestamps) * 4 + TOKEN_ITEM
-        acts = (self.actions * 1_000_003 + self.timestamps) * 4 + TOKEN_ACTION
-        events = np.stack([items, acts], axis=1).reshape(-1)
-        return np.concatenate([ctx, events]).astype(np.int64)
+    def identity(self, model_id: bytes) -> HistoryIdentity:
+        """Prefix digests of this history under the model `model_id` (built once, then reused)."""
+        ident = self._identities.get(model_id)
+        if ident is None:
+            records = token_records(self.contextual, self.item_ids, self.actions, self.timestamps)
+            ident = self._identities[model_id] = HistoryIdentity(model_id, records)
+        return ident
+
+
+def _frozen(values) -> np.ndarray:
+    arr = np.array(values, dtype=np.int64).reshape(-1)
+    arr.setflags(write=False)
+    return arr
 
 
 def _check_range(user_id: int, name: str, values: np.ndarray, upper: int) -> None:

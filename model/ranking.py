@@ -26,6 +26,7 @@ from torch import nn
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
 from hstu.model.hstu_block import HSTUBlock
+from hstu.model.identity import model_identity
 from hstu.model.postprocessor import MultiTaskHead, Postprocessor
 from hstu.model.preprocessor import JaggedLayout, Preprocessor
 
@@ -63,6 +64,24 @@ class InferenceRankingGR(nn.Module):
         self.layer_fns: list[Callable] | None = None
         self.graphs = None
         self._lock = threading.Lock()
+        self._identity: bytes | None = None
+
+    @property
+    def identity(self) -> bytes:
+        """Digest of the config and weights (model/identity.py): part of every cached prefix's
+        identity, so K/V never outlive the weights that computed them. Recomputed after a
+        load_state_dict; weights changed in place any other way must call reset_identity()."""
+        if self._identity is None:
+            self._identity = model_identity(self, self.config)
+        return self._identity
+
+    def reset_identity(self) -> None:
+        self._identity = None
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self.reset_identity()
+        return result
 
     def _init_weights(self) -> None:
         for module in self.modules():
@@ -181,7 +200,8 @@ class InferenceRankingGR(nn.Module):
         mgr, cfg = self.kv_cache, self.config
         users = [r.user_id for r in requests]
         hist = [r.history_tokens(cfg) for r in requests]
-        lookup = mgr.lookup(users, hist, [r.token_keys(cfg) for r in requests])
+        model_id = self.identity
+        lookup = mgr.lookup(users, hist, [r.identity(model_id) for r in requests])
         try:
             layout = JaggedLayout.build(hist, lookup.cached_lens, [r.candidates.shape[0] for r in requests])
             future = mgr.prepare_async(lookup, layout)

@@ -310,7 +310,8 @@ def check_loopback(url: str) -> None:
         raise ValueError(f"--server must be an http URL on a loopback host (127.0.0.1, localhost, ::1), got {url!r}")
 
 
-# (metric sample name, label value or None) -> CacheStats key, as exported by hstu.serving.metrics.
+# (metric sample name, label value or None) -> CacheStats key, as exported by hstu.serving.metrics;
+# samples mapped to one key are summed.
 _SERVER_METRICS = {
     ("hstu_cache_lookups_total", "gpu_hit"): "gpu_hits",
     ("hstu_cache_lookups_total", "host_hit"): "host_hits",
@@ -324,7 +325,8 @@ _SERVER_METRICS = {
     ("hstu_cache_tokens_total", "cached"): "cached_tokens",
     ("hstu_cache_tokens_total", "computed"): "computed_tokens",
     ("hstu_cache_recomputes_total", None): "recomputes",
-    ("hstu_cache_invalidations_total", None): "invalidations",
+    ("hstu_cache_invalidations_total", "shorter"): "invalidations",
+    ("hstu_cache_invalidations_total", "diverged"): "invalidations",
     ("hstu_cache_offload_skipped_total", None): "offload_skipped",
     ("hstu_batch_size_count", None): "batches",
     ("hstu_batch_size_sum", None): "batched_requests",
@@ -341,7 +343,7 @@ def parse_server_metrics(text: str) -> dict[str, int]:
             label = next(iter(sample.labels.values()), None)
             key = _SERVER_METRICS.get((sample.name, label))
             if key is not None:
-                stats[key] = int(sample.value)
+                stats[key] = stats.get(key, 0) + int(sample.value)
     return stats
 
 

@@ -47,9 +47,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-candidates", type=int, default=1024, help="most candidates per request (default %(default)s)")
     p.add_argument(
         "--on-shorter-history",
-        choices=["raise", "invalidate"],
-        default="raise",
-        help="a history shorter than the cached one: 409 (raise) or recompute it (invalidate)",
+        choices=["invalidate", "raise"],
+        default="invalidate",
+        help="a history shorter than the cached one: recompute it (invalidate, the default) or answer 409 "
+        "(raise, strict mode)",
     )
     p.add_argument("--cuda-graphs", action="store_true", help="replay the paged layers as CUDA graphs (CUDA only)")
     p.add_argument(

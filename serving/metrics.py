@@ -5,7 +5,8 @@ from the manager's CacheStats at scrape time by CacheCollector, so they never dr
 manager's own counters:
   hstu_cache_lookups_total{result=gpu_hit|host_hit|miss}    hstu_cache_hit_rate{tier=gpu|host|any}
   hstu_cache_bytes_total{direction=onload|offload}          hstu_cache_evictions_total{tier=gpu|host}
-  hstu_cache_recomputes_total  hstu_cache_invalidations_total  hstu_cache_offload_skipped_total
+  hstu_cache_invalidations_total{reason=shorter|diverged}
+  hstu_cache_recomputes_total  hstu_cache_offload_skipped_total
   hstu_cache_failures_total{stage=onload|offload}           hstu_cache_tokens_total{kind=cached|computed}
   hstu_cache_gpu_free_pages  hstu_cache_host_free_slots
 """
@@ -39,6 +40,8 @@ _LABELLED_COUNTERS = (
     ("hstu_cache_evictions", "Users evicted from a tier", "tier", (("gpu", "gpu_evictions"), ("host", "host_evictions"))),
     ("hstu_cache_failures", "Failed host<->GPU copies (fail-open)", "stage",
      (("onload", "onload_failures"), ("offload", "offload_failures"))),
+    ("hstu_cache_invalidations", "Cache entries dropped because the request's history was shorter or differed",
+     "reason", (("shorter", "invalidated_shorter"), ("diverged", "invalidated_diverged"))),
     ("hstu_cache_tokens", "History tokens reused or computed", "kind",
      (("cached", "cached_tokens"), ("computed", "computed_tokens"))),
 )
@@ -116,7 +119,6 @@ class CacheCollector(Collector):
 
         for name, doc, key in (
             ("hstu_cache_recomputes", "Users recomputed after a failed onload", "recomputes"),
-            ("hstu_cache_invalidations", "Cache entries dropped because the history changed", "invalidations"),
             ("hstu_cache_offload_skipped", "Offloads skipped (host tier full of pinned users)", "offload_skipped"),
         ):
             yield CounterMetricFamily(name, doc, value=s[key])

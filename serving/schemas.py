@@ -91,8 +91,8 @@ def build_rank_request_model(limits: RequestLimits) -> type[BaseModel]:
                 max_length=limits.max_events,
                 description=(
                     f"the user's whole history, at most {limits.max_events} events; each request must repeat "
-                    "the previous history and may append to it (a changed history is recomputed, a shorter "
-                    "one is rejected with 409)"
+                    "the previous history and may append to it (a changed or shorter history is recomputed; "
+                    "409 only in the server's strict mode)"
                 ),
             ),
         ),

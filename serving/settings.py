@@ -16,8 +16,9 @@ class ServerSettings:
     `model_config` (an HSTUConfig object) wins over `model_config_path` (an HSTUConfig JSON file);
     with neither, the embedded HSTUConfig defaults are served. `dtype` overrides the config's dtype.
     The cache always re-ranks an unchanged history (on_no_new_tokens="recompute_last"); a history
-    shorter than the cached one is rejected (on_shorter_history="raise" -> HTTP 409, the default) or,
-    with on_shorter_history="invalidate", treated as a new history and recomputed.
+    shorter than the cached one is treated as a new history and recomputed (on_shorter_history=
+    "invalidate", the default: a client can never lock a user out), or rejected with HTTP 409 in the
+    opt-in strict mode on_shorter_history="raise".
     """
 
     model_config: HSTUConfig | None = None
@@ -36,7 +37,7 @@ class ServerSettings:
     task_names: tuple[str, ...] | None = None
     cuda_graphs: bool = False
     compile_layers: bool = False
-    on_shorter_history: str = "raise"
+    on_shorter_history: str = "invalidate"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "chunk_tokens", "max_batch_size", "max_queue", "max_candidates"):

@@ -23,11 +23,11 @@ GpuPageManager::GpuPageManager(int64_t num_pages, int64_t page_size)
   for (int64_t p = num_pages - 1; p >= 0; --p) free_.push_back(static_cast<int32_t>(p));
 }
 
-std::pair<int64_t, uint64_t> GpuPageManager::lookup(int64_t user) const {
+std::pair<int64_t, std::string> GpuPageManager::lookup(int64_t user) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(user);
-  if (it == entries_.end()) return {0, 0};
-  return {it->second.length, it->second.fingerprint};
+  if (it == entries_.end()) return {0, std::string()};
+  return {it->second.length, it->second.digest};
 }
 
 std::vector<std::vector<int32_t>> GpuPageManager::reserve(const std::vector<int64_t>& users,
@@ -97,6 +97,7 @@ std::vector<std::vector<int32_t>> GpuPageManager::reserve(const std::vector<int6
       free_.pop_back();
       ++allocations_;
     }
+    if (e.length != keep_lens[i]) e.digest.clear();  // a shortened prefix has no known identity until commit
     e.length = keep_lens[i];
     ++e.pin_count;
     result.push_back(e.pages);
@@ -104,7 +105,7 @@ std::vector<std::vector<int32_t>> GpuPageManager::reserve(const std::vector<int6
   return result;
 }
 
-void GpuPageManager::commit(int64_t user, int64_t length, uint64_t fingerprint) {
+void GpuPageManager::commit(int64_t user, int64_t length, const std::string& digest) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(user);
   if (it == entries_.end()) throw std::invalid_argument("commit: user " + str(user) + " has no pages");
@@ -115,7 +116,7 @@ void GpuPageManager::commit(int64_t user, int64_t length, uint64_t fingerprint) 
                                 str(capacity) + "] (pages * page_size)");
   }
   e.length = length;
-  e.fingerprint = fingerprint;
+  e.digest = digest;
 }
 
 void GpuPageManager::release(const std::vector<int64_t>& users) {

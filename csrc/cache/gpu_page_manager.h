@@ -2,7 +2,7 @@
 // tensor [num_layers, num_pages, 2, page_size, H, d] lives in Python.
 //
 // Lifecycle of a user: reserve (pages for keep_len cached + new tokens, pin) -> the batch writes
-// K/V -> commit (valid length, fingerprint) -> release (unpin). Unpinned users stay cached and are
+// K/V -> commit (valid length, digest) -> release (unpin). Unpinned users stay cached and are
 // evicted least-recently-used first when a reserve runs short of free pages.
 //
 // Invariants (hold between calls; all state is guarded by mu_):
@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <list>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -32,7 +33,7 @@ namespace hstu {
 struct GpuUserEntry {
   std::vector<int32_t> pages;
   int64_t length = 0;
-  uint64_t fingerprint = 0;
+  std::string digest;  // exact identity of the valid prefix (opaque bytes, see model/identity.py)
   int pin_count = 0;
   std::list<int64_t>::iterator lru;
 };
@@ -41,8 +42,8 @@ class GpuPageManager : public UserIndex<GpuUserEntry> {
  public:
   GpuPageManager(int64_t num_pages, int64_t page_size);
 
-  // (valid length, fingerprint); (0, 0) if the user is not cached. Does not change the LRU order.
-  std::pair<int64_t, uint64_t> lookup(int64_t user) const;
+  // (valid length, digest); (0, "") if the user is not cached. Does not change the LRU order.
+  std::pair<int64_t, std::string> lookup(int64_t user) const;
 
   // All-or-nothing: for each user keep the pages covering its first keep_lens[i] tokens, size its
   // page list to ceil(target_lens[i] / page_size) pages (surplus own pages are reused for the new
@@ -54,8 +55,8 @@ class GpuPageManager : public UserIndex<GpuUserEntry> {
                                             const std::vector<int64_t>& keep_lens,
                                             const std::vector<int64_t>& target_lens);
 
-  // Sets the user's valid length (<= pages * page_size) and fingerprint.
-  void commit(int64_t user, int64_t length, uint64_t fingerprint);
+  // Sets the user's valid length (<= pages * page_size) and the digest of that prefix.
+  void commit(int64_t user, int64_t length, const std::string& digest);
   // Unpins each listed user once (a user listed k times is unpinned k times); all-or-nothing.
   void release(const std::vector<int64_t>& users);
   // Drops the user and frees its pages; no-op if absent; std::logic_error if pinned.

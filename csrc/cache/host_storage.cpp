@@ -24,11 +24,11 @@ HostStorage::HostStorage(int64_t num_slots, int64_t chunk_tokens)
   state_.assign(num_slots, SlotState::kFree);
 }
 
-std::pair<std::vector<int32_t>, uint64_t> HostStorage::lookup(int64_t user) const {
+std::pair<std::vector<int32_t>, std::string> HostStorage::lookup(int64_t user) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(user);
-  if (it == entries_.end()) return {{}, 0};
-  return {it->second.slots, it->second.fingerprint};
+  if (it == entries_.end()) return {{}, std::string()};
+  return {it->second.slots, it->second.digest};
 }
 
 void HostStorage::touch(int64_t user) {
@@ -71,7 +71,7 @@ std::vector<int32_t> HostStorage::reserve(int64_t user, int64_t first_chunk, int
   return slots;
 }
 
-bool HostStorage::commit(int64_t user, const std::vector<int32_t>& slots, int64_t first_chunk, uint64_t fingerprint) {
+bool HostStorage::commit(int64_t user, const std::vector<int32_t>& slots, int64_t first_chunk, const std::string& digest) {
   std::lock_guard<std::mutex> lock(mu_);
   if (slots.empty()) throw std::invalid_argument("host commit: no slots for user " + str(user));
   check_reserved_locked(slots, "host commit");
@@ -90,7 +90,7 @@ bool HostStorage::commit(int64_t user, const std::vector<int32_t>& slots, int64_
   for (int32_t s : slots) state_[s] = SlotState::kOwned;
   reserved_ -= static_cast<int64_t>(slots.size());
   e.slots.insert(e.slots.end(), slots.begin(), slots.end());
-  e.fingerprint = fingerprint;
+  e.digest = digest;
   return true;
 }
 

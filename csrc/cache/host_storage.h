@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <list>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -32,7 +33,7 @@ namespace hstu {
 
 struct HostUserEntry {
   std::vector<int32_t> slots;
-  uint64_t fingerprint = 0;
+  std::string digest;  // exact identity of the committed prefix (opaque bytes)
   int pin_count = 0;
   std::list<int64_t>::iterator lru;
 };
@@ -41,9 +42,9 @@ class HostStorage : public UserIndex<HostUserEntry> {
  public:
   HostStorage(int64_t num_slots, int64_t chunk_tokens);
 
-  // (the user's slots in chunk order, fingerprint of the committed prefix); ({}, 0) if absent.
+  // (the user's slots in chunk order, digest of the committed prefix); ({}, "") if absent.
   // Does not change the LRU order.
-  std::pair<std::vector<int32_t>, uint64_t> lookup(int64_t user) const;
+  std::pair<std::vector<int32_t>, std::string> lookup(int64_t user) const;
   // Marks the user most recently used; no-op if absent.
   void touch(int64_t user);
 
@@ -55,10 +56,10 @@ class HostStorage : public UserIndex<HostUserEntry> {
   std::vector<int32_t> reserve(int64_t user, int64_t first_chunk, int64_t n_chunks);
 
   // Makes reserved slots the user's chunks [first_chunk, ...) (replacing all chunks when
-  // first_chunk == 0) and sets the fingerprint; returns true. Returns false and frees the slots
+  // first_chunk == 0) and sets the digest; returns true. Returns false and frees the slots
   // instead when the commit would leave a hole (user evicted/invalidated/rewritten meanwhile, so
   // first_chunk no longer equals its chunk count) or when a rewrite finds the user pinned.
-  bool commit(int64_t user, const std::vector<int32_t>& slots, int64_t first_chunk, uint64_t fingerprint);
+  bool commit(int64_t user, const std::vector<int32_t>& slots, int64_t first_chunk, const std::string& digest);
   // Returns reserved slots to the free list.
   void abort(const std::vector<int32_t>& slots);
 

@@ -17,8 +17,11 @@ class KVCacheConfig:
     multiple of page_size) for every layer. Histories that do not strictly extend the cache:
       on_no_new_tokens  "raise": HistoryConflictError naming the lengths; "recompute_last": reuse
                         all but the last token and recompute it (re-ranking an unchanged history);
-      on_shorter_history "raise": HistoryConflictError; "invalidate": drop the entry, recompute.
-    A history whose tokens changed (fingerprint mismatch) is always invalidated and recomputed.
+      on_shorter_history "invalidate" (default): the request's history is the truth, so the entry is
+                        dropped and the history recomputed; "raise": HistoryConflictError (a strict
+                        mode for clients that want to hear about it).
+    A history whose cached prefix differs (digest mismatch) is always invalidated and recomputed, so
+    no request can make another request for the same user fail.
     """
 
     num_layers: int
@@ -30,7 +33,7 @@ class KVCacheConfig:
     host_capacity_bytes: int = 1 << 30
     dtype: torch.dtype = torch.float32
     on_no_new_tokens: str = "raise"
-    on_shorter_history: str = "raise"
+    on_shorter_history: str = "invalidate"
     onload_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:

@@ -2,7 +2,8 @@
 
 Lifecycle of a batch (one model thread drives it; workers run beside it):
   lookup()         sync, microseconds: cached length per user from the GPU tier, else the host
-                   tier; checks the history fingerprint; pins host entries it will onload.
+                   tier; checks the exact identity of the cached prefix (model/identity.py digests
+                   of every input it was computed from); pins host entries it will onload.
   prepare_async()  prepare worker: reserves pages (pins users, evicts LRU unpinned users), builds
                    the batch's KVCacheMetadata, hands the host->GPU copies to the onload worker,
                    which enqueues them layer by layer on the onload stream (one event per layer).
@@ -22,20 +23,21 @@ Invariants:
     user; a plain extension (GPU hit, more tokens, same prefix) runs beside it, since it only
     appends after the committed tokens the offload reads (its pages are pinned once per batch).
   - The GPU tier never holds less than the host tier for a resident user (host is filled from GPU).
+  - Cached K/V are reused only when the digest stored with them equals the request's digest of the
+    same prefix; a shortened or uncommitted prefix has an empty digest, which matches nothing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import torch
 
+from hstu.model.identity import HistoryIdentity
 from hstu.ops._build import load_extension
 from hstu.ops.kv_ops import gather_kvcache_all_layers, onload_kvcache, store_host_chunks
 from hstu.ops.kvcache.config import KVCacheConfig
@@ -53,21 +55,13 @@ class HistoryConflictError(ValueError):
     """A request's history does not extend the user's cached history (policy says raise)."""
 
 
-def fingerprint(keys: np.ndarray | None, length: int) -> int:
-    """64-bit fingerprint of the first `length` token keys (0 when the caller gives no keys)."""
-    if keys is None:
-        return 0
-    digest = hashlib.blake2b(np.ascontiguousarray(keys[:length], dtype=np.int64).tobytes(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
 @dataclass
 class LookupResult:
     """What lookup found: cached length and source tier per user, host slots to onload."""
 
     user_ids: list[int]
     history_lens: list[int]
-    history_keys: list[np.ndarray | None]
+    identities: list[HistoryIdentity]
     cached_lens: list[int]
     sources: list[str]
     onload_slots: dict[int, list[int]] = field(default_factory=dict)
@@ -82,9 +76,9 @@ class PreparedBatch:
     metadata: KVCacheMetadata
     handle: OnloadHandle
     onload_users: list[int]
-    # Fingerprint of each user's whole history, for the commit: hashed on the prepare worker
-    # (~40 us per 4k-token history), not on the model thread.
-    fingerprints: list[int]
+    # Digest of each user's whole history, for the commit: finished on the prepare worker
+    # (the tail block of each history), not on the model thread.
+    digests: list[bytes]
 
 
 class AsyncKVCacheManager:
@@ -124,25 +118,27 @@ class AsyncKVCacheManager:
         self._closed = False
 
     # ----------------------------------------------------------------- lookup
-    def lookup(
-        self, user_ids: list[int], history_lens: list[int], history_keys: list[np.ndarray | None] | None = None
-    ) -> LookupResult:
-        """Cached length per user (GPU tier first, then host), validating each history against it."""
+    def lookup(self, user_ids: list[int], history_lens: list[int], identities: list[HistoryIdentity]) -> LookupResult:
+        """Cached length per user (GPU tier first, then host), reusing a cached prefix only when its
+        digest equals the request's digest of the same prefix (identities[i] covers user i's history)."""
         self._check_open()
         if len(set(user_ids)) != len(user_ids):
             dup = next(u for u in user_ids if user_ids.count(u) > 1)
             raise ValueError(f"user {dup} appears twice in one batch; a batch must hold distinct users")
-        if len(history_lens) != len(user_ids):
-            raise ValueError(f"got {len(user_ids)} users but {len(history_lens)} history lengths")
-        keys = list(history_keys) if history_keys is not None else [None] * len(user_ids)
-        for u, n in zip(user_ids, history_lens):
+        if len(history_lens) != len(user_ids) or len(identities) != len(user_ids):
+            raise ValueError(
+                f"got {len(user_ids)} users but {len(history_lens)} history lengths and {len(identities)} identities"
+            )
+        for u, n, ident in zip(user_ids, history_lens, identities):
             if n <= 0:
                 raise ValueError(f"user {u}: history length must be positive, got {n}")
-        result = LookupResult(list(user_ids), list(history_lens), keys, [], [])
+            if ident.num_tokens != n:
+                raise ValueError(f"user {u}: identity covers {ident.num_tokens} tokens but the history has {n}")
+        result = LookupResult(list(user_ids), list(history_lens), list(identities), [], [])
         pinned: list[int] = []
         try:
-            for u, n, k in zip(user_ids, history_lens, keys):
-                cached, source = self._lookup_one(u, n, k, result)
+            for u, n, ident in zip(user_ids, history_lens, identities):
+                cached, source = self._lookup_one(u, n, ident, result)
                 if source == "host":
                     pinned.append(u)
                 result.cached_lens.append(cached)
@@ -157,23 +153,23 @@ class AsyncKVCacheManager:
         )
         return result
 
-    def _lookup_one(self, user: int, n: int, keys: np.ndarray | None, result: LookupResult) -> tuple[int, str]:
-        gpu_len, gpu_fp = self.gpu.lookup(user)
-        if 0 < gpu_len < n and fingerprint(keys, gpu_len) == gpu_fp:
+    def _lookup_one(self, user: int, n: int, ident: HistoryIdentity, result: LookupResult) -> tuple[int, str]:
+        gpu_len, gpu_digest = self.gpu.lookup(user)
+        if 0 < gpu_len < n and gpu_digest and ident.prefix(gpu_len) == gpu_digest:
             # A plain extension only appends after the committed tokens: it may run while this
             # user's previous offload still reads its full chunks.
             return gpu_len, "gpu"
         # Anything else may shrink or drop the user's pages or read its host slots: settle first.
         self._join_offloads([user])
-        gpu_len, gpu_fp = self.gpu.lookup(user)
+        gpu_len, gpu_digest = self.gpu.lookup(user)
         if gpu_len > 0:
-            usable = self._usable_length(user, n, keys, gpu_len, gpu_fp)
+            usable = self._usable_length(user, n, ident, gpu_len, gpu_digest)
             if usable > 0:
                 return usable, "gpu"
-        slots, host_fp = self.host.lookup(user)
+        slots, host_digest = self.host.lookup(user)
         host_len = len(slots) * self.config.chunk_tokens
         if host_len > 0:
-            usable = self._usable_length(user, n, keys, host_len, host_fp)
+            usable = self._usable_length(user, n, ident, host_len, host_digest)
             if usable > 0:
                 n_chunks = -(-usable // self.config.chunk_tokens)
                 try:
@@ -185,8 +181,11 @@ class AsyncKVCacheManager:
                 return usable, "host"
         return 0, "miss"
 
-    def _usable_length(self, user: int, n: int, keys: np.ndarray | None, cached: int, cached_fp: int) -> int:
-        """How much of a cached prefix of `cached` tokens a request of `n` tokens may reuse (0 = none)."""
+    def _usable_length(self, user: int, n: int, ident: HistoryIdentity, cached: int, cached_digest: bytes) -> int:
+        """How much of a cached prefix of `cached` tokens a request of `n` tokens may reuse (0 = none).
+
+        The request's history is the truth: a shorter history (policy "invalidate") or one whose
+        first `cached` tokens differ from what the cache was computed from drops the entry."""
         c = self.config
         if n == cached and c.on_no_new_tokens == "raise":
             raise HistoryConflictError(
@@ -196,9 +195,13 @@ class AsyncKVCacheManager:
             raise HistoryConflictError(
                 f"user {user}: history of {n} tokens is shorter than the {cached} cached tokens"
             )
-        if n < cached or fingerprint(keys, cached) != cached_fp:
+        if n < cached:
             self.invalidate(user)
-            self.stats.add(invalidations=1)
+            self.stats.add(invalidations=1, invalidated_shorter=1)
+            return 0
+        if not cached_digest or ident.prefix(cached) != cached_digest:
+            self.invalidate(user)
+            self.stats.add(invalidations=1, invalidated_diverged=1)
             return 0
         return min(cached, n - 1)
 
@@ -246,8 +249,8 @@ class AsyncKVCacheManager:
             handle = OnloadHandle(self.config.num_layers, self.device, self.config.onload_timeout_s)
             slot_ids, page_ids = self._onload_plan(lookup, pages)
             self._onload_pool.submit(self._onload, handle, onload_users, slot_ids, page_ids, compute_done)
-        fingerprints = [fingerprint(k, n) for k, n in zip(lookup.history_keys, lookup.history_lens)]
-        return PreparedBatch(lookup, pages, metadata, handle, onload_users, fingerprints)
+        digests = [ident.prefix(n) for ident, n in zip(lookup.identities, lookup.history_lens)]
+        return PreparedBatch(lookup, pages, metadata, handle, onload_users, digests)
 
     def _onload_plan(self, lookup: LookupResult, pages: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         ppc = self.config.pages_per_chunk
@@ -322,7 +325,7 @@ class AsyncKVCacheManager:
             if u in failed:
                 continue
             n = lk.history_lens[b]
-            self.gpu.commit(u, n, prepared.fingerprints[b])
+            self.gpu.commit(u, n, prepared.digests[b])
             ok_users.append(u)
             offload_plan.append((u, b))
             self.stats.add(cached_tokens=lk.cached_lens[b], computed_tokens=n - lk.cached_lens[b])
@@ -400,7 +403,7 @@ class AsyncKVCacheManager:
                 self.stats.add(bytes_offloaded=len(slot_list) * self.config.chunk_bytes)
             for u, b, first, slots in reserved:
                 n_tokens = (first + len(slots)) * chunk
-                if not self.host.commit(u, slots, first, fingerprint(prepared.lookup.history_keys[b], n_tokens)):
+                if not self.host.commit(u, slots, first, prepared.lookup.identities[b].prefix(n_tokens)):
                     self.stats.add(offload_skipped=1)
         except BaseException as exc:
             logger.warning("offload of users %s failed: %s; their host copies are dropped", users, exc)

@@ -13,7 +13,9 @@ class CacheStats:
     misses: int = 0
     gpu_evictions: int = 0
     host_evictions: int = 0
-    invalidations: int = 0
+    invalidations: int = 0  # both reasons below
+    invalidated_shorter: int = 0
+    invalidated_diverged: int = 0
     recomputes: int = 0
     onload_failures: int = 0
     offload_failures: int = 0

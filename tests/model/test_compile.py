@@ -22,7 +22,7 @@ def test_compiled_paged_block_matches_eager(tiny_config, book):
     model.rank([book.request(1, 7), book.request(2, 3)])
     reqs = [book.request(1, 2), book.request(2, 4), book.request(3, 5)]
     hist = [r.history_tokens(tiny_config) for r in reqs]
-    lookup = mgr.lookup([r.user_id for r in reqs], hist, [r.token_keys(tiny_config) for r in reqs])
+    lookup = mgr.lookup([r.user_id for r in reqs], hist, [r.identity(model.identity) for r in reqs])
     layout = JaggedLayout.build(hist, lookup.cached_lens, [len(r.candidates) for r in reqs])
     prepared = mgr.wait_prepared(mgr.prepare_async(lookup, layout))
     try:

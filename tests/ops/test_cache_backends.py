@@ -38,7 +38,7 @@ def run_threads(worker, n_threads: int, failures: list) -> None:
     assert not failures, failures
 
 
-def cache_user(mgr, user: int, length: int, fingerprint: int = 0) -> list[int]:
+def cache_user(mgr, user: int, length: int, fingerprint: bytes = b"") -> list[int]:
     """One full lifecycle (reserve, commit, release) leaving `user` cached with `length` tokens."""
     (pages,) = mgr.reserve([user], [0], [length])
     mgr.commit(user, length, fingerprint)
@@ -55,26 +55,26 @@ def test_reserve_sizes_pages_to_ceil_target_and_pins_user(ext):
     assert [len(p) for p in pages] == [2, 2]
     assert len(set(pages[0]) | set(pages[1])) == 4
     assert mgr.num_free_pages() == 4
-    assert mgr.lookup(1) == (0, 0), "new tokens are not valid before commit"
+    assert mgr.lookup(1) == (0, b""), "new tokens are not valid before commit"
     assert mgr.pin_count(1) == mgr.pin_count(2) == 1
     assert mgr.allocations() == 4
 
 
-def test_commit_sets_length_and_fingerprint_as_python_ints(ext):
+def test_commit_sets_length_and_digest_as_python_int_and_bytes(ext):
     mgr = ext.GpuPageManager(num_pages=4, page_size=4)
     mgr.reserve([7], [0], [6])
-    mgr.commit(7, 6, 2**64 - 1)
-    assert mgr.lookup(7) == (6, 2**64 - 1)
-    assert mgr.lookup(8) == (0, 0)
+    mgr.commit(7, 6, b"\xff" * 16)
+    assert mgr.lookup(7) == (6, b"\xff" * 16)
+    assert mgr.lookup(8) == (0, b"")
 
 
 def test_commit_rejects_length_beyond_reserved_pages(ext):
     mgr = ext.GpuPageManager(num_pages=4, page_size=4)
     mgr.reserve([1], [0], [5])
     with pytest.raises(ValueError, match="length 9"):
-        mgr.commit(1, 9, 0)
+        mgr.commit(1, 9, b"")
     with pytest.raises(ValueError, match="user 2"):
-        mgr.commit(2, 1, 0)
+        mgr.commit(2, 1, b"")
 
 
 def test_grow_keeps_prefix_pages_and_appends_new_ones(ext):
@@ -119,8 +119,8 @@ def test_users_of_the_call_are_not_evicted_for_it(ext):
 
 def test_capacity_error_names_numbers_and_leaves_state_unchanged(ext):
     mgr = ext.GpuPageManager(num_pages=8, page_size=4)
-    cache_user(mgr, 1, 8, fingerprint=11)
-    cache_user(mgr, 2, 4, fingerprint=22)
+    cache_user(mgr, 1, 8, fingerprint=b"11")
+    cache_user(mgr, 2, 4, fingerprint=b"22")
     mgr.reserve([3], [0], [8])  # pinned: 2 pages
     before = gpu_state(mgr, range(1, 6))
     with pytest.raises(ext.CacheCapacityError, match="batch needs 7 pages, 3 free, 3 evictable of 8 total"):
@@ -145,7 +145,7 @@ def test_keep_len_shrink_reuses_own_pages_and_frees_the_surplus(ext):
 def test_shrinking_pinned_user_raises_logic_error(ext):
     mgr = ext.GpuPageManager(num_pages=8, page_size=4)
     (pages,) = mgr.reserve([1], [0], [12])
-    mgr.commit(1, 4, 0)
+    mgr.commit(1, 4, b"")
     with pytest.raises(RuntimeError, match="user 1 is pinned"):
         mgr.reserve([1], [2], [12])  # drops committed tokens
     with pytest.raises(RuntimeError, match="user 1 is pinned"):
@@ -223,19 +223,19 @@ def test_manager_rejects_bad_construction(ext):
 def test_host_reserve_commit_appends_chunks_in_order(ext):
     store = ext.HostStorage(num_slots=8, chunk_tokens=32)
     first = store.reserve(1, 0, 2)
-    assert store.lookup(1) == ([], 0), "reserved slots belong to no user before commit"
+    assert store.lookup(1) == ([], b""), "reserved slots belong to no user before commit"
     assert store.num_reserved_slots() == 2
-    assert store.commit(1, first, 0, 5)
+    assert store.commit(1, first, 0, b"5")
     second = store.reserve(1, 2, 1)
-    assert store.commit(1, second, 2, 6)
-    assert store.lookup(1) == (first + second, 6)
+    assert store.commit(1, second, 2, b"6")
+    assert store.lookup(1) == (first + second, b"6")
     assert store.num_free_slots() == 5 and store.num_reserved_slots() == 0
     assert store.chunk_tokens() == 32 and store.num_slots() == 8
 
 
 def test_host_reserve_rejects_first_chunk_that_would_leave_a_hole(ext):
     store = ext.HostStorage(num_slots=8, chunk_tokens=32)
-    store.commit(1, store.reserve(1, 0, 2), 0, 0)
+    store.commit(1, store.reserve(1, 0, 2), 0, b"")
     with pytest.raises(ValueError, match="first_chunk 3 must be 0 \\(rewrite\\) or its committed chunk count 2"):
         store.reserve(1, 3, 1)
     with pytest.raises(ValueError, match="first_chunk 1"):
@@ -252,47 +252,47 @@ def test_host_abort_returns_reserved_slots(ext):
     with pytest.raises(ValueError, match="not a reserved slot"):
         store.abort(slots)
     with pytest.raises(ValueError, match="not a reserved slot"):
-        store.commit(1, slots, 0, 0)
+        store.commit(1, slots, 0, b"")
 
 
 def test_host_commit_after_eviction_returns_false_and_frees_slots(ext):
     store = ext.HostStorage(num_slots=4, chunk_tokens=32)
-    store.commit(1, store.reserve(1, 0, 2), 0, 0)
+    store.commit(1, store.reserve(1, 0, 2), 0, b"")
     pending = store.reserve(1, 2, 1)
-    store.commit(2, store.reserve(2, 0, 3), 0, 0)  # evicts user 1
+    store.commit(2, store.reserve(2, 0, 3), 0, b"")  # evicts user 1
     assert store.take_evicted() == [1]
-    assert store.commit(1, pending, 2, 9) is False
+    assert store.commit(1, pending, 2, b"9") is False
     assert not store.contains(1) and store.num_free_slots() == 1 and store.num_reserved_slots() == 0
 
 
 def test_host_commit_after_invalidate_or_rewrite_returns_false(ext):
     store = ext.HostStorage(num_slots=8, chunk_tokens=32)
-    store.commit(1, store.reserve(1, 0, 1), 0, 0)
+    store.commit(1, store.reserve(1, 0, 1), 0, b"")
     pending = store.reserve(1, 1, 1)
     store.invalidate(1)
-    assert store.commit(1, pending, 1, 0) is False
-    store.commit(2, store.reserve(2, 0, 2), 0, 0)
+    assert store.commit(1, pending, 1, b"") is False
+    store.commit(2, store.reserve(2, 0, 2), 0, b"")
     pending = store.reserve(2, 2, 1)
-    store.commit(2, store.reserve(2, 0, 1), 0, 0)  # rewrite to a shorter history
-    assert store.commit(2, pending, 2, 0) is False
+    store.commit(2, store.reserve(2, 0, 1), 0, b"")  # rewrite to a shorter history
+    assert store.commit(2, pending, 2, b"") is False
     assert len(store.lookup(2)[0]) == 1 and store.num_free_slots() == 7
 
 
 def test_host_rewrite_from_chunk_zero_frees_old_slots_at_commit(ext):
     store = ext.HostStorage(num_slots=6, chunk_tokens=32)
     old = store.reserve(1, 0, 3)
-    store.commit(1, old, 0, 1)
+    store.commit(1, old, 0, b"1")
     new = store.reserve(1, 0, 2)
-    assert store.lookup(1) == (old, 1), "the old version stays readable until commit"
+    assert store.lookup(1) == (old, b"1"), "the old version stays readable until commit"
     assert store.num_free_slots() == 1
-    assert store.commit(1, new, 0, 2)
-    assert store.lookup(1) == (new, 2)
+    assert store.commit(1, new, 0, b"2")
+    assert store.lookup(1) == (new, b"2")
     assert store.num_free_slots() == 4
 
 
 def test_host_rewrite_never_evicts_the_same_user(ext):
     store = ext.HostStorage(num_slots=4, chunk_tokens=32)
-    store.commit(1, store.reserve(1, 0, 3), 0, 0)
+    store.commit(1, store.reserve(1, 0, 3), 0, b"")
     with pytest.raises(ext.CacheCapacityError, match="needs 2 slots, 1 free, 0 evictable of 4 total"):
         store.reserve(1, 0, 2)
 
@@ -300,26 +300,26 @@ def test_host_rewrite_never_evicts_the_same_user(ext):
 def test_host_rewrite_of_pinned_user_raises_or_commit_returns_false(ext):
     store = ext.HostStorage(num_slots=8, chunk_tokens=32)
     old = store.reserve(1, 0, 2)
-    store.commit(1, old, 0, 1)
+    store.commit(1, old, 0, b"1")
     new = store.reserve(1, 0, 2)
     store.pin([1])
     with pytest.raises(RuntimeError, match="rewrite user 1 while an onload pins it"):
         store.reserve(1, 0, 1)
-    assert store.commit(1, new, 0, 2) is False
-    assert store.lookup(1) == (old, 1)
+    assert store.commit(1, new, 0, b"2") is False
+    assert store.lookup(1) == (old, b"1")
     appended = store.reserve(1, 2, 1)  # appending while pinned is fine
-    assert store.commit(1, appended, 2, 3)
-    assert store.lookup(1) == (old + appended, 3)
+    assert store.commit(1, appended, 2, b"3")
+    assert store.lookup(1) == (old + appended, b"3")
 
 
 def test_host_pin_protects_slots_from_eviction(ext):
     store = ext.HostStorage(num_slots=4, chunk_tokens=32)
-    store.commit(1, store.reserve(1, 0, 2), 0, 0)
-    store.commit(2, store.reserve(2, 0, 2), 0, 0)
+    store.commit(1, store.reserve(1, 0, 2), 0, b"")
+    store.commit(2, store.reserve(2, 0, 2), 0, b"")
     store.pin([1])
     store.touch(1)
     store.touch(2)  # 1 is least recently used but pinned
-    store.commit(3, store.reserve(3, 0, 2), 0, 0)
+    store.commit(3, store.reserve(3, 0, 2), 0, b"")
     assert store.contains(1) and not store.contains(2)
     before = host_state(store, [1, 2, 3])
     with pytest.raises(ext.CacheCapacityError, match="needs 3 slots, 0 free, 2 evictable of 4 total"):
@@ -348,7 +348,7 @@ def test_host_request_larger_than_arena_raises_capacity_error(ext):
 
 def test_host_pin_and_unpin_are_all_or_nothing(ext):
     store = ext.HostStorage(num_slots=4, chunk_tokens=32)
-    store.commit(1, store.reserve(1, 0, 1), 0, 0)
+    store.commit(1, store.reserve(1, 0, 1), 0, b"")
     with pytest.raises(ValueError, match="user 2 has no host chunks"):
         store.pin([1, 2])
     assert store.pin_count(1) == 0
@@ -395,7 +395,7 @@ def test_concurrent_reserve_commit_release_keeps_page_invariants(ext):
                     continue
                 for u, target, p in zip(batch, targets, pages):
                     assert len(p) == -(-target // 4) and len(set(p)) == len(p)
-                    mgr.commit(u, rng.randint(0, target), rng.getrandbits(64))
+                    mgr.commit(u, rng.randint(0, target), rng.randbytes(16))
                 mgr.release(batch)
                 if rng.random() < 0.05:
                     mgr.invalidate(rng.choice(own))
@@ -434,7 +434,7 @@ def test_concurrent_host_reserve_commit_abort_keeps_slot_invariants(ext):
                 if rng.random() < 0.2:
                     store.abort(slots)
                 else:
-                    store.commit(u, slots, first, rng.getrandbits(64))
+                    store.commit(u, slots, first, rng.randbytes(16))
         except BaseException as err:  # surfaced in the main thread below
             failures.append(err)
 
@@ -453,3 +453,13 @@ def test_host_storage_with_no_slots_refuses_every_reserve(ext):
     with pytest.raises(ext.CacheCapacityError):
         store.reserve(1, 0, 1)
     assert store.num_free_slots() == 0
+
+
+def test_shortening_a_prefix_clears_its_digest_until_the_next_commit(ext):
+    mgr = ext.GpuPageManager(num_pages=8, page_size=4)
+    cache_user(mgr, 1, 8, fingerprint=b"digest-of-8")
+    mgr.reserve([1], [8], [12])
+    assert mgr.lookup(1) == (8, b"digest-of-8"), "keeping the whole prefix keeps its digest"
+    mgr.release([1])
+    mgr.reserve([1], [4], [12])
+    assert mgr.lookup(1) == (4, b""), "a shortened prefix is not described by the old digest"

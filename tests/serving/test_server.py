@@ -31,7 +31,7 @@ anyio = pytest.mark.anyio
 
 def assert_manager_closed(app) -> None:
     with pytest.raises(RuntimeError, match="closed"):
-        app.state.runtime.manager.lookup([1], [4])
+        app.state.runtime.manager.lookup([1], [4], [])
 
 
 @anyio
@@ -126,7 +126,6 @@ BAD_INPUTS = [
     ("decreasing timestamps", last_event(timestamp=0), 422, ["non-decreasing", "event"]),
     ("not json", lambda p: b"{user_id: 1", 422, ["JSON"]),
     ("body is a list", lambda p: [p], 422, ["valid dictionary"]),
-    ("shrinking history", lambda p: {**p, "history": p["history"][:2]}, 409, ["shorter", "cached", "full history"]),
 ]
 
 
@@ -155,6 +154,36 @@ async def test_every_bad_input_class_gets_4xx_with_a_clear_message_and_leaves_th
             assert matches_reference(reference, good, r.json()), f"after {name}"
             assert r.json()["cached_tokens"] > 0, f"after {name}: the user's cache should still be reused"
         assert app.state.runtime.manager.gpu.pin_count(21) == 0
+
+
+@anyio
+async def test_a_fabricated_longer_history_cannot_lock_the_user_out(reference):
+    genuine, forged = Timeline(31), Timeline(31)
+    forged.items = [(item + 1) % TINY.num_items for item in forged.items]
+    async with serving() as (app, client):
+        assert (await client.post("/v1/rank", json=genuine.payload(10))).status_code == 200
+        r = await client.post("/v1/rank", json=forged.payload(60))
+        assert r.status_code == 200, r.text
+        for events in (12, 14):
+            payload = genuine.payload(events)
+            r = await client.post("/v1/rank", json=payload)
+            assert r.status_code == 200, r.text
+            assert matches_reference(reference, payload, r.json())
+        assert r.json()["cached_tokens"] > 0, "after the recompute the genuine history is cached again"
+        metrics = (await client.get("/metrics")).text
+    assert 'hstu_cache_invalidations_total{reason="diverged"} 1.0' in metrics, "the forged history replaced it"
+    assert 'hstu_cache_invalidations_total{reason="shorter"} 1.0' in metrics, "the genuine one replaced it back"
+
+
+@anyio
+async def test_strict_history_mode_answers_409_for_a_shorter_history():
+    user = Timeline(32)
+    async with serving(tiny_settings(on_shorter_history="raise")) as (_, client):
+        assert (await client.post("/v1/rank", json=user.payload(10))).status_code == 200
+        r = await client.post("/v1/rank", json=user.payload(4))
+        assert r.status_code == 409, r.text
+        assert r.json()["error"] == "history_conflict"
+        assert all(word in r.json()["detail"] for word in ("shorter", "cached", "full history"))
 
 
 @anyio

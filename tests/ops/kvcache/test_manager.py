@@ -79,8 +79,8 @@ def test_no_new_tokens_is_an_error_naming_lengths(tiny_config, book):
         model.rank([req])
 
 
-def test_shorter_history_is_an_error_naming_lengths(tiny_config, book):
-    model, _ = _setup(tiny_config)
+def test_shorter_history_is_an_error_naming_lengths_in_strict_mode(tiny_config, book):
+    model, _ = _setup(tiny_config, on_shorter_history="raise")
     req = book.request(3, 6)
     _check(model, [req])
     short = RankingRequest.create(3, req.item_ids[:4], req.actions[:4], req.timestamps[:4], req.candidates, config=tiny_config)
@@ -118,7 +118,7 @@ def test_layout_that_does_not_match_the_lookup_is_rejected(tiny_config, book):
     _, mgr = _setup(tiny_config)
     req = book.request(2, 3)
     n = req.history_tokens(tiny_config)
-    lookup = mgr.lookup([2], [n], [req.token_keys(tiny_config)])
+    lookup = mgr.lookup([2], [n], [req.identity(b"model")])
     with pytest.raises(ValueError, match=rf"layout \(history \[{n - 1}\].*does not match the lookup \(history \[{n}\]"):
         mgr.prepare_async(lookup, JaggedLayout.build([n - 1], [0], [3]))
     mgr.release_lookup(lookup)

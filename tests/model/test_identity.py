@@ -1,0 +1,188 @@
+"""Exact cache identity: near-collisions of arithmetic key schemes never reuse cached K/V.
+
+Each case ranks a history (cached), then the same history with one past event changed plus new
+events. The changed request must reuse nothing from the changed position on and its logits must
+equal the no-cache model's. The cases are built to defeat arithmetic mixes of the fields: one
+field +-1 compensated in another, timestamps shifted by 2^k (which wraps a multiply-by-4), values at
+the int64 limit, item and action swapped, contextual features changed, weights changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from hstu.model.batch import RankingRequest
+from hstu.model.identity import BLOCK_TOKENS, HistoryIdentity, token_records
+from hstu.model.ranking import InferenceRankingGR
+from hstu.ops.kvcache.config import KVCacheConfig
+from hstu.ops.kvcache.manager import AsyncKVCacheManager
+
+MIX = 1_000_003
+EVENTS = 24
+INT64_MAX = 2**63 - 1
+
+
+def _arithmetic_keys(contextual, items, actions, times) -> np.ndarray:
+    """The per-token keys the cache used before exact identity (wrapping int64 arithmetic)."""
+    with np.errstate(over="ignore"):
+        ctx = contextual * 4
+        it = (items * MIX + times) * 4 + 1
+        ac = (actions * MIX + times) * 4 + 2
+    return np.concatenate([ctx, np.stack([it, ac], axis=1).reshape(-1)])
+
+
+def _base_history(rng: np.random.Generator, cfg, gap: int) -> dict:
+    items = rng.integers(2, cfg.num_items - 2, EVENTS)
+    actions = rng.integers(1, cfg.num_actions - 1, EVENTS)
+    times = np.arange(1, EVENTS + 1, dtype=np.int64) * gap
+    contextual = rng.integers(1, cfg.num_contextual_features - 1, cfg.num_contextual)
+    return {"items": items, "actions": actions, "times": times, "contextual": contextual}
+
+
+def _shift_times(h: dict, event: int, delta: int) -> dict:
+    """Shift the timestamps of `event` and every later event (keeps them non-decreasing)."""
+    times = h["times"].copy()
+    times[event:] += delta
+    return {**h, "times": times}
+
+
+def _with(h: dict, field: str, event: int, value: int) -> dict:
+    values = h[field].copy()
+    values[event] = value
+    return {**h, field: values}
+
+
+def _near_collisions(cfg) -> list[tuple[str, dict, dict, int, bool]]:
+    """(name, original, changed, first changed token, built against the old arithmetic mix)."""
+    rng = np.random.default_rng(7)
+    C = cfg.num_contextual
+    item_tok = lambda e: C + 2 * e  # noqa: E731
+    cases = []
+    big = _base_history(rng, cfg, gap=2 * MIX)
+    e = 5
+    changed = _with(_with(big, "items", e, big["items"][e] + 1), "actions", e, big["actions"][e] + 1)
+    changed = _shift_times(_shift_times(changed, e, -MIX), e + 1, MIX)  # only event e's timestamp moved
+    cases.append(("item and action +1, timestamp -1_000_003", big, changed, item_tok(e), True))
+    for k in (32, 40, 48, 56, 61, 62):
+        h = _base_history(rng, cfg, gap=1_000)
+        cases.append((f"timestamps +2^{k} from event 3", h, _shift_times(h, 3, 2**k), item_tok(3), k >= 62))
+    h = _base_history(rng, cfg, gap=1_000)
+    top = _shift_times(h, EVENTS - 4, INT64_MAX - int(h["times"][-1]))
+    cases.append(("timestamps at the int64 limit", h, top, item_tok(EVENTS - 4), False))
+    edge = _shift_times(h, 0, INT64_MAX - int(h["times"][-1]) - 1)
+    cases.append(("int64 limit, last timestamp -1", edge, _shift_times(edge, EVENTS - 1, 1), item_tok(EVENTS - 1), False))
+    h = _base_history(rng, cfg, gap=1_000)
+    h = _with(_with(h, "items", 4, 1), "actions", 4, 2)
+    cases.append(("item and action swapped", h, _with(_with(h, "items", 4, 2), "actions", 4, 1), item_tok(4), False))
+    h = _base_history(rng, cfg, gap=1_000)
+    swapped = _with(_with(h, "items", 6, h["items"][6] - 1), "items", 7, h["items"][7] + 1)
+    cases.append(("item -1 here, +1 in the next event", h, swapped, item_tok(6), False))
+    act = _with(_with(h, "actions", 2, h["actions"][2] + 1), "actions", 9, h["actions"][9] - 1)
+    cases.append(("action +1 here, -1 later", h, act, item_tok(2) + 1, False))
+    ctx = h["contextual"].copy()
+    ctx[0] += 1
+    cases.append(("contextual feature +1", h, {**h, "contextual": ctx}, 0, False))
+    for i in range(8):  # seeded random near-collisions: +-1 in one field, -+1 in the other, a time shift
+        h = _base_history(rng, cfg, gap=2**40)
+        event = int(rng.integers(1, EVENTS - 2))
+        delta = int(rng.choice([1, -1]))
+        field, other = rng.permutation(["items", "actions"])
+        changed = _with(h, str(field), event, int(h[field][event]) + delta)
+        changed = _with(changed, str(other), event, int(h[other][event]) - delta)
+        shift = int(rng.choice([0, 2**32, -(2**20)]))
+        changed = _shift_times(_shift_times(changed, event, shift), event + 1, -shift)
+        cases.append((f"random #{i}: {field} {delta:+d}, {other} {-delta:+d}, time {shift:+d}", h, changed, item_tok(event), False))
+    return cases
+
+
+def _request(cfg, user: int, h: dict, events: int, new: int = 0, seed: int = 0) -> RankingRequest:
+    rng = np.random.default_rng(seed)
+    items = np.concatenate([h["items"][:events], rng.integers(0, cfg.num_items, new)])
+    actions = np.concatenate([h["actions"][:events], rng.integers(0, cfg.num_actions, new)])
+    last = int(h["times"][events - 1])
+    times = np.concatenate([h["times"][:events], np.full(new, last, dtype=np.int64)])
+    return RankingRequest.create(user, items, actions, times, rng.integers(0, cfg.num_items, 3), h["contextual"], cfg)
+
+
+def _model(cfg, manager=None, seed: int | None = None):
+    cfg = dataclasses.replace(cfg, seed=cfg.seed if seed is None else seed)
+    manager = manager or AsyncKVCacheManager(KVCacheConfig.for_model(cfg, page_size=4, num_pages=256, chunk_tokens=8))
+    return InferenceRankingGR(cfg, kv_cache=manager), manager
+
+
+def _valid(cfg, h: dict) -> bool:
+    in_range = all(
+        (h[f] >= 0).all() and (h[f] < n).all() for f, n in (("items", cfg.num_items), ("actions", cfg.num_actions))
+    )
+    return in_range and (np.diff(h["times"]) >= 0).all() and (h["times"] >= 0).all()
+
+
+NUM_CASES = 21
+
+
+@pytest.mark.parametrize("case", range(NUM_CASES))
+@torch.inference_mode()
+def test_a_changed_past_event_is_never_served_from_the_cache(tiny_config, case):
+    cases = _near_collisions(tiny_config)
+    assert len(cases) == NUM_CASES
+    name, original, changed, first_changed, against_mix = cases[case]
+    assert _valid(tiny_config, original) and _valid(tiny_config, changed), name
+    if against_mix:
+        old, new = (
+            _arithmetic_keys(h["contextual"], h["items"], h["actions"], h["times"]) for h in (original, changed)
+        )
+        assert (old == new).all(), f"{name}: the construction should collide under the old arithmetic keys"
+    model, mgr = _model(tiny_config)
+    model.rank([_request(tiny_config, 1, original, EVENTS)])
+    req = _request(tiny_config, 1, changed, EVENTS, new=2, seed=1)
+    (out,) = model.rank([req])
+    assert out.cached_tokens <= first_changed, f"{name}: reused {out.cached_tokens} tokens past {first_changed}"
+    assert mgr.stats.snapshot()["invalidated_diverged"] == 1, name
+    ref = model.forward_no_cache([req])
+    torch.testing.assert_close(out.logits, ref, rtol=1e-5, atol=1e-6, msg=name)
+    mgr.close()
+
+
+def test_prefix_digests_are_chained_per_block_and_differ_between_tail_and_block():
+    rng = np.random.default_rng(0)
+    n_events = BLOCK_TOKENS + 7
+    fields = [rng.integers(0, 100, 2), rng.integers(0, 100, n_events), rng.integers(0, 4, n_events), np.arange(n_events)]
+    a = HistoryIdentity(b"model", token_records(*fields))
+    b = HistoryIdentity(b"model", token_records(*fields))
+    lengths = (0, 1, BLOCK_TOKENS - 1, BLOCK_TOKENS, BLOCK_TOKENS + 1, 2 * BLOCK_TOKENS, a.num_tokens)
+    digests = [a.prefix(n) for n in lengths]
+    assert digests == [b.prefix(n) for n in lengths], "the digest is a function of the inputs"
+    assert len(set(digests)) == len(digests), "every prefix length has its own digest"
+    assert HistoryIdentity(b"other model", token_records(*fields)).prefix(10) != a.prefix(10)
+    with pytest.raises(ValueError, match=rf"prefix length {a.num_tokens + 1} outside"):
+        a.prefix(a.num_tokens + 1)
+
+
+@torch.inference_mode()
+def test_new_weights_on_a_shared_cache_recompute_instead_of_reusing_old_k_v(tiny_config):
+    rng = np.random.default_rng(3)
+    h = _base_history(rng, tiny_config, gap=100)
+    old, mgr = _model(tiny_config)
+    old.rank([_request(tiny_config, 9, h, EVENTS - 4)])
+    new, _ = _model(tiny_config, manager=mgr, seed=123)
+    req = _request(tiny_config, 9, h, EVENTS)
+    (out,) = new.rank([req])
+    assert out.cached_tokens == 0, "K/V computed by other weights must not be reused"
+    torch.testing.assert_close(out.logits, new.forward_no_cache([req]), rtol=1e-5, atol=1e-6)
+    new.load_state_dict(old.state_dict())
+    (again,) = new.rank([_request(tiny_config, 9, h, EVENTS, new=1)])
+    assert again.cached_tokens == 0, "a checkpoint load changes the model identity"
+    mgr.close()
+
+
+def test_request_arrays_are_read_only_copies(tiny_config):
+    items = np.array([1, 2, 3])
+    req = RankingRequest.create(1, items, [0, 1, 0], [5, 6, 7], [4], config=tiny_config)
+    items[0] = 99
+    assert req.item_ids[0] == 1
+    with pytest.raises(ValueError, match="read-only"):
+        req.item_ids[0] = 5
