@@ -7,63 +7,13 @@ host (one transfer per feature); the embedding lookup runs on the model's device
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from hstu.model.batch import TOKEN_ACTION, TOKEN_CANDIDATE, TOKEN_CONTEXTUAL, TOKEN_ITEM, RankingRequest
 from hstu.model.config import HSTUConfig
 from hstu.model.embeddings import TokenEmbeddings
-
-
-@dataclass
-class JaggedLayout:
-    """Row layout of one batch. q_pos = absolute position of history rows, -1 for candidates."""
-
-    history_lens: list[int]
-    cached_lens: list[int]
-    num_candidates: list[int]
-    q_offsets: np.ndarray
-    q_batch: np.ndarray
-    q_local: np.ndarray
-    q_pos: np.ndarray
-    history_rows: np.ndarray
-    candidate_rows: np.ndarray
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.history_lens)
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.q_offsets[-1])
-
-    @property
-    def max_q(self) -> int:
-        return int(np.diff(self.q_offsets).max()) if self.batch_size else 0
-
-    @classmethod
-    def build(cls, history_lens: list[int], cached_lens: list[int], num_candidates: list[int]) -> "JaggedLayout":
-        new = np.asarray(history_lens, dtype=np.int64) - np.asarray(cached_lens, dtype=np.int64)
-        cand = np.asarray(num_candidates, dtype=np.int64)
-        rows = new + cand
-        offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
-        q_batch = np.repeat(np.arange(len(rows)), rows)
-        q_local = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], rows)
-        is_hist = q_local < np.repeat(new, rows)
-        q_pos = np.where(is_hist, q_local + np.repeat(np.asarray(cached_lens, dtype=np.int64), rows), -1)
-        return cls(
-            history_lens=list(history_lens),
-            cached_lens=list(cached_lens),
-            num_candidates=list(num_candidates),
-            q_offsets=offsets,
-            q_batch=q_batch,
-            q_local=q_local,
-            q_pos=q_pos,
-            history_rows=np.flatnonzero(is_hist),
-            candidate_rows=np.flatnonzero(~is_hist),
-        )
+from hstu.ops.kvcache.layout import JaggedLayout
 
 
 def _time_buckets(timestamps: np.ndarray, num_buckets: int) -> np.ndarray:

@@ -18,7 +18,7 @@ perf_counter on CPU):
                     3968 tokens come from the host tier: the onload is real
 Exposed cache time = cached_host - cached_gpu (median), and its share of cached_host: the part of
 the onload the per-layer pipelining does not hide. Also recorded: host time the model thread
-blocked in wait_prepared (prepare) and in handle.wait (onload) per forward.
+blocked on the prepare job and on the per-layer onload waits per forward (RankingEngine.timings).
 
 Self-checks (a failure is recorded in the JSON and makes the exit status 1): every timed request
 reports the expected cached length and tier; cached logits equal uncached logits (and, at batch 1,
@@ -47,8 +47,9 @@ import torch
 
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
-from hstu.model.preprocessor import JaggedLayout
-from hstu.model.ranking import InferenceRankingGR, RankOutput
+from hstu.ops.kvcache.layout import JaggedLayout
+from hstu.engine import RankingEngine, RankOutput
+from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.ops.kvcache.metadata import KVCacheMetadata
@@ -283,53 +284,21 @@ def bench_block(
 
 # ------------------------------------------------------------------------------------ end to end
 class CacheWaitProbe:
-    """Host time the model thread spends blocked on the cache: wait_prepared and handle.wait.
+    """Host time the model thread spent blocked on the cache in each timed forward, from the
+    engine's own per-forward timings (prepare join and per-layer onload waits). On CUDA an onload
+    wait blocks only until a layer's copies are enqueued, so the device-side wait shows in the
+    cached_host - cached_gpu difference instead."""
 
-    While active it wraps this manager instance's wait_prepared (and the handle it returns); only
-    calls made through `timed(fn)` are recorded, one entry per call (a retry after a failed onload
-    adds to the same entry). On CUDA handle.wait blocks only until a layer's copies are enqueued,
-    so the device-side wait shows in the cached_host - cached_gpu difference instead.
-    """
-
-    def __init__(self, manager: AsyncKVCacheManager) -> None:
-        self.manager = manager
+    def __init__(self, engine: RankingEngine) -> None:
+        self.engine = engine
         self.entries: list[dict[str, float]] = []
-        self._recording = False
-
-    def __enter__(self) -> "CacheWaitProbe":
-        original = self.manager.wait_prepared
-
-        def wait_prepared(future):
-            t0 = time.perf_counter()
-            prepared = original(future)
-            if not self._recording:
-                return prepared
-            entry = self.entries[-1]
-            entry["prepare_s"] += time.perf_counter() - t0
-            layer_wait = prepared.handle.wait
-
-            def wait(layer: int) -> None:
-                t1 = time.perf_counter()
-                layer_wait(layer)
-                entry["onload_s"] += time.perf_counter() - t1
-
-            prepared.handle.wait = wait
-            return prepared
-
-        self.manager.wait_prepared = wait_prepared
-        return self
-
-    def __exit__(self, *exc) -> None:
-        del self.manager.wait_prepared
 
     def timed(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
-            self.entries.append({"prepare_s": 0.0, "onload_s": 0.0})
-            self._recording = True
-            try:
-                return fn()
-            finally:
-                self._recording = False
+            out = fn()
+            last = self.engine.timings[-1]
+            self.entries.append({"prepare_s": last.prepare_wait_s, "onload_s": last.onload_wait_s})
+            return out
 
         return run
 
@@ -379,8 +348,8 @@ class EndToEnd:
         self.cached_mgr = AsyncKVCacheManager(shape.cache_config(self.model_config, host_batches=3), device)
         # HostStorage needs at least one slot; one chunk keeps the uncached pass's offloads negligible.
         self.uncached_mgr = AsyncKVCacheManager(shape.cache_config(self.model_config, host_batches=0), device)
-        self.cached = InferenceRankingGR(self.model_config, device, kv_cache=self.cached_mgr)
-        self.uncached = InferenceRankingGR(self.model_config, device, kv_cache=self.uncached_mgr)
+        self.cached = RankingEngine(InferenceRankingGR(self.model_config, device), self.cached_mgr)
+        self.uncached = RankingEngine(InferenceRankingGR(self.model_config, device), self.uncached_mgr)
         self.ids = _UserIds()
         self.cuda_graphs = cuda_graphs
         if cuda_graphs:
@@ -392,7 +361,7 @@ class EndToEnd:
                     max_batch=max(shape.batch_sizes), buckets=tuple(sorted(rows)), compile=compile_layers
                 )
 
-    def _replays(self, model: InferenceRankingGR) -> int:
+    def _replays(self, model: RankingEngine) -> int:
         return model.graphs.replays if model.graphs is not None else 0
 
     def close(self) -> None:
@@ -421,13 +390,13 @@ class EndToEnd:
 
             return setup
 
-        def rank_with(model: InferenceRankingGR) -> Callable[[], list[RankOutput]]:
+        def rank_with(model: RankingEngine) -> Callable[[], list[RankOutput]]:
             return lambda: model.rank(state["requests"])
 
         failures: list[str] = []
         dtype = self.model_config.dtype
 
-        def check_graphs(name: str, model: InferenceRankingGR, before: int) -> int:
+        def check_graphs(name: str, model: RankingEngine, before: int) -> int:
             replays = self._replays(model) - before
             if self.cuda_graphs and replays < repeats:
                 failures.append(f"e2e/{name}: CUDA graphs enabled but only {replays} graph replays in {repeats} timed forwards")
@@ -440,8 +409,8 @@ class EndToEnd:
 
         for name, drop_gpu, tier in (("cached_gpu", False, "gpu_hits"), ("cached_host", True, "host_hits")):
             replays = self._replays(self.cached)
-            with CacheWaitProbe(mgr) as probe:
-                times, cached_out = timer.measure(probe.timed(rank_with(self.cached)), prefilled(drop_gpu), warmup, repeats)
+            probe = CacheWaitProbe(self.cached)
+            times, cached_out = timer.measure(probe.timed(rank_with(self.cached)), prefilled(drop_gpu), warmup, repeats)
             replays = check_graphs(name, self.cached, replays)
             mgr.drain()
             delta = {k: v - state["before"][k] for k, v in mgr.stats.snapshot().items()}
@@ -552,7 +521,7 @@ def run_bench(
 ) -> dict[str, Any]:
     """Run the sections for every batch size; write bench.json (after each section) and bench.md.
 
-    cuda_graphs: the end-to-end models replay per-layer CUDA graphs (InferenceRankingGR.enable_cuda_graphs);
+    cuda_graphs: the end-to-end models replay per-layer CUDA graphs (RankingEngine.enable_cuda_graphs);
     compile_layers: those graphs capture torch.compile'd layers. The block section always runs the
     eager block.
     """
@@ -621,7 +590,7 @@ def _run_bench(
     try:
         for batch in shape.batch_sizes:
             if "block" in sections:
-                section("block", batch, lambda: bench_block(shape, e2e.cached, batch, timer, warmup, repeats, device))
+                section("block", batch, lambda: bench_block(shape, e2e.cached.model, batch, timer, warmup, repeats, device))
             if "e2e" in sections:
                 section("e2e", batch, lambda: e2e.run(batch, timer, warmup, repeats))
     finally:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from hstu.engine import RankingEngine
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
 from hstu.model.ranking import InferenceRankingGR
@@ -216,7 +217,7 @@ def run_pass(
     buckets run eagerly); compile_layers: the graphs capture torch.compile'd layers."""
     manager = AsyncKVCacheManager(cache_config, device)
     try:
-        model = InferenceRankingGR(model_config, device, kv_cache=manager)
+        model = RankingEngine(InferenceRankingGR(model_config, device), manager)
         if cuda_graphs:
             model.enable_cuda_graphs(max_batch=max((len(b) for b in batches), default=1), compile=compile_layers)
         next_id = UNCACHED_USER_BASE

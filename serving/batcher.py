@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from hstu.model.batch import RankingRequest
-from hstu.model.ranking import RankOutput
+from hstu.engine import RankOutput
 from hstu.ops.kvcache.manager import CacheCapacityError
 from hstu.serving.errors import RankError, classify
 from hstu.serving.metrics import ServingMetrics

@@ -122,6 +122,7 @@ class CacheCollector(Collector):
             ("hstu_cache_offload_skipped", "Offloads skipped (host tier full of pinned users)", "offload_skipped"),
         ):
             yield CounterMetricFamily(name, doc, value=s[key])
-        free_pages, free_slots = manager.gpu.num_free_pages(), manager.host.num_free_slots()
+        occupancy = manager.occupancy()
+        free_pages, free_slots = occupancy["gpu_free_pages"], occupancy["host_free_slots"]
         yield GaugeMetricFamily("hstu_cache_gpu_free_pages", "Free pages in the GPU page pool", value=free_pages)
         yield GaugeMetricFamily("hstu_cache_host_free_slots", "Free chunk slots in the host arena", value=free_slots)

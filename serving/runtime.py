@@ -23,7 +23,8 @@ import torch
 
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
-from hstu.model.ranking import InferenceRankingGR, RankOutput
+from hstu.engine import RankingEngine, RankOutput
+from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.serving.batcher import Batcher
 from hstu.serving.metrics import ServingMetrics
@@ -49,6 +50,7 @@ class ServingRuntime:
         self.detail: str | None = "loading the model and warming up"
         self.model: InferenceRankingGR | None = None
         self.manager: AsyncKVCacheManager | None = None
+        self.engine: RankingEngine | None = None
         self.batcher: Batcher | None = None
 
     @property
@@ -76,7 +78,7 @@ class ServingRuntime:
     def _rank(self, requests: list[RankingRequest]) -> list[RankOutput]:
         """Runs on the model thread; logits come back on the CPU so the event loop never syncs a GPU.
         One copy for the whole batch, not one (and one sync) per request."""
-        outputs = self.model.rank(requests)
+        outputs = self.engine.rank(requests)
         host = torch.cat([o.logits for o in outputs]).float().cpu()
         parts = torch.split(host, [o.logits.shape[0] for o in outputs])
         return [dataclasses.replace(o, logits=p) for o, p in zip(outputs, parts)]
@@ -97,17 +99,18 @@ class ServingRuntime:
             kv_config.host_slots * kv_config.chunk_bytes / 2**20,
         )
         self.manager = AsyncKVCacheManager(kv_config, device)
-        self.model = InferenceRankingGR(cfg, device, kv_cache=self.manager)
+        self.model = InferenceRankingGR(cfg, device)
         if s.checkpoint is not None:
             state_dict = torch.load(s.checkpoint, map_location=device, weights_only=True)
             self.model.load_state_dict(state_dict)
             logger.info("loaded checkpoint %s", s.checkpoint)
+        self.engine = RankingEngine(self.model, self.manager)
         if s.cuda_graphs:
-            self.model.enable_cuda_graphs(max_batch=s.max_batch_size, compile=s.compile_layers)
+            self.engine.enable_cuda_graphs(max_batch=s.max_batch_size, compile=s.compile_layers)
             logger.info(
                 "captured CUDA graphs of %s layers for row buckets %s",
                 "compiled" if s.compile_layers else "eager",
-                self.model.graphs.bucket_sizes,
+                self.engine.graphs.bucket_sizes,
             )
         self._warm_up()
 
@@ -123,7 +126,7 @@ class ServingRuntime:
             request = RankingRequest.create(
                 WARMUP_USER, items[:n], actions[:n], np.arange(n), candidates, config=cfg
             )
-            (output,) = self.model.rank([request])
+            (output,) = self.engine.rank([request])
             if not torch.isfinite(output.logits).all():
                 raise RuntimeError(f"warm-up produced non-finite logits for a {n}-event history")
         # A full batch too: on CUDA the attention kernel has a variant for few programs (key
@@ -131,7 +134,7 @@ class ServingRuntime:
         pages_per_user = -(-cfg.history_tokens(events) // kv.page_size)
         batch = max(1, min(self.settings.max_batch_size, kv.num_pages // max(pages_per_user, 1)))
         users = [WARMUP_USER + 1 + i for i in range(batch)]  # dropped again below, before serving
-        self.model.rank(
+        self.engine.rank(
             [RankingRequest.create(u, items[:events], actions[:events], np.arange(events), candidates, config=cfg) for u in users]
         )
         self.manager.drain()

@@ -1,25 +1,36 @@
 """AsyncKVCacheManager: the tiered (GPU pages + host chunks) KV cache behind one model.
 
-Lifecycle of a batch (one model thread drives it; workers run beside it):
-  lookup()         sync, microseconds: cached length per user from the GPU tier, else the host
-                   tier; checks the exact identity of the cached prefix (model/identity.py digests
-                   of every input it was computed from); pins host entries it will onload.
-  prepare_async()  prepare worker: reserves pages (pins users, evicts LRU unpinned users), builds
-                   the batch's KVCacheMetadata, hands the host->GPU copies to the onload worker,
-                   which enqueues them layer by layer on the onload stream (one event per layer).
-  wait_prepared()  joins the prepare future (re-raising its error) and moves metadata to the device.
-  offload_async()  after the block ran: commits new lengths, invalidates users whose onload
-                   failed (the caller recomputes them), and offloads newly full chunks: the offload
-                   worker gathers all layers' pages in one op on the offload stream, copies them
-                   into host slots, commits them to the host index only after the copy completed,
-                   then unpins the users.
-  abort()          the forward failed: wait for the onload, unpin, keep only committed state.
+Interface (the engine, engine/engine.py, is its only caller; one model thread drives it):
+  plan(users, history_lens, identities, num_candidates) -> BatchPlan
+                   sync, microseconds: cached length per user (GPU tier, else host tier, reused
+                   only when the stored digest equals the request's, model/identity.py), the
+                   batch's row layout, and the prepare job started on the prepare worker: reserve
+                   pages (pins users, evicts LRU unpinned users), build KVCacheMetadata, hand the
+                   host->GPU copies to the onload worker (one event per layer on the onload stream).
+  wait(plan) -> PreparedBatch
+                   joins the prepare job (re-raising its error); metadata on the device, the page
+                   tensor and a per-layer ready hook for the block.
+  finish(plan) -> failed users
+                   after the block ran: commits new lengths and digests, invalidates users whose
+                   onload failed (the caller recomputes them), offloads newly full chunks (the
+                   offload worker gathers all layers in one op on the offload stream, copies into
+                   host slots, commits them after the copy completed, then unpins).
+  abort(plan)      the forward failed anywhere after plan(): wait for the workers, unpin, keep only
+                   committed state.
+
+Threads and state:
+  model thread     plan, wait, finish, abort, invalidate, evict_gpu, drain, close
+  prepare worker   GPU reserve (+ evictions), metadata, digests of whole histories
+  onload worker    host->GPU copies on the onload stream; host unpin when done
+  offload worker   gather + D2H on the offload stream; host reserve/commit/abort; GPU unpin
+  Every multi-step change of the two C++ indexes runs under `_index_lock` (the indexes also lock
+  each call); no thread waits for another while holding it.
 
 Invariants:
   - A user's pages are never evicted or shrunk while pinned (in a batch, or being offloaded).
   - A host slot is reused only after its user was unpinned (no onload reads it) or, if reserved,
     after its copy was committed or aborted.
-  - A user's in-flight offload is joined before a lookup that could shrink, drop or onload the
+  - A user's in-flight offload is joined before a plan that could shrink, drop or onload the
     user; a plain extension (GPU hit, more tokens, same prefix) runs beside it, since it only
     appends after the committed tokens the offload reads (its pages are pinned once per batch).
   - The GPU tier never holds less than the host tier for a resident user (host is filled from GPU).
@@ -42,6 +53,7 @@ from hstu.ops._build import load_extension
 from hstu.ops.kv_ops import gather_kvcache_all_layers, onload_kvcache, store_host_chunks
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.handle import OnloadHandle
+from hstu.ops.kvcache.layout import JaggedLayout
 from hstu.ops.kvcache.metadata import KVCacheMetadata
 from hstu.ops.kvcache.stats import CacheStats
 
@@ -56,29 +68,35 @@ class HistoryConflictError(ValueError):
 
 
 @dataclass
-class LookupResult:
-    """What lookup found: cached length and source tier per user, host slots to onload."""
+class PreparedBatch:
+    """A batch whose pages are reserved: what the block needs, and what finish() commits."""
+
+    pages: list[list[int]]
+    metadata: KVCacheMetadata
+    handle: OnloadHandle
+    kv_pages: torch.Tensor
+    onload_users: list[int]
+    # Digest of each user's whole history, for the commit: finished on the prepare worker.
+    digests: list[bytes]
+
+    def ready(self, layer: int) -> None:
+        """Block hook: order the compute stream after layer's onload (raises on timeout)."""
+        self.handle.wait(layer)
+
+
+@dataclass
+class BatchPlan:
+    """One batch from plan() to finish()/abort(): how much each user reuses, and its row layout."""
 
     user_ids: list[int]
     history_lens: list[int]
     identities: list[HistoryIdentity]
     cached_lens: list[int]
     sources: list[str]
+    layout: JaggedLayout | None = None
     onload_slots: dict[int, list[int]] = field(default_factory=dict)
-
-
-@dataclass
-class PreparedBatch:
-    """A batch whose pages are reserved; metadata is on the host until wait_prepared."""
-
-    lookup: LookupResult
-    pages: list[list[int]]
-    metadata: KVCacheMetadata
-    handle: OnloadHandle
-    onload_users: list[int]
-    # Digest of each user's whole history, for the commit: finished on the prepare worker
-    # (the tail block of each history), not on the model thread.
-    digests: list[bytes]
+    _future: Future | None = field(default=None, repr=False)
+    _prepared: PreparedBatch | None = field(default=None, repr=False)
 
 
 class AsyncKVCacheManager:
@@ -98,7 +116,7 @@ class AsyncKVCacheManager:
         self.host = _ext.HostStorage(c.host_slots, c.chunk_tokens)
         # One extra page that no user ever owns: padded (CUDA-graph) batches write into it.
         self.scratch_page = c.num_pages
-        self.kv_cache = torch.zeros(
+        self.kv_pages = torch.zeros(
             (c.num_layers, c.num_pages + 1, 2, c.page_size, c.num_heads, c.head_dim), dtype=c.dtype, device=self.device
         )
         self.host_arena = torch.zeros(
@@ -108,6 +126,7 @@ class AsyncKVCacheManager:
         )
         self.stats = CacheStats()
         self.onload_fault = onload_fault
+        self._index_lock = threading.RLock()
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="hstu-prepare")
         self._onload_pool = ThreadPoolExecutor(1, thread_name_prefix="hstu-onload")
         self._offload_pool = ThreadPoolExecutor(1, thread_name_prefix="hstu-offload")
@@ -117,10 +136,30 @@ class AsyncKVCacheManager:
         self._offloads_lock = threading.Lock()
         self._closed = False
 
-    # ----------------------------------------------------------------- lookup
-    def lookup(self, user_ids: list[int], history_lens: list[int], identities: list[HistoryIdentity]) -> LookupResult:
-        """Cached length per user (GPU tier first, then host), reusing a cached prefix only when its
-        digest equals the request's digest of the same prefix (identities[i] covers user i's history)."""
+    # ------------------------------------------------------------------- plan
+    def plan(
+        self,
+        user_ids: list[int],
+        history_lens: list[int],
+        identities: list[HistoryIdentity],
+        num_candidates: list[int],
+    ) -> BatchPlan:
+        """Look the users up, lay out the batch's rows and start preparing it on the worker."""
+        plan = self._lookup(user_ids, history_lens, identities)
+        try:
+            plan.layout = JaggedLayout.build(plan.history_lens, plan.cached_lens, num_candidates)
+            after = None
+            if self.is_cuda:
+                after = torch.cuda.Event()
+                after.record(torch.cuda.current_stream(self.device))
+            plan._future = self._prepare_pool.submit(self._prepare, plan, after)
+        except BaseException:
+            with self._index_lock:
+                self.host.unpin(list(plan.onload_slots))
+            raise
+        return plan
+
+    def _lookup(self, user_ids: list[int], history_lens: list[int], identities: list[HistoryIdentity]) -> BatchPlan:
         self._check_open()
         if len(set(user_ids)) != len(user_ids):
             dup = next(u for u in user_ids if user_ids.count(u) > 1)
@@ -134,33 +173,35 @@ class AsyncKVCacheManager:
                 raise ValueError(f"user {u}: history length must be positive, got {n}")
             if ident.num_tokens != n:
                 raise ValueError(f"user {u}: identity covers {ident.num_tokens} tokens but the history has {n}")
-        result = LookupResult(list(user_ids), list(history_lens), list(identities), [], [])
-        pinned: list[int] = []
-        try:
-            for u, n, ident in zip(user_ids, history_lens, identities):
-                cached, source = self._lookup_one(u, n, ident, result)
-                if source == "host":
-                    pinned.append(u)
-                result.cached_lens.append(cached)
-                result.sources.append(source)
-        except BaseException:
-            self.host.unpin(pinned)
-            raise
+        # Settle in-flight offloads of users this lookup may shrink, drop or onload, before taking
+        # the index lock (the offload worker needs it to finish).
+        self._join_offloads([u for u, n, i in zip(user_ids, history_lens, identities) if self._gpu_extension(u, n, i) == 0])
+        plan = BatchPlan(list(user_ids), list(history_lens), list(identities), [], [])
+        with self._index_lock:
+            try:
+                for u, n, ident in zip(user_ids, history_lens, identities):
+                    cached, source = self._lookup_one(u, n, ident, plan)
+                    plan.cached_lens.append(cached)
+                    plan.sources.append(source)
+            except BaseException:
+                self.host.unpin(list(plan.onload_slots))
+                raise
         self.stats.add(
-            gpu_hits=result.sources.count("gpu"),
-            host_hits=result.sources.count("host"),
-            misses=result.sources.count("miss"),
+            gpu_hits=plan.sources.count("gpu"), host_hits=plan.sources.count("host"), misses=plan.sources.count("miss")
         )
-        return result
+        return plan
 
-    def _lookup_one(self, user: int, n: int, ident: HistoryIdentity, result: LookupResult) -> tuple[int, str]:
+    def _gpu_extension(self, user: int, n: int, ident: HistoryIdentity) -> int:
+        """Cached length when the request plainly extends the user's GPU entry, else 0."""
         gpu_len, gpu_digest = self.gpu.lookup(user)
         if 0 < gpu_len < n and gpu_digest and ident.prefix(gpu_len) == gpu_digest:
-            # A plain extension only appends after the committed tokens: it may run while this
-            # user's previous offload still reads its full chunks.
-            return gpu_len, "gpu"
-        # Anything else may shrink or drop the user's pages or read its host slots: settle first.
-        self._join_offloads([user])
+            return gpu_len
+        return 0
+
+    def _lookup_one(self, user: int, n: int, ident: HistoryIdentity, plan: BatchPlan) -> tuple[int, str]:
+        extension = self._gpu_extension(user, n, ident)
+        if extension:
+            return extension, "gpu"
         gpu_len, gpu_digest = self.gpu.lookup(user)
         if gpu_len > 0:
             usable = self._usable_length(user, n, ident, gpu_len, gpu_digest)
@@ -171,13 +212,9 @@ class AsyncKVCacheManager:
         if host_len > 0:
             usable = self._usable_length(user, n, ident, host_len, host_digest)
             if usable > 0:
-                n_chunks = -(-usable // self.config.chunk_tokens)
-                try:
-                    self.host.pin([user])
-                except ValueError:  # evicted by the offload worker since the lookup: a miss
-                    return 0, "miss"
+                self.host.pin([user])
                 self.host.touch(user)
-                result.onload_slots[user] = list(slots[:n_chunks])
+                plan.onload_slots[user] = list(slots[: -(-usable // self.config.chunk_tokens)])
                 return usable, "host"
         return 0, "miss"
 
@@ -205,58 +242,42 @@ class AsyncKVCacheManager:
             return 0
         return min(cached, n - 1)
 
-    def release_lookup(self, lookup: LookupResult) -> None:
-        """Undo lookup's host pins when the batch is dropped before prepare_async."""
-        self.host.unpin(list(lookup.onload_slots))
-
     # ---------------------------------------------------------------- prepare
-    def prepare_async(self, lookup: LookupResult, layout) -> Future:
-        """Reserve pages, build metadata and start the onload on the prepare worker.
-
-        `layout` is the batch's model.preprocessor.JaggedLayout (rows of new tokens and candidates).
-        """
-        self._check_open()
-        if list(layout.history_lens) != lookup.history_lens or list(layout.cached_lens) != lookup.cached_lens:
-            raise ValueError(
-                f"layout (history {layout.history_lens}, cached {layout.cached_lens}) does not match the lookup "
-                f"(history {lookup.history_lens}, cached {lookup.cached_lens})"
-            )
-        after = None
-        if self.is_cuda:
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self.device))
-        future = self._prepare_pool.submit(self._prepare, lookup, layout, after)
-        return future
-
-    def _prepare(self, lookup: LookupResult, layout, compute_done: "torch.cuda.Event | None") -> PreparedBatch:
+    def _prepare(self, plan: BatchPlan, compute_done: "torch.cuda.Event | None") -> PreparedBatch:
         try:
-            keep = [c if s == "gpu" else 0 for c, s in zip(lookup.cached_lens, lookup.sources)]
+            keep = [c if s == "gpu" else 0 for c, s in zip(plan.cached_lens, plan.sources)]
             try:
-                pages = self.gpu.reserve(lookup.user_ids, keep, lookup.history_lens)
+                pages = self._reserve(plan, keep)
             except CacheCapacityError:
                 # Pages pinned by in-flight offloads become evictable once those finish.
                 self.drain()
-                pages = self.gpu.reserve(lookup.user_ids, keep, lookup.history_lens)
+                pages = self._reserve(plan, keep)
         except BaseException:
-            self.host.unpin(list(lookup.onload_slots))
+            with self._index_lock:
+                self.host.unpin(list(plan.onload_slots))
             raise
-        self._count_evictions()
-        metadata = KVCacheMetadata.from_layout(pages, layout, self.config.page_size, pin=self.is_cuda)
-        onload_users = list(lookup.onload_slots)
+        metadata = KVCacheMetadata.from_layout(pages, plan.layout, self.config.page_size, pin=self.is_cuda)
+        onload_users = list(plan.onload_slots)
         if not onload_users:
             handle = OnloadHandle.completed(self.config.num_layers)
         else:
             handle = OnloadHandle(self.config.num_layers, self.device, self.config.onload_timeout_s)
-            slot_ids, page_ids = self._onload_plan(lookup, pages)
+            slot_ids, page_ids = self._onload_plan(plan, pages)
             self._onload_pool.submit(self._onload, handle, onload_users, slot_ids, page_ids, compute_done)
-        digests = [ident.prefix(n) for ident, n in zip(lookup.identities, lookup.history_lens)]
-        return PreparedBatch(lookup, pages, metadata, handle, onload_users, digests)
+        digests = [ident.prefix(n) for ident, n in zip(plan.identities, plan.history_lens)]
+        return PreparedBatch(pages, metadata, handle, self.kv_pages, onload_users, digests)
 
-    def _onload_plan(self, lookup: LookupResult, pages: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reserve(self, plan: BatchPlan, keep: list[int]) -> list[list[int]]:
+        with self._index_lock:
+            pages = self.gpu.reserve(plan.user_ids, keep, plan.history_lens)
+            self._count_evictions()
+        return pages
+
+    def _onload_plan(self, plan: BatchPlan, pages: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         ppc = self.config.pages_per_chunk
         slots, page_rows = [], []
-        for b, u in enumerate(lookup.user_ids):
-            for c, slot in enumerate(lookup.onload_slots.get(u, [])):
+        for b, u in enumerate(plan.user_ids):
+            for c, slot in enumerate(plan.onload_slots.get(u, [])):
                 slots.append(slot)
                 page_rows.append(pages[b][c * ppc : (c + 1) * ppc])
         return torch.tensor(slots, dtype=torch.int32), torch.tensor(page_rows, dtype=torch.int32).reshape(-1, ppc)
@@ -283,7 +304,7 @@ class AsyncKVCacheManager:
                 for layer in range(self.config.num_layers):
                     if self.onload_fault is not None:
                         self.onload_fault(users, layer)
-                    onload_kvcache(self.kv_cache, self.host_arena, slot_ids, page_ids, layer)
+                    onload_kvcache(self.kv_pages, self.host_arena, slot_ids, page_ids, layer)
                     handle.mark_ready(layer, stream)
             if stream is not None:
                 stream.synchronize()
@@ -298,73 +319,80 @@ class AsyncKVCacheManager:
                 except BaseException:
                     logger.exception("onload stream failed to synchronize")
         finally:
-            self.host.unpin(users)
+            with self._index_lock:
+                self.host.unpin(users)
             if error is None:
                 handle.mark_done()
             else:
                 handle.fail(error)
 
-    def wait_prepared(self, future: Future) -> PreparedBatch:
-        """Join the prepare future (re-raising its error) and move the metadata to the device."""
-        prepared: PreparedBatch = future.result()
-        if self.device.type != "cpu":
-            prepared.metadata = prepared.metadata.to(self.device, non_blocking=True)
-        return prepared
+    def wait(self, plan: BatchPlan) -> PreparedBatch:
+        """Join the prepare job (re-raising its error); the metadata moves to the device."""
+        if plan._prepared is None:
+            prepared: PreparedBatch = plan._future.result()
+            if self.device.type != "cpu":
+                prepared.metadata = prepared.metadata.to(self.device, non_blocking=True)
+            plan._prepared = prepared
+        return plan._prepared
 
     # ---------------------------------------------------------- commit + offload
-    def offload_async(self, prepared: PreparedBatch) -> list[int]:
+    def finish(self, plan: BatchPlan) -> list[int]:
         """After the block ran: commit the batch, start its offload (gather + D2H on the offload
         stream, host commit once the copy completed, then unpin), and return the users whose
         onload failed, which the caller must recompute."""
+        prepared = self.wait(plan)
         handle = prepared.handle
         handle.wait_done()
-        lk = prepared.lookup
-        failed = set(prepared.onload_users) if handle.failed else set()
-        ok_users, offload_plan = [], []
-        for b, u in enumerate(lk.user_ids):
-            if u in failed:
-                continue
-            n = lk.history_lens[b]
-            self.gpu.commit(u, n, prepared.digests[b])
-            ok_users.append(u)
-            offload_plan.append((u, b))
-            self.stats.add(cached_tokens=lk.cached_lens[b], computed_tokens=n - lk.cached_lens[b])
-        if failed:
-            failed_list = sorted(failed)
-            self.gpu.release(failed_list)
-            for u in failed_list:
-                self.invalidate(u)
-            self.stats.add(recomputes=len(failed_list))
-        self._start_offload(prepared, offload_plan)
-        return sorted(failed)
+        failed = sorted(prepared.onload_users) if handle.failed else []
+        jobs: list[tuple[int, int]] = []
+        with self._index_lock:
+            for b, u in enumerate(plan.user_ids):
+                if u in failed:
+                    continue
+                n = plan.history_lens[b]
+                self.gpu.commit(u, n, prepared.digests[b])
+                jobs.append((u, b))
+                self.stats.add(cached_tokens=plan.cached_lens[b], computed_tokens=n - plan.cached_lens[b])
+            if failed:
+                self.gpu.release(failed)
+                for u in failed:
+                    self.invalidate(u)
+                self.stats.add(recomputes=len(failed))
+            chunk = self.config.chunk_tokens
+            offload = [(u, b) for u, b in jobs if plan.history_lens[b] >= chunk and self.config.host_slots > 0]
+            done = [u for u, b in jobs if (u, b) not in offload]
+            if done:
+                self.gpu.release(done)
+        if offload:
+            self._start_offload(plan, prepared, offload)
+        return failed
 
-    def abort(self, prepared: PreparedBatch) -> None:
+    def abort(self, plan: BatchPlan) -> None:
         """The forward failed: release the batch; the new tokens were never committed."""
+        if plan._future is None:
+            return
+        try:
+            prepared = self.wait(plan)
+        except BaseException:  # prepare failed: it released its own pins
+            return
         try:
             prepared.handle.wait_done()
         finally:
-            self.gpu.release(prepared.lookup.user_ids)
+            with self._index_lock:
+                self.gpu.release(plan.user_ids)
 
     # ---------------------------------------------------------------- offload
-    def _start_offload(self, prepared: PreparedBatch, plan: list[tuple[int, int]]) -> None:
-        chunk = self.config.chunk_tokens
-        jobs = [(u, b) for u, b in plan if prepared.lookup.history_lens[b] >= chunk and self.config.host_slots > 0]
-        keep = {u for u, _ in jobs}
-        no_offload = [u for u, _ in plan if u not in keep]
-        if no_offload:
-            self.gpu.release(no_offload)
-        if not jobs:
-            return
+    def _start_offload(self, plan: BatchPlan, prepared: PreparedBatch, jobs: list[tuple[int, int]]) -> None:
         compute_done = None
         if self.is_cuda:
             compute_done = torch.cuda.Event()
             compute_done.record(torch.cuda.current_stream(self.device))
-        future = self._offload_pool.submit(self._offload, prepared, jobs, compute_done)
+        future = self._offload_pool.submit(self._offload, plan, prepared, jobs, compute_done)
         with self._offloads_lock:
             for u, _ in jobs:
                 self._offloads[u] = future
 
-    def _offload(self, prepared: PreparedBatch, jobs, compute_done) -> None:
+    def _offload(self, plan: BatchPlan, prepared: PreparedBatch, jobs, compute_done) -> None:
         """Offload worker: reserve host slots, gather all layers in one op, copy, then commit."""
         ppc, chunk = self.config.pages_per_chunk, self.config.chunk_tokens
         stream = self._offload_stream
@@ -372,23 +400,23 @@ class AsyncKVCacheManager:
         users = [u for u, _ in jobs]
         try:
             page_rows, slot_list = [], []
-            for u, b in jobs:
-                # Decided here, not at submit time: only this worker evicts host entries.
-                first = len(self.host.lookup(u)[0])
-                count = prepared.lookup.history_lens[b] // chunk - first
-                if count <= 0:
-                    continue
-                try:
-                    slots = self.host.reserve(u, first, count)
-                except CacheCapacityError:
-                    self.stats.add(offload_skipped=1)
-                    continue
-                self._count_evictions()
-                reserved.append((u, b, first, slots))
-                pages = prepared.pages[b]
-                for c in range(count):
-                    page_rows.append(pages[(first + c) * ppc : (first + c + 1) * ppc])
-                slot_list.extend(slots)
+            with self._index_lock:
+                for u, b in jobs:
+                    first = len(self.host.lookup(u)[0])
+                    count = plan.history_lens[b] // chunk - first
+                    if count <= 0:
+                        continue
+                    try:
+                        slots = self.host.reserve(u, first, count)
+                    except CacheCapacityError:
+                        self.stats.add(offload_skipped=1)
+                        continue
+                    self._count_evictions()
+                    reserved.append((u, b, first, slots))
+                    pages = prepared.pages[b]
+                    for c in range(count):
+                        page_rows.append(pages[(first + c) * ppc : (first + c + 1) * ppc])
+                    slot_list.extend(slots)
             if reserved:
                 page_ids = torch.tensor(page_rows, dtype=torch.int32).reshape(-1, ppc)
                 slot_ids = torch.tensor(slot_list, dtype=torch.int32)
@@ -396,23 +424,26 @@ class AsyncKVCacheManager:
                     if stream is not None:
                         stream.wait_event(compute_done)
                         page_ids = page_ids.to(self.device, non_blocking=True)
-                    chunks = gather_kvcache_all_layers(self.kv_cache, page_ids)
+                    chunks = gather_kvcache_all_layers(self.kv_pages, page_ids)
                     store_host_chunks(self.host_arena, chunks, slot_ids)
                     if stream is not None:
                         stream.synchronize()
                 self.stats.add(bytes_offloaded=len(slot_list) * self.config.chunk_bytes)
-            for u, b, first, slots in reserved:
-                n_tokens = (first + len(slots)) * chunk
-                if not self.host.commit(u, slots, first, prepared.lookup.identities[b].prefix(n_tokens)):
-                    self.stats.add(offload_skipped=1)
+            with self._index_lock:
+                for u, b, first, slots in reserved:
+                    n_tokens = (first + len(slots)) * chunk
+                    if not self.host.commit(u, slots, first, plan.identities[b].prefix(n_tokens)):
+                        self.stats.add(offload_skipped=1)
         except BaseException as exc:
             logger.warning("offload of users %s failed: %s; their host copies are dropped", users, exc)
             self.stats.add(offload_failures=1)
-            for u, _, _, slots in reserved:
-                self.host.abort(slots)
-                self.host.invalidate(u)
+            with self._index_lock:
+                for u, _, _, slots in reserved:
+                    self.host.abort(slots)
+                    self.host.invalidate(u)
         finally:
-            self.gpu.release(users)
+            with self._index_lock:
+                self.gpu.release(users)
 
     def _join_offloads(self, user_ids: list[int] | None) -> None:
         """Wait for the in-flight offloads of these users (None: of every user)."""
@@ -429,15 +460,21 @@ class AsyncKVCacheManager:
     # ------------------------------------------------------------ maintenance
     def invalidate(self, user: int) -> None:
         """Drop every tier's copy of a user (caller guarantees the user is not pinned)."""
-        self.gpu.invalidate(user)
-        self.host.invalidate(user)
+        with self._index_lock:
+            self.gpu.invalidate(user)
+            self.host.invalidate(user)
 
     def evict_gpu(self, users: list[int]) -> None:
         """Drop only the GPU copy of users (their host chunks stay), after in-flight offloads finish;
         the next request of such a user onloads from the host tier."""
         self._join_offloads(list(users))
-        for u in users:
-            self.gpu.invalidate(u)
+        with self._index_lock:
+            for u in users:
+                self.gpu.invalidate(u)
+
+    def occupancy(self) -> dict[str, int]:
+        """Free GPU pages and host slots (for metrics)."""
+        return {"gpu_free_pages": self.gpu.num_free_pages(), "host_free_slots": self.host.num_free_slots()}
 
     def _count_evictions(self) -> None:
         g, h = len(self.gpu.take_evicted()), len(self.host.take_evicted())
@@ -456,4 +493,3 @@ class AsyncKVCacheManager:
         self._closed = True
         for pool in (self._prepare_pool, self._onload_pool, self._offload_pool):
             pool.shutdown(wait=True)
-

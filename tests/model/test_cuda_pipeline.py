@@ -12,6 +12,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from hstu.model.config import HSTUConfig
+from hstu.engine import RankingEngine
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
@@ -37,8 +38,8 @@ def test_bf16_oracle_on_cuda_with_eviction():
     kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=160, chunk_tokens=32, host_capacity_bytes=120 * kv.chunk_bytes)
     mgr = AsyncKVCacheManager(kv, device="cuda")
     assert mgr.host_arena.is_pinned()
-    model = InferenceRankingGR(cfg, device="cuda", kv_cache=mgr)
-    ref64 = _fp64_twin(model)
+    model = RankingEngine(InferenceRankingGR(cfg, device="cuda"), mgr)
+    ref64 = _fp64_twin(model.model)
     book = HistoryBook(cfg, seed=3)
     rng = np.random.default_rng(4)
     worst_ratio, batches = 0.0, 0
@@ -64,7 +65,7 @@ def test_fp32_oracle_on_cuda_matches_no_cache():
     cfg = _config("float32")
     mgr = AsyncKVCacheManager(KVCacheConfig.for_model(cfg, page_size=16, num_pages=96, chunk_tokens=32,
                                                       host_capacity_bytes=64 << 20), device="cuda")
-    model = InferenceRankingGR(cfg, device="cuda", kv_cache=mgr)
+    model = RankingEngine(InferenceRankingGR(cfg, device="cuda"), mgr)
     book = HistoryBook(cfg, seed=5)
     torch.backends.cuda.matmul.allow_tf32 = False
     for step in range(20):
@@ -82,7 +83,7 @@ def test_cuda_graph_replay_matches_eager_and_reference(compile_layers):
 
     def build():
         kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=128, chunk_tokens=32, host_capacity_bytes=32 << 20)
-        return InferenceRankingGR(cfg, device="cuda", kv_cache=AsyncKVCacheManager(kv, device="cuda"))
+        return RankingEngine(InferenceRankingGR(cfg, device="cuda"), AsyncKVCacheManager(kv, device="cuda"))
 
     graphed, eager = build(), build()
     torch._dynamo.reset()
@@ -102,5 +103,5 @@ def test_cuda_graph_replay_matches_eager_and_reference(compile_layers):
     assert graphed.graphs.replays >= 8
     if compile_layers:  # serving never compiled: eager fallbacks ran the eager layers
         assert counters["stats"]["unique_graphs"] == cfg.num_layers * len(buckets)
-    graphed.kv_cache.close()
-    eager.kv_cache.close()
+    graphed.close()
+    eager.close()

@@ -17,6 +17,7 @@ import torch
 
 from hstu.model.batch import RankingRequest
 from hstu.model.identity import BLOCK_TOKENS, HistoryIdentity, token_records
+from hstu.engine import RankingEngine
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
@@ -111,7 +112,7 @@ def _request(cfg, user: int, h: dict, events: int, new: int = 0, seed: int = 0) 
 def _model(cfg, manager=None, seed: int | None = None):
     cfg = dataclasses.replace(cfg, seed=cfg.seed if seed is None else seed)
     manager = manager or AsyncKVCacheManager(KVCacheConfig.for_model(cfg, page_size=4, num_pages=256, chunk_tokens=8))
-    return InferenceRankingGR(cfg, kv_cache=manager), manager
+    return RankingEngine(InferenceRankingGR(cfg), manager), manager
 
 
 def _valid(cfg, h: dict) -> bool:
@@ -173,7 +174,7 @@ def test_new_weights_on_a_shared_cache_recompute_instead_of_reusing_old_k_v(tiny
     (out,) = new.rank([req])
     assert out.cached_tokens == 0, "K/V computed by other weights must not be reused"
     torch.testing.assert_close(out.logits, new.forward_no_cache([req]), rtol=1e-5, atol=1e-6)
-    new.load_state_dict(old.state_dict())
+    new.model.load_state_dict(old.model.state_dict())
     (again,) = new.rank([_request(tiny_config, 9, h, EVENTS, new=1)])
     assert again.cached_tokens == 0, "a checkpoint load changes the model identity"
     mgr.close()

@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import torch
 
+from hstu.engine import RankingEngine
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
@@ -19,7 +20,7 @@ def _model(config, num_pages, host_chunks):
     kv = KVCacheConfig.for_model(config, page_size=4, num_pages=num_pages, chunk_tokens=8,
                                  host_capacity_bytes=host_chunks * kv.chunk_bytes)
     mgr = AsyncKVCacheManager(kv)
-    return InferenceRankingGR(config, kv_cache=mgr), mgr
+    return RankingEngine(InferenceRankingGR(config), mgr), mgr
 
 
 def test_oracle_many_users_growing_histories_with_eviction(tiny_config):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hstu.model.preprocessor import JaggedLayout
+from hstu.ops.kvcache.layout import JaggedLayout
 from hstu.ops.kvcache.metadata import KVCacheMetadata
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hstu.model.preprocessor import JaggedLayout
+from hstu.ops.kvcache.layout import JaggedLayout
 from hstu.ops.attention import dense_hstu_attention, paged_hstu_attention
 from hstu.ops.kvcache.metadata import KVCacheMetadata
 

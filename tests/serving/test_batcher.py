@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hstu.model.batch import RankingRequest
-from hstu.model.ranking import RankOutput
+from hstu.engine import RankOutput
 from hstu.ops.kvcache.manager import CacheCapacityError, HistoryConflictError
 from hstu.serving.batcher import Batcher
 from hstu.serving.errors import RankError

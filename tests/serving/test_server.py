@@ -31,7 +31,7 @@ anyio = pytest.mark.anyio
 
 def assert_manager_closed(app) -> None:
     with pytest.raises(RuntimeError, match="closed"):
-        app.state.runtime.manager.lookup([1], [4], [])
+        app.state.runtime.manager.plan([1], [4], [], [1])
 
 
 @anyio

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hstu.model.batch import RankingRequest
-from hstu.model.preprocessor import JaggedLayout
+from hstu.ops.kvcache.layout import JaggedLayout
+from hstu.engine import RankingEngine
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.manager import AsyncKVCacheManager, CacheCapacityError, HistoryConflictError
@@ -21,7 +22,7 @@ def _setup(config, onload_fault=None, **kv):
     params = dict(page_size=4, num_pages=64, chunk_tokens=8, host_capacity_bytes=1 << 22)
     params.update(kv)
     mgr = AsyncKVCacheManager(KVCacheConfig.for_model(config, **params), onload_fault=onload_fault)
-    return InferenceRankingGR(config, kv_cache=mgr), mgr
+    return RankingEngine(InferenceRankingGR(config), mgr), mgr
 
 
 def _check(model, requests):
@@ -114,17 +115,6 @@ def test_duplicate_user_in_batch_is_rejected(tiny_config, book):
         model.rank([book.request(2, 3), book.request(2, 1)])
 
 
-def test_layout_that_does_not_match_the_lookup_is_rejected(tiny_config, book):
-    _, mgr = _setup(tiny_config)
-    req = book.request(2, 3)
-    n = req.history_tokens(tiny_config)
-    lookup = mgr.lookup([2], [n], [req.identity(b"model")])
-    with pytest.raises(ValueError, match=rf"layout \(history \[{n - 1}\].*does not match the lookup \(history \[{n}\]"):
-        mgr.prepare_async(lookup, JaggedLayout.build([n - 1], [0], [3]))
-    mgr.release_lookup(lookup)
-    mgr.close()
-
-
 def test_out_of_range_ids_name_the_value(tiny_config):
     with pytest.raises(ValueError, match=r"user 4: candidates value 500 out of range \[0, 500\)"):
         RankingRequest.create(4, [1], [0], [5], [500], config=tiny_config)
@@ -155,7 +145,7 @@ def test_injected_onload_failure_recomputes_and_counts(tiny_config, book):
 def test_failed_forward_leaves_no_pins(tiny_config, book, monkeypatch):
     model, mgr = _setup(tiny_config)
     _check(model, [book.request(1, 5)])
-    monkeypatch.setattr(model.head, "forward", lambda y: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(model.model.head, "forward", lambda y: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         model.rank([book.request(1, 2)])
     monkeypatch.undo()
@@ -168,7 +158,7 @@ def test_prepare_overlaps_embedding(tiny_config, book, monkeypatch):
     """A slow prepare and a slow embedding together take about the max, not the sum."""
     model, mgr = _setup(tiny_config)
     delay = 0.4
-    slow_prepare, slow_embed = mgr._prepare, model.preprocessor.embed
+    slow_prepare, slow_embed = mgr._prepare, model.model.preprocessor.embed
 
     def prepare(*args):
         time.sleep(delay)
@@ -179,7 +169,7 @@ def test_prepare_overlaps_embedding(tiny_config, book, monkeypatch):
         return slow_embed(*args)
 
     monkeypatch.setattr(mgr, "_prepare", prepare)
-    monkeypatch.setattr(model.preprocessor, "embed", embed)
+    monkeypatch.setattr(model.model.preprocessor, "embed", embed)
     model.rank([book.request(1, 3)])  # warm-up
     requests = [book.request(1, 3), book.request(2, 3)]
     start = time.perf_counter()
@@ -194,7 +184,7 @@ def test_close_drains_and_rejects_new_work(tiny_config, book):
     mgr.close()
     with pytest.raises(RuntimeError, match="closed"):
         model.rank([book.request(1, 1)])
-    assert np.isfinite(mgr.kv_cache.sum().item())
+    assert np.isfinite(mgr.kv_pages.sum().item())
 
 
 def test_without_host_tier_gpu_hits_still_work(tiny_config, book):

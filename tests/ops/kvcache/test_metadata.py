@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hstu.model.preprocessor import JaggedLayout
+from hstu.ops.kvcache.layout import JaggedLayout
 from hstu.ops.kvcache.metadata import KVCacheMetadata
 
 

@@ -1,4 +1,4 @@
-"""Per-layer CUDA graphs of the paged HSTU block, padded to a few row-count buckets.
+"""Per-layer CUDA graphs of the paged HSTU block, padded to a few row-count buckets (engine-owned).
 
 Why per layer: layer i must wait for its own onload event, and a stream wait on an event recorded
 by another thread cannot live inside a captured graph. So each (bucket, layer) is its own graph;
@@ -15,17 +15,95 @@ Padding (static shapes per bucket of T_pad rows, at most max_batch users):
                          num_pages + 1 pages and never hands out the last);
   page_table             [max_batch, ceil(max_seq_len / page_size)], padded with the scratch page;
   max_q                  = T_pad, the static upper bound the kernel's grid is sized for.
+Every tensor field of KVCacheMetadata is refreshed before a replay, whichever attention backend
+the graphs captured (the torch path reads q_batch/q_local, Triton reads q_offsets): `_PADDING`
+names the fill of each field past the batch's own entries, and a field without a rule is an error.
+Padded rows get q_batch 0 and q_local = their row index (>= T, so never a real row's slot).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Sequence
 
 import torch
 
 from hstu.ops.kvcache.metadata import KVCacheMetadata
+
+
+# Fill of each metadata field past the batch's entries: a value, "scratch" (the scratch page),
+# "last" (the batch's last offset: padded users and rows own nothing) or "row" (the row index).
+_PADDING: dict[str, int | str] = {
+    "page_table": "scratch",
+    "page_indices": "scratch",
+    "page_indptr": "last",
+    "last_page_len": 1,
+    "kv_lens": 0,
+    "cached_lens": 0,
+    "q_offsets": "last",
+    "q_batch": 0,
+    "q_local": "row",
+    "q_pos": -1,
+    "append_rows": 0,
+    "append_page_ids": "scratch",
+    "append_offsets": 0,
+}
+
+
+def _tensor_fields() -> set[str]:
+    return {f.name for f in fields(KVCacheMetadata)} - {"max_q", "packed"}
+
+
+def static_metadata(rows: int, max_batch: int, max_pages: int, scratch_page: int, device) -> KVCacheMetadata:
+    """A bucket's metadata: the largest shapes a padded batch of `rows` rows can need."""
+    i32 = dict(dtype=torch.int32, device=device)
+    i64 = dict(dtype=torch.int64, device=device)
+    B = max_batch
+    return KVCacheMetadata(
+        page_table=torch.full((B, max_pages), scratch_page, **i32),
+        page_indices=torch.full((B * max_pages,), scratch_page, **i32),
+        page_indptr=torch.zeros(B + 1, **i32),
+        last_page_len=torch.ones(B, **i32),
+        kv_lens=torch.zeros(B, **i32),
+        cached_lens=torch.zeros(B, **i32),
+        q_offsets=torch.zeros(B + 1, **i32),
+        q_batch=torch.zeros(rows, **i64),
+        q_local=torch.arange(rows, **i64),
+        q_pos=torch.full((rows,), -1, **i64),
+        append_rows=torch.zeros(rows, **i64),
+        append_page_ids=torch.full((rows,), scratch_page, **i32),
+        append_offsets=torch.zeros(rows, **i32),
+        max_q=rows,
+    )
+
+
+def pad_metadata(static: KVCacheMetadata, meta: KVCacheMetadata, scratch_page: int) -> None:
+    """Copy a batch's metadata into a bucket's static (larger) metadata, padding every field."""
+    missing = _tensor_fields() - set(_PADDING)
+    if missing:
+        raise RuntimeError(f"no CUDA-graph padding rule for metadata fields {sorted(missing)}")
+    for name, src in meta.tensors().items():
+        dst, fill = getattr(static, name), _PADDING[name]
+        if name == "page_table":
+            dst.fill_(scratch_page)
+            dst[: src.shape[0], : src.shape[1]].copy_(src)
+            continue
+        n = src.shape[0]
+        if n > dst.shape[0]:
+            raise ValueError(f"metadata field {name} has {n} entries; the bucket holds {dst.shape[0]}")
+        dst[:n].copy_(src)
+        rest = dst[n:]
+        if rest.numel() == 0:
+            continue
+        if fill == "scratch":
+            rest.fill_(scratch_page)
+        elif fill == "last":
+            rest.copy_(src[-1:].expand_as(rest))
+        elif fill == "row":
+            torch.arange(n, dst.shape[0], out=rest)
+        else:
+            rest.fill_(fill)
 
 
 @dataclass
@@ -76,30 +154,9 @@ class PagedLayerGraphs:
         for rows in self.bucket_sizes:
             self._capture(rows)
 
-    def _static_meta(self, rows: int) -> KVCacheMetadata:
-        B, dev = self.max_batch, self.device
-        i32 = dict(dtype=torch.int32, device=dev)
-        i64 = dict(dtype=torch.int64, device=dev)
-        return KVCacheMetadata(
-            page_table=torch.full((B, self.max_pages), self.scratch_page, **i32),
-            page_indices=torch.zeros(0, **i32),
-            page_indptr=torch.zeros(B + 1, **i32),
-            last_page_len=torch.ones(B, **i32),
-            kv_lens=torch.zeros(B, **i32),
-            cached_lens=torch.zeros(B, **i32),
-            q_offsets=torch.zeros(B + 1, **i32),
-            q_batch=torch.zeros(rows, **i64),
-            q_local=torch.zeros(rows, **i64),
-            q_pos=torch.zeros(rows, **i64),
-            append_rows=torch.zeros(rows, **i64),
-            append_page_ids=torch.full((rows,), self.scratch_page, **i32),
-            append_offsets=torch.zeros(rows, **i32),
-            max_q=rows,
-        )
-
     def _capture(self, rows: int) -> _Bucket:
         x = torch.zeros((rows, self.block.config.embedding_dim), dtype=self.dtype, device=self.device)
-        meta = self._static_meta(rows)
+        meta = static_metadata(rows, self.max_batch, self.max_pages, self.scratch_page, self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: Triton and Inductor compile, allocator settles
@@ -120,24 +177,8 @@ class PagedLayerGraphs:
         return bucket
 
     def _load(self, bucket: _Bucket, x: torch.Tensor, meta: KVCacheMetadata) -> None:
-        T, B = x.shape[0], meta.kv_lens.shape[0]
-        s = bucket.meta
-        bucket.x[:T].copy_(x)
-        mp = meta.page_table.shape[1]
-        s.page_table.fill_(self.scratch_page)
-        s.page_table[:B, :mp].copy_(meta.page_table)
-        s.kv_lens.zero_()
-        s.kv_lens[:B].copy_(meta.kv_lens)
-        s.q_offsets.fill_(T)
-        s.q_offsets[: B + 1].copy_(meta.q_offsets)
-        s.q_pos[:T].copy_(meta.q_pos)
-        tn = meta.append_rows.shape[0]
-        s.append_rows.zero_()
-        s.append_rows[:tn].copy_(meta.append_rows)
-        s.append_page_ids.fill_(self.scratch_page)
-        s.append_page_ids[:tn].copy_(meta.append_page_ids)
-        s.append_offsets.zero_()
-        s.append_offsets[:tn].copy_(meta.append_offsets)
+        bucket.x[: x.shape[0]].copy_(x)
+        pad_metadata(bucket.meta, meta, self.scratch_page)
 
     def run(self, x: torch.Tensor, meta: KVCacheMetadata, before_layer=None) -> torch.Tensor | None:
         """Replay the layers for this batch; None when it fits no bucket (caller runs eagerly).

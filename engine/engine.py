@@ -1,0 +1,196 @@
+"""RankingEngine: the one owner of the ranking pipeline, from requests to logits.
+
+A request's path (`rank`), all on the calling thread, which holds the engine lock so batches run
+one at a time (the server's batcher calls rank from its single model thread):
+  1. validate every request; digests of each history under the model's identity (model/identity.py)
+  2. cache.plan(): lookup (GPU, then host, reused only on an exact digest match), the batch's row
+     layout, and the prepare job started on the cache's prepare worker
+  3. model.embed(): only the new history tokens and the candidates (overlaps 2's worker)
+  4. cache.wait(): pages and metadata; the block runs layer by layer, layer i first calling the
+     plan's ready hook (its onload), as per-layer CUDA graphs when a bucket fits, else eagerly
+  5. model.logits(): candidate rows through the postprocessor and the head
+  6. cache.finish(): commit, offload newly full chunks; users whose onload failed are ranked
+     again, from scratch (their cache entry is gone, so the retry cannot onload)
+Any error between plan and finish aborts the plan (pins released, nothing committed).
+Without a cache, rank runs every user's full sequence through the dense path.
+
+Who owns what: the engine owns the model, the cache manager (closing it on close()), the CUDA
+graphs and compiled layers, and the lock. The cache manager owns its worker threads and streams
+(ops/kvcache/manager.py lists which thread touches which state).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from hstu.model.batch import RankingRequest
+from hstu.model.ranking import InferenceRankingGR
+from hstu.ops.kvcache.manager import AsyncKVCacheManager, PreparedBatch
+
+# A batch is ranked at most this many times: the retry after a failed onload is a plain miss.
+_MAX_ATTEMPTS = 2
+
+
+@dataclass
+class RankOutput:
+    """Per-user result: logits [M, num_tasks] and how much of the history was reused."""
+
+    user_id: int
+    logits: torch.Tensor
+    cached_tokens: int
+    computed_tokens: int
+
+    @property
+    def scores(self) -> np.ndarray:
+        return torch.sigmoid(self.logits.float()).cpu().numpy()
+
+
+@dataclass
+class ForwardTiming:
+    """Host seconds one cached forward spent blocked on the cache (prepare join, onload waits)."""
+
+    prepare_wait_s: float = 0.0
+    onload_wait_s: float = 0.0
+
+
+class RankingEngine:
+    """Runs ranking batches through `model`, reusing K/V from `cache` when one is given."""
+
+    def __init__(self, model: InferenceRankingGR, cache: AsyncKVCacheManager | None = None) -> None:
+        self.model = model
+        self.cache = cache
+        self.config = model.config
+        self.graphs = None
+        self.layer_fns: list[Callable] | None = None
+        self.timings: deque[ForwardTiming] = deque(maxlen=4096)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------- public API
+    @torch.inference_mode()
+    def rank(self, requests: list[RankingRequest]) -> list[RankOutput]:
+        """Per-user outputs in request order (users must be distinct within a batch)."""
+        self.model.validate(requests)
+        with self._lock:
+            if self.cache is None:
+                return self._split(requests, self.model.dense_logits(requests), [0] * len(requests))
+            return self._rank_cached(requests)
+
+    @torch.inference_mode()
+    def forward(self, requests: list[RankingRequest]) -> torch.Tensor:
+        """Logits [sum M, num_tasks] in request order."""
+        return torch.cat([o.logits for o in self.rank(requests)])
+
+    def forward_no_cache(self, requests: list[RankingRequest]) -> torch.Tensor:
+        """The reference: the same model without the cache."""
+        return self.model.forward_no_cache(requests)
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+
+    # ------------------------------------------------------- compiled / graphs
+    def compile_paged_layers(self, **compile_kwargs) -> None:
+        """torch.compile each paged layer on its own (fullgraph), so the per-layer onload waits
+        stay outside the compiled regions. Eager batches then recompile per new shape; for serving,
+        enable_cuda_graphs(compile=True) compiles once per row bucket instead."""
+        self.layer_fns = self._compiled_layers(**compile_kwargs)
+
+    def _compiled_layers(self, **compile_kwargs) -> list[Callable]:
+        block = self.model.block
+        return [
+            torch.compile(functools.partial(block.paged_layer, i), fullgraph=True, **compile_kwargs)
+            for i in range(self.config.num_layers)
+        ]
+
+    def enable_cuda_graphs(
+        self,
+        max_batch: int = 8,
+        buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096),
+        compile: bool = False,
+    ) -> None:
+        """Replay the paged layers as per-layer CUDA graphs for batches that fit a row bucket
+        (padded); larger batches run eagerly. Captures every bucket now, before serving.
+
+        compile: the graphs capture torch.compile'd layers, compiled once per (layer, bucket) with
+        static shapes; eager fallback batches keep the eager layers, so no batch compiles while serving.
+        """
+        if self.cache is None or self.model.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA model with a KV cache manager")
+        from hstu.engine.graphs import PagedLayerGraphs
+
+        layer_fns = self._compiled_layers(dynamic=False) if compile else None
+        self.graphs = PagedLayerGraphs(
+            self.model.block, self.cache.kv_pages, self.cache.scratch_page, max_batch, buckets, layer_fns
+        )
+        # Every layer is one code object (paged_layer) compiled once per (layer, bucket): lift
+        # Dynamo's per-code recompile limit for the captures, else the later ones run uncompiled.
+        limit = max(torch._dynamo.config.recompile_limit, self.config.num_layers * len(buckets) + 8)
+        with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=limit):
+            self.graphs.capture_all()
+
+    # -------------------------------------------------------------- pipeline
+    def _rank_cached(self, requests: list[RankingRequest]) -> list[RankOutput]:
+        outputs: dict[int, RankOutput] = {}
+        todo = requests
+        for _ in range(_MAX_ATTEMPTS):
+            failed = self._rank_batch(todo, outputs)
+            if not failed:
+                return [outputs[r.user_id] for r in requests]
+            todo = [r for r in todo if r.user_id in failed]
+        raise RuntimeError(f"users {sorted(failed)} failed to onload on every attempt")
+
+    def _rank_batch(self, requests: list[RankingRequest], outputs: dict[int, RankOutput]) -> set[int]:
+        """Rank one batch into `outputs`; returns the users whose onload failed (to rank again)."""
+        cache, model = self.cache, self.model
+        model_id = model.identity
+        plan = cache.plan(
+            [r.user_id for r in requests],
+            [r.history_tokens(self.config) for r in requests],
+            [r.identity(model_id) for r in requests],
+            [r.candidates.shape[0] for r in requests],
+        )
+        timing = ForwardTiming()
+        try:
+            x = model.embed(requests, plan.cached_lens)
+            t0 = time.perf_counter()
+            prepared = cache.wait(plan)
+            timing.prepare_wait_s = time.perf_counter() - t0
+            y = self._run_block(x, prepared, timing)
+            logits = model.logits(y, plan.layout)
+        except BaseException:
+            cache.abort(plan)
+            raise
+        failed = set(cache.finish(plan))
+        self.timings.append(timing)
+        for out in self._split(requests, logits, plan.cached_lens):
+            if out.user_id not in failed:
+                outputs[out.user_id] = out
+        return failed
+
+    def _run_block(self, x: torch.Tensor, prepared: PreparedBatch, timing: ForwardTiming) -> torch.Tensor:
+        def ready(layer: int) -> None:
+            t0 = time.perf_counter()
+            prepared.ready(layer)
+            timing.onload_wait_s += time.perf_counter() - t0
+
+        if self.graphs is not None:
+            y = self.graphs.run(x, prepared.metadata, ready)
+            if y is not None:
+                return y
+        return self.model.block.forward_paged(x, prepared.kv_pages, prepared.metadata, ready, self.layer_fns)
+
+    def _split(self, requests: list[RankingRequest], logits: torch.Tensor, cached: list[int]) -> list[RankOutput]:
+        parts = torch.split(logits, [r.candidates.shape[0] for r in requests])
+        return [
+            RankOutput(r.user_id, p, c, r.history_tokens(self.config) - c + r.candidates.shape[0])
+            for r, p, c in zip(requests, parts, cached)
+        ]
+
