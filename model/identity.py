@@ -33,7 +33,7 @@ import json
 import numpy as np
 import torch
 
-BLOCK_TOKENS = 128
+BLOCK_TOKENS = 512  # ~95 us for a 4k-event history here (128: ~165 us, Python per block)
 DIGEST_BYTES = 32
 _ROOT, _BLOCK, _TAIL, _MODEL = b"hstu.root\0", b"hstu.block", b"hstu.tail\0", b"hstu.model"
 
