@@ -33,6 +33,7 @@ class RankingRequest:
     candidates: np.ndarray
     contextual: np.ndarray
     _identities: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _valid_for: HSTUConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def create(
@@ -68,7 +69,10 @@ class RankingRequest:
         return config.history_tokens(self.num_events)
 
     def validate(self, config: HSTUConfig) -> None:
-        """Raise ValueError naming the first offending value."""
+        """Raise ValueError naming the first offending value. A request passes once per config:
+        its arrays are read-only, so the batch path does not check it again."""
+        if self._valid_for is config:
+            return
         if self.user_id < 0:
             raise ValueError(f"user_id must be >= 0, got {self.user_id}")
         n = self.num_events
@@ -97,6 +101,7 @@ class RankingRequest:
             raise ValueError(f"user {self.user_id}: timestamps must be non-decreasing, event {bad} goes back in time")
         if n and self.timestamps.min() < 0:
             raise ValueError(f"user {self.user_id}: timestamps must be >= 0, got {int(self.timestamps.min())}")
+        self._valid_for = config
 
     def identity(self, model_id: bytes) -> HistoryIdentity:
         """Prefix digests of this history under the model `model_id` (built once, then reused)."""
