@@ -156,6 +156,7 @@ class RankingEngine:
             [r.history_tokens(self.config) for r in requests],
             [r.identity(model_id) for r in requests],
             [r.candidates.shape[0] for r in requests],
+            pad_for=self.graphs.pad_spec if self.graphs is not None else None,
         )
         timing = ForwardTiming()
         try:
@@ -163,7 +164,7 @@ class RankingEngine:
             t0 = time.perf_counter()
             prepared = cache.wait(plan)
             timing.prepare_wait_s = time.perf_counter() - t0
-            y = self._run_block(x, prepared, timing)
+            y = self._run_block(x, prepared, timing, padded=plan.pad is not None)
             logits = model.logits(y, plan.layout)
         except BaseException:
             cache.abort(plan)
@@ -175,7 +176,7 @@ class RankingEngine:
                 outputs[out.user_id] = out
         return failed
 
-    def _run_block(self, x: torch.Tensor, prepared: PreparedBatch, timing: ForwardTiming) -> torch.Tensor:
+    def _run_block(self, x: torch.Tensor, prepared: PreparedBatch, timing: ForwardTiming, padded: bool) -> torch.Tensor:
         def ready(layer: int) -> None:
             t0 = time.perf_counter()
             prepared.ready(layer)
@@ -185,6 +186,8 @@ class RankingEngine:
             y = self.graphs.run(x, prepared.metadata, ready)
             if y is not None:
                 return y
+            if padded:  # padded metadata only fits its graph bucket
+                raise RuntimeError(f"no CUDA graph replayed the batch of {x.shape[0]} rows padded for one")
         return self.model.block.forward_paged(x, prepared.kv_pages, prepared.metadata, ready, self.layer_fns)
 
     def _split(self, requests: list[RankingRequest], logits: torch.Tensor, cached: list[int]) -> list[RankOutput]:

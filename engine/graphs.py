@@ -15,95 +15,21 @@ Padding (static shapes per bucket of T_pad rows, at most max_batch users):
                          num_pages + 1 pages and never hands out the last);
   page_table             [max_batch, ceil(max_seq_len / page_size)], padded with the scratch page;
   max_q                  = T_pad, the static upper bound the kernel's grid is sized for.
-Every tensor field of KVCacheMetadata is refreshed before a replay, whichever attention backend
-the graphs captured (the torch path reads q_batch/q_local, Triton reads q_offsets): `_PADDING`
-names the fill of each field past the batch's own entries, and a field without a rule is an error.
-Padded rows get q_batch 0 and q_local = their row index (>= T, so never a real row's slot).
+The prepare worker builds a batch's metadata already padded to its bucket (`pad_spec`, then
+KVCacheMetadata.from_layout(pad=...)), so a replay refreshes every metadata field, whichever
+attention backend the graphs captured (torch reads q_batch/q_local, Triton q_offsets), with one
+device copy of the packed buffer; metadata not padded for a bucket runs eagerly.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from hstu.ops.kvcache.metadata import KVCacheMetadata
-
-
-# Fill of each metadata field past the batch's entries: a value, "scratch" (the scratch page),
-# "last" (the batch's last offset: padded users and rows own nothing) or "row" (the row index).
-_PADDING: dict[str, int | str] = {
-    "page_table": "scratch",
-    "page_indices": "scratch",
-    "page_indptr": "last",
-    "last_page_len": 1,
-    "kv_lens": 0,
-    "cached_lens": 0,
-    "q_offsets": "last",
-    "q_batch": 0,
-    "q_local": "row",
-    "q_pos": -1,
-    "append_rows": 0,
-    "append_page_ids": "scratch",
-    "append_offsets": 0,
-}
-
-
-def _tensor_fields() -> set[str]:
-    return {f.name for f in fields(KVCacheMetadata)} - {"max_q", "packed"}
-
-
-def static_metadata(rows: int, max_batch: int, max_pages: int, scratch_page: int, device) -> KVCacheMetadata:
-    """A bucket's metadata: the largest shapes a padded batch of `rows` rows can need."""
-    i32 = dict(dtype=torch.int32, device=device)
-    i64 = dict(dtype=torch.int64, device=device)
-    B = max_batch
-    return KVCacheMetadata(
-        page_table=torch.full((B, max_pages), scratch_page, **i32),
-        page_indices=torch.full((B * max_pages,), scratch_page, **i32),
-        page_indptr=torch.zeros(B + 1, **i32),
-        last_page_len=torch.ones(B, **i32),
-        kv_lens=torch.zeros(B, **i32),
-        cached_lens=torch.zeros(B, **i32),
-        q_offsets=torch.zeros(B + 1, **i32),
-        q_batch=torch.zeros(rows, **i64),
-        q_local=torch.arange(rows, **i64),
-        q_pos=torch.full((rows,), -1, **i64),
-        append_rows=torch.zeros(rows, **i64),
-        append_page_ids=torch.full((rows,), scratch_page, **i32),
-        append_offsets=torch.zeros(rows, **i32),
-        max_q=rows,
-    )
-
-
-def pad_metadata(static: KVCacheMetadata, meta: KVCacheMetadata, scratch_page: int) -> None:
-    """Copy a batch's metadata into a bucket's static (larger) metadata, padding every field."""
-    missing = _tensor_fields() - set(_PADDING)
-    if missing:
-        raise RuntimeError(f"no CUDA-graph padding rule for metadata fields {sorted(missing)}")
-    for name, src in meta.tensors().items():
-        dst, fill = getattr(static, name), _PADDING[name]
-        if name == "page_table":
-            dst.fill_(scratch_page)
-            dst[: src.shape[0], : src.shape[1]].copy_(src)
-            continue
-        n = src.shape[0]
-        if n > dst.shape[0]:
-            raise ValueError(f"metadata field {name} has {n} entries; the bucket holds {dst.shape[0]}")
-        dst[:n].copy_(src)
-        rest = dst[n:]
-        if rest.numel() == 0:
-            continue
-        if fill == "scratch":
-            rest.fill_(scratch_page)
-        elif fill == "last":
-            rest.copy_(src[-1:].expand_as(rest))
-        elif fill == "row":
-            torch.arange(n, dst.shape[0], out=rest)
-        else:
-            rest.fill_(fill)
+from hstu.ops.kvcache.metadata import KVCacheMetadata, PadSpec
 
 
 @dataclass
@@ -137,18 +63,20 @@ class PagedLayerGraphs:
         self.scratch_page = scratch_page
         self.max_batch = max_batch
         self.bucket_sizes = tuple(sorted(buckets))
-        cfg = block.config
-        self.max_pages = -(-cfg.max_seq_len // kv_cache.shape[3])
+        self.page_size = kv_cache.shape[3]
+        self.max_pages = -(-block.config.max_seq_len // self.page_size)
         self.device = kv_cache.device
         self.dtype = kv_cache.dtype
         self._pool = torch.cuda.graph_pool_handle()
         self._buckets: dict[int, _Bucket] = {}
         self.replays = 0
 
-    def bucket_for(self, rows: int, batch: int) -> int | None:
+    def pad_spec(self, rows: int, batch: int) -> PadSpec | None:
+        """The padding of a batch of `rows` rows and `batch` users; None when no bucket fits."""
         if batch > self.max_batch:
             return None
-        return next((b for b in self.bucket_sizes if b >= rows), None)
+        bucket = next((b for b in self.bucket_sizes if b >= rows), None)
+        return None if bucket is None else PadSpec(bucket, self.max_batch, self.max_pages, self.scratch_page)
 
     def capture_all(self) -> None:
         for rows in self.bucket_sizes:
@@ -156,7 +84,8 @@ class PagedLayerGraphs:
 
     def _capture(self, rows: int) -> _Bucket:
         x = torch.zeros((rows, self.block.config.embedding_dim), dtype=self.dtype, device=self.device)
-        meta = static_metadata(rows, self.max_batch, self.max_pages, self.scratch_page, self.device)
+        spec = PadSpec(rows, self.max_batch, self.max_pages, self.scratch_page)
+        meta = KVCacheMetadata.padded_empty(spec, self.page_size).to(self.device, non_blocking=False)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: Triton and Inductor compile, allocator settles
@@ -176,20 +105,15 @@ class PagedLayerGraphs:
         self._buckets[rows] = bucket
         return bucket
 
-    def _load(self, bucket: _Bucket, x: torch.Tensor, meta: KVCacheMetadata) -> None:
-        bucket.x[: x.shape[0]].copy_(x)
-        pad_metadata(bucket.meta, meta, self.scratch_page)
-
     def run(self, x: torch.Tensor, meta: KVCacheMetadata, before_layer=None) -> torch.Tensor | None:
-        """Replay the layers for this batch; None when it fits no bucket (caller runs eagerly).
-
-        The returned rows alias the bucket's static output: consume them before the next run.
-        """
-        rows = self.bucket_for(x.shape[0], meta.kv_lens.shape[0])
-        if rows is None:
+        """Replay the layers for this batch; None when its metadata is not padded for a bucket
+        (the caller runs eagerly). The returned rows alias the bucket's static output: consume
+        them before the next run."""
+        bucket = self._buckets.get(meta.max_q)
+        if bucket is None or meta.layout_key != bucket.meta.layout_key or x.shape[0] > bucket.rows:
             return None
-        bucket = self._buckets.get(rows) or self._capture(rows)
-        self._load(bucket, x, meta)
+        bucket.x[: x.shape[0]].copy_(x)
+        bucket.meta.packed[0].copy_(meta.packed[0], non_blocking=True)
         for i, graph in enumerate(bucket.graphs):
             if before_layer is not None:
                 before_layer(i)

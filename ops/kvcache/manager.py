@@ -54,7 +54,7 @@ from hstu.ops.kv_ops import gather_kvcache_all_layers, onload_kvcache, store_hos
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.handle import OnloadHandle
 from hstu.ops.kvcache.layout import JaggedLayout
-from hstu.ops.kvcache.metadata import KVCacheMetadata
+from hstu.ops.kvcache.metadata import KVCacheMetadata, PadSpec
 from hstu.ops.kvcache.stats import CacheStats
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ class BatchPlan:
     cached_lens: list[int]
     sources: list[str]
     layout: JaggedLayout | None = None
+    pad: PadSpec | None = None
     onload_slots: dict[int, list[int]] = field(default_factory=dict)
     _future: Future | None = field(default=None, repr=False)
     _prepared: PreparedBatch | None = field(default=None, repr=False)
@@ -143,11 +144,15 @@ class AsyncKVCacheManager:
         history_lens: list[int],
         identities: list[HistoryIdentity],
         num_candidates: list[int],
+        pad_for: Callable[[int, int], PadSpec | None] | None = None,
     ) -> BatchPlan:
-        """Look the users up, lay out the batch's rows and start preparing it on the worker."""
+        """Look the users up, lay out the batch's rows and start preparing it on the worker.
+
+        pad_for(rows, users): the CUDA-graph bucket padding of the metadata, if any."""
         plan = self._lookup(user_ids, history_lens, identities)
         try:
             plan.layout = JaggedLayout.build(plan.history_lens, plan.cached_lens, num_candidates)
+            plan.pad = pad_for(plan.layout.num_rows, len(user_ids)) if pad_for is not None else None
             after = None
             if self.is_cuda:
                 after = torch.cuda.Event()
@@ -256,7 +261,7 @@ class AsyncKVCacheManager:
             with self._index_lock:
                 self.host.unpin(list(plan.onload_slots))
             raise
-        metadata = KVCacheMetadata.from_layout(pages, plan.layout, self.config.page_size, pin=self.is_cuda)
+        metadata = KVCacheMetadata.from_layout(pages, plan.layout, self.config.page_size, pin=self.is_cuda, pad=plan.pad)
         onload_users = list(plan.onload_slots)
         if not onload_users:
             handle = OnloadHandle.completed(self.config.num_layers)

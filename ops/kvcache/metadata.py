@@ -3,8 +3,16 @@
 Built on the host by the prepare worker (numpy, pinned when CUDA) and moved to the device in one
 go: from_pages packs every array into one host buffer, so the move is one H2D copy (not 13 small
 ones, each a launch on the model thread) and the views are rebuilt on the device. The block only
-reads it. Layout of rows follows model.preprocessor.JaggedLayout: per user, its
+reads it. Layout of rows follows ops/kvcache/layout.py's JaggedLayout: per user, its
 new history tokens then its candidates.
+
+Padded metadata (for a CUDA-graph bucket, `PadSpec`): every array is padded on the host to the
+bucket's static shape, so the graph's static metadata is refreshed by one copy of the packed
+buffer, whichever fields the captured attention backend reads. `_PADDING` names the fill of each
+field past the batch's own entries (a field without a rule is an error):
+  "scratch"  the scratch page no user owns (padded appends write there, padded users read it)
+  "last"     the batch's last offset: padded users and rows own nothing
+  "row"      the row index: padded rows get q_batch 0 and q_local >= T, never a real row's slot
 """
 
 from __future__ import annotations
@@ -13,6 +21,33 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class PadSpec:
+    """Static shapes of one CUDA-graph bucket: rows, users, pages per user, and the scratch page."""
+
+    rows: int
+    max_batch: int
+    max_pages: int
+    scratch_page: int
+
+
+_PADDING: dict[str, int | str] = {
+    "page_table": "scratch",
+    "page_indices": "scratch",
+    "page_indptr": "last",
+    "last_page_len": 1,
+    "kv_lens": 0,
+    "cached_lens": 0,
+    "q_offsets": "last",
+    "q_batch": 0,
+    "q_local": "row",
+    "q_pos": -1,
+    "append_rows": 0,
+    "append_page_ids": "scratch",
+    "append_offsets": 0,
+}
 
 
 @dataclass
@@ -63,8 +98,10 @@ class KVCacheMetadata:
         append_rows: np.ndarray,
         page_size: int,
         pin: bool = False,
+        pad: PadSpec | None = None,
     ) -> "KVCacheMetadata":
-        """Host-side metadata from each user's page list (covering history_lens tokens)."""
+        """Host-side metadata from each user's page list (covering history_lens tokens), padded
+        to `pad`'s static shapes when given."""
         B = len(page_lists)
         for b in range(B):
             need = -(-history_lens[b] // page_size)
@@ -96,13 +133,18 @@ class KVCacheMetadata:
             append_page_ids=np.asarray(append_pages, dtype=np.int32),
             append_offsets=(append_pos % page_size).astype(np.int32),
         )
-        buffer, layout = _pack(arrays, pin)
         q_counts = np.diff(q_offsets)
-        return cls(**_views(buffer, layout), max_q=int(q_counts.max()) if q_counts.size else 0, packed=(buffer, layout))
+        max_q = int(q_counts.max()) if q_counts.size else 0
+        if pad is not None:
+            arrays, max_q = _padded(arrays, pad), pad.rows
+        buffer, layout = _pack(arrays, pin)
+        return cls(**_views(buffer, layout), max_q=max_q, packed=(buffer, layout))
 
     @classmethod
-    def from_layout(cls, page_lists: list[list[int]], layout, page_size: int, pin: bool = False) -> "KVCacheMetadata":
-        """from_pages for a model.preprocessor.JaggedLayout (its lengths and row arrays)."""
+    def from_layout(
+        cls, page_lists: list[list[int]], layout, page_size: int, pin: bool = False, pad: PadSpec | None = None
+    ) -> "KVCacheMetadata":
+        """from_pages for a JaggedLayout (its lengths and row arrays)."""
         return cls.from_pages(
             page_lists,
             layout.history_lens,
@@ -114,7 +156,19 @@ class KVCacheMetadata:
             layout.history_rows,
             page_size,
             pin=pin,
+            pad=pad,
         )
+
+    @classmethod
+    def padded_empty(cls, pad: PadSpec, page_size: int) -> "KVCacheMetadata":
+        """A bucket's metadata before any batch: no users, every field at its padding."""
+        empty = np.zeros(0, dtype=np.int64)
+        return cls.from_pages([], [], [], np.zeros(1, np.int64), empty, empty, empty, empty, page_size, pad=pad)
+
+    @property
+    def layout_key(self) -> tuple | None:
+        """Shapes and offsets of the packed buffer: equal keys mean one copy refreshes the other."""
+        return None if self.packed is None else tuple(self.packed[1])
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor field by name (not max_q, not the packed buffer)."""
@@ -128,6 +182,41 @@ class KVCacheMetadata:
             return KVCacheMetadata(**_views(moved_buffer, layout), max_q=self.max_q, packed=(moved_buffer, layout))
         moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors().items()}
         return KVCacheMetadata(**moved, max_q=self.max_q)
+
+
+def _padded(arrays: dict[str, np.ndarray], pad: PadSpec) -> dict[str, np.ndarray]:
+    """Every array at the bucket's static shape, filled past the batch's entries by `_PADDING`."""
+    missing = set(arrays) - set(_PADDING)
+    if missing:
+        raise RuntimeError(f"no CUDA-graph padding rule for metadata fields {sorted(missing)}")
+    B, P, T = pad.max_batch, pad.max_pages, pad.rows
+    sizes = {"page_indices": B * P, "page_indptr": B + 1, "q_offsets": B + 1}
+    sizes.update(dict.fromkeys(("last_page_len", "kv_lens", "cached_lens"), B))
+    sizes.update(dict.fromkeys(("q_batch", "q_local", "q_pos", "append_rows", "append_page_ids", "append_offsets"), T))
+    out = {}
+    for name, a in arrays.items():
+        fill = _PADDING[name]
+        if name == "page_table":
+            if a.shape[0] > B or a.shape[1] > P:
+                raise ValueError(f"page_table {a.shape} does not fit the bucket's ({B}, {P})")
+            table = np.full((B, P), pad.scratch_page, dtype=a.dtype)
+            table[: a.shape[0], : a.shape[1]] = a
+            out[name] = table
+            continue
+        n, size = a.shape[0], sizes[name]
+        if n > size:
+            raise ValueError(f"metadata field {name} has {n} entries; the bucket holds {size}")
+        if fill == "scratch":
+            padded = np.full(size, pad.scratch_page, dtype=a.dtype)
+        elif fill == "last":
+            padded = np.full(size, a[-1] if n else 0, dtype=a.dtype)
+        elif fill == "row":
+            padded = np.arange(size, dtype=a.dtype)
+        else:
+            padded = np.full(size, fill, dtype=a.dtype)
+        padded[:n] = a
+        out[name] = padded
+    return out
 
 
 # Bytes: every packed array starts 16-byte aligned, as a separate allocation would. Triton

@@ -1,4 +1,4 @@
-"""CUDA-graph metadata refresh: a padded bucket replays correctly whichever attention backend
+"""CUDA-graph metadata: a batch padded to its bucket replays correctly whichever attention backend
 the graphs captured (the torch path reads q_batch and q_local, which Triton does not)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from unittest import mock
 import pytest
 import torch
 
-from hstu.engine.graphs import _PADDING, pad_metadata, static_metadata
 from hstu.ops.attention import paged_hstu_attention_torch
-from hstu.ops.kvcache.metadata import KVCacheMetadata
+from hstu.ops.kvcache.layout import JaggedLayout
+from hstu.ops.kvcache.metadata import _PADDING, KVCacheMetadata, PadSpec
 from tests.ops.paged_cases import make_paged_case, reference_fp64, rel_err
 
 
@@ -20,33 +20,44 @@ def test_every_metadata_field_has_a_padding_rule():
     assert set(_PADDING) == tensor_fields
 
 
-def _padded_torch_attention(case, static, pad_rows: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(9)
-    pad = lambda t: torch.cat([t, torch.randn((pad_rows, *t.shape[1:]), generator=g)])  # noqa: E731
-    return paged_hstu_attention_torch(
-        pad(case.q), pad(case.k), pad(case.v), case.kv_cache, case.layer, static.page_table, static.kv_lens,
-        static.q_batch, static.q_local, static.q_pos, static.max_q, case.scale_len,
-    )
+def _padded(case, spec: PadSpec, page_size: int) -> KVCacheMetadata:
+    m = case.meta
+    pages = [m.page_indices[m.page_indptr[b] : m.page_indptr[b + 1]].tolist() for b in range(m.kv_lens.shape[0])]
+    layout = JaggedLayout.build(m.kv_lens.tolist(), m.cached_lens.tolist(), _candidates(m))
+    return KVCacheMetadata.from_layout(pages, layout, page_size, pad=spec)
 
 
-def test_a_bucket_refreshed_after_another_batch_gives_the_torch_backend_this_batchs_rows():
-    previous = make_paged_case([60, 8, 33, 20], [50, 0, 1, 19], [4, 6, 1, 2], page_size=16, seed=1)
+def _candidates(m: KVCacheMetadata) -> list[int]:
+    return [int(((m.q_batch == b) & (m.q_pos < 0)).sum()) for b in range(m.kv_lens.shape[0])]
+
+
+def test_a_padded_batch_gives_the_torch_backend_exactly_its_rows():
     case = make_paged_case([40, 25, 9], [30, 0, 4], [3, 2, 5], page_size=16, seed=2)
     scratch = case.kv_cache.shape[1]  # one extra page that no user owns
-    case.kv_cache = torch.cat([case.kv_cache, torch.zeros_like(case.kv_cache[:, :1])], 1)
+    case.kv_cache = torch.cat([case.kv_cache, torch.randn_like(case.kv_cache[:, :1])], 1)
     T, rows = case.q.shape[0], 96
-    static = static_metadata(rows, max_batch=5, max_pages=8, scratch_page=scratch, device="cpu")
-    pad_metadata(static, previous.meta, scratch)  # stale state a bucket holds from its last replay
-    pad_metadata(static, case.meta, scratch)
-    out = _padded_torch_attention(case, static, rows - T)
+    padded = _padded(case, PadSpec(rows, max_batch=5, max_pages=8, scratch_page=scratch), 16)
+    assert padded.max_q == rows and padded.q_batch.shape[0] == rows and padded.kv_lens.shape[0] == 5
+    g = torch.Generator().manual_seed(9)
+    pad = lambda t: torch.cat([t, torch.randn((rows - T, *t.shape[1:]), generator=g)])  # noqa: E731
+    out = paged_hstu_attention_torch(
+        pad(case.q), pad(case.k), pad(case.v), case.kv_cache, case.layer, padded.page_table, padded.kv_lens,
+        padded.q_batch, padded.q_local, padded.q_pos, padded.max_q, case.scale_len,
+    )
     assert rel_err(out[:T], reference_fp64(case)) < 1e-5
+
+
+def test_buckets_with_equal_specs_share_one_packed_layout():
+    spec = PadSpec(rows=64, max_batch=4, max_pages=6, scratch_page=99)
+    a = KVCacheMetadata.padded_empty(spec, page_size=16)
+    b = _padded(make_paged_case([40, 25], [30, 0], [3, 2], page_size=16), spec, 16)
+    assert a.layout_key == b.layout_key, "one copy of the packed buffer refreshes the bucket"
 
 
 def test_metadata_larger_than_the_bucket_is_rejected():
     case = make_paged_case([40, 25], [30, 0], [3, 2], page_size=16)
-    static = static_metadata(8, max_batch=2, max_pages=4, scratch_page=0, device="cpu")
     with pytest.raises(ValueError, match="q_batch has 40 entries; the bucket holds 8"):
-        pad_metadata(static, case.meta, 0)
+        _padded(case, PadSpec(rows=8, max_batch=2, max_pages=4, scratch_page=0), 16)
 
 
 @pytest.mark.cuda
