@@ -11,6 +11,7 @@ _SUBCOMMANDS = {
     "serve": "hstu.serving.cli",
     "replay": "hstu.scripts.replay",
     "bench": "hstu.scripts.bench",
+    "profile": "hstu.scripts.profile_forward",
 }
 
 

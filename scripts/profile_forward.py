@@ -1,0 +1,138 @@
+"""Where a cached forward spends its time: host work per forward (cProfile) and GPU busy share
+(torch.profiler trace), at the bench shapes (seed preset by default; --tiny on CPU).
+
+    python -m hstu.scripts.profile_forward --device cuda --cuda-graphs --batch 1 --out out/profile
+
+For each batch size: N cached forwards (GPU-resident prefix, new tokens + candidates), each after
+an untimed prefill, profiled twice: cProfile (host functions by own time; the model thread's
+Python work) and torch.profiler (sum of device kernel time over the forward's wall time = GPU
+busy share). Prints a short table last and writes profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import json
+import logging
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from hstu.engine import RankingEngine
+from hstu.model.ranking import InferenceRankingGR
+from hstu.ops.kvcache.manager import AsyncKVCacheManager
+from hstu.scripts.bench import TINY_SHAPE, BenchShape, _as_users, _UserIds, make_requests
+
+logger = logging.getLogger(__name__)
+_IDS = _UserIds()  # never-reused users across every profiled pass
+
+
+def _engine(shape: BenchShape, device: torch.device, batch: int, cuda_graphs: bool) -> RankingEngine:
+    cfg = shape.model_config()
+    engine = RankingEngine(InferenceRankingGR(cfg, device), AsyncKVCacheManager(shape.cache_config(cfg, 1), device))
+    if cuda_graphs:
+        rows = batch * (shape.new_tokens + shape.num_candidates)
+        engine.enable_cuda_graphs(max_batch=batch, buckets=(rows,))
+    return engine
+
+
+def _forwards(engine: RankingEngine, shape: BenchShape, batch: int, n: int, device: torch.device):
+    """Yield n times: prefill (untimed), then the caller times one cached forward."""
+    prefix, full = make_requests(shape, engine.config, batch)
+    for _ in range(n):
+        users = _IDS.take(full)
+        engine.rank(_as_users(prefix, users))
+        engine.cache.drain()
+        requests = _as_users(full, users)
+        for r in requests:  # digests as the server computes them: off the model thread
+            r.identity(engine.model.identity).prefix(r.history_tokens(engine.config))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        yield requests
+
+
+def host_profile(engine, shape, batch, n, device) -> dict:
+    prof, wall = cProfile.Profile(), 0.0
+    for requests in _forwards(engine, shape, batch, n, device):
+        t0 = time.perf_counter()
+        prof.enable()
+        engine.rank(requests)
+        prof.disable()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall += time.perf_counter() - t0
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:25]  # by own time
+    top = [
+        {"function": f"{Path(f).name}:{line}({name})", "calls_per_forward": c[1] / n, "own_ms_per_forward": c[2] / n * 1e3}
+        for (f, line, name), c in rows
+    ]
+    total_own = sum(c[2] for c in stats.stats.values()) / n * 1e3
+    return {"wall_ms_per_forward": wall / n * 1e3, "profiled_host_ms_per_forward": total_own, "top_own_time": top}
+
+
+def device_profile(engine, shape, batch, n, device) -> dict:
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    busy, wall = 0.0, 0.0
+    for requests in _forwards(engine, shape, batch, n, device):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            engine.rank(requests)
+            torch.cuda.synchronize(device)
+            wall += time.perf_counter() - t0
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+        merged, end = 0.0, None
+        for s, e in spans:  # union of kernel intervals (streams may overlap)
+            if end is None or s > end:
+                merged += e - s
+                end = e
+            elif e > end:
+                merged += e - end
+                end = e
+        busy += merged / 1e3
+    return {"kernel_busy_ms_per_forward": busy / n, "wall_ms_per_forward": wall / n * 1e3, "gpu_busy_share": busy / wall / 1e3}
+
+
+def main(args: argparse.Namespace) -> int:
+    shape = TINY_SHAPE if args.tiny else BenchShape()
+    device = torch.device(args.device)
+    doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": dataclasses.asdict(shape), "cuda_graphs": args.cuda_graphs}
+    for batch in args.batch:
+        engine = _engine(dataclasses.replace(shape, batch_sizes=(batch,)), device, batch, args.cuda_graphs)
+        for _ in _forwards(engine, shape, batch, 3, device):  # warm-up: compiles, allocator
+            pass
+        doc[str(batch)] = {
+            "host": host_profile(engine, shape, batch, args.forwards, device),
+            "device": device_profile(engine, shape, batch, args.forwards, device),
+        }
+        engine.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile.json").write_text(json.dumps(doc, indent=1))
+    for batch in args.batch:
+        h, d = doc[str(batch)]["host"], doc[str(batch)]["device"]
+        print(f"batch {batch}: wall {h['wall_ms_per_forward']:.2f} ms, profiled host {h['profiled_host_ms_per_forward']:.2f} ms"
+              + (f", GPU busy {100 * d['gpu_busy_share']:.0f}% ({d['kernel_busy_ms_per_forward']:.2f} ms)" if d else ""))
+        for row in h["top_own_time"][:12]:
+            print(f"  {row['own_ms_per_forward']:7.3f} ms  x{row['calls_per_forward']:6.1f}  {row['function']}")
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("profile", help="host and device profile of cached forwards", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--forwards", type=int, default=20)
+    p.add_argument("--out", type=Path, default=Path("out/profile"))
+    p.set_defaults(func=main)
+    return p
