@@ -15,7 +15,8 @@ class ServerSettings:
 
     `model_config` (an HSTUConfig object) wins over `model_config_path` (an HSTUConfig JSON file);
     with neither, the embedded HSTUConfig defaults are served. `dtype` overrides the config's dtype.
-    The cache always re-ranks an unchanged history (on_no_new_tokens="recompute_last"); a history
+    An unchanged history is re-ranked from the cache alone (on_no_new_tokens="candidates": only the
+    candidates are computed); a history
     shorter than the cached one is treated as a new history and recomputed (on_shorter_history=
     "invalidate", the default: a client can never lock a user out), or rejected with HTTP 409 in the
     opt-in strict mode on_shorter_history="raise".
@@ -81,6 +82,6 @@ class ServerSettings:
             num_pages=self.num_pages,
             chunk_tokens=self.chunk_tokens,
             host_capacity_bytes=self.host_cache_bytes,
-            on_no_new_tokens="recompute_last",
+            on_no_new_tokens="candidates",
             on_shorter_history=self.on_shorter_history,
         )

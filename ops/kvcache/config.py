@@ -15,8 +15,9 @@ class KVCacheConfig:
 
     host_capacity_bytes caps the host arena; it holds whole chunks of chunk_tokens tokens (a
     multiple of page_size) for every layer. Histories that do not strictly extend the cache:
-      on_no_new_tokens  "raise": HistoryConflictError naming the lengths; "recompute_last": reuse
-                        all but the last token and recompute it (re-ranking an unchanged history);
+      on_no_new_tokens  "candidates": re-ranking an unchanged history reuses every cached token and
+                        computes only the candidates; "recompute_last": reuse all but the last token
+                        and recompute it; "raise": HistoryConflictError naming the lengths;
       on_shorter_history "invalidate" (default): the request's history is the truth, so the entry is
                         dropped and the history recomputed; "raise": HistoryConflictError (a strict
                         mode for clients that want to hear about it).
@@ -41,8 +42,10 @@ class KVCacheConfig:
             raise ValueError(f"page_size and num_pages must be positive, got {self.page_size}, {self.num_pages}")
         if self.chunk_tokens <= 0 or self.chunk_tokens % self.page_size:
             raise ValueError(f"chunk_tokens {self.chunk_tokens} must be a positive multiple of page_size {self.page_size}")
-        if self.on_no_new_tokens not in ("raise", "recompute_last"):
-            raise ValueError(f"on_no_new_tokens must be 'raise' or 'recompute_last', got {self.on_no_new_tokens!r}")
+        if self.on_no_new_tokens not in ("candidates", "recompute_last", "raise"):
+            raise ValueError(
+                f"on_no_new_tokens must be 'candidates', 'recompute_last' or 'raise', got {self.on_no_new_tokens!r}"
+            )
         if self.on_shorter_history not in ("raise", "invalidate"):
             raise ValueError(f"on_shorter_history must be 'raise' or 'invalidate', got {self.on_shorter_history!r}")
         if self.host_capacity_bytes < 0:

@@ -245,7 +245,9 @@ class AsyncKVCacheManager:
             self.invalidate(user)
             self.stats.add(invalidations=1, invalidated_diverged=1)
             return 0
-        return min(cached, n - 1)
+        if n == cached and c.on_no_new_tokens == "recompute_last":
+            return n - 1
+        return cached
 
     # ---------------------------------------------------------------- prepare
     def _prepare(self, plan: BatchPlan, compute_done: "torch.cuda.Event | None") -> PreparedBatch:

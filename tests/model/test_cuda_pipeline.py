@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from hstu.model.config import HSTUConfig
 from hstu.engine import RankingEngine
+from hstu.model.batch import RankingRequest
+from hstu.model.config import HSTUConfig
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
@@ -105,3 +106,35 @@ def test_cuda_graph_replay_matches_eager_and_reference(compile_layers):
         assert counters["stats"]["unique_graphs"] == cfg.num_layers * len(buckets)
     graphed.close()
     eager.close()
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "cuda_graphs"])
+def test_rerank_of_unchanged_histories_on_cuda_computes_only_candidates(cuda_graphs):
+    cfg = _config("float32")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=128, chunk_tokens=32, host_capacity_bytes=32 << 20,
+                                 on_no_new_tokens="candidates")
+    engine = RankingEngine(InferenceRankingGR(cfg, device="cuda"), AsyncKVCacheManager(kv, device="cuda"))
+    if cuda_graphs:
+        engine.enable_cuda_graphs(max_batch=4, buckets=(128, 512))
+    book = HistoryBook(cfg, seed=11)
+    first = [book.request(u, 31 if u == 0 else 20 + 7 * u, 16) for u in range(3)]  # user 0: 64 tokens
+    engine.forward(first)
+    rng = np.random.default_rng(12)
+
+    def rerank(r):
+        cands = rng.integers(0, cfg.num_items, 16)
+        return RankingRequest.create(r.user_id, r.item_ids, r.actions, r.timestamps, cands, r.contextual, cfg)
+
+    for batch in ([rerank(first[0]), book.request(1, 3, 16), rerank(first[2])], [rerank(r) for r in first]):
+        out = engine.rank(batch)
+        logits = torch.cat([o.logits for o in out])
+        assert rel_err(logits, engine.forward_no_cache(batch)) < 1e-5
+        assert out[0].computed_tokens == 16 and out[0].cached_tokens == cfg.history_tokens(31)
+    engine.cache.drain()
+    engine.cache.evict_gpu([0])  # the host tier holds user 0's whole history (two 32-token chunks)
+    batch = [rerank(first[0])]
+    (out,) = engine.rank(batch)
+    assert rel_err(out.logits, engine.forward_no_cache(batch)) < 1e-5
+    assert (out.cached_tokens, out.computed_tokens) == (64, 16), "onloaded whole, candidates computed"
+    engine.close()

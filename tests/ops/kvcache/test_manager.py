@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from hstu.model.batch import RankingRequest
-from hstu.ops.kvcache.layout import JaggedLayout
 from hstu.engine import RankingEngine
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
@@ -98,6 +97,34 @@ def test_lenient_policies_recompute_correctly(tiny_config, book):
     assert again.cached_tokens == tiny_config.history_tokens(6) - 1
     short = RankingRequest.create(3, req.item_ids[:4], req.actions[:4], req.timestamps[:4], req.candidates, config=tiny_config)
     assert _check(model, [short])[0].cached_tokens == 0
+
+
+def _rerank(req: RankingRequest, config, seed: int) -> RankingRequest:
+    """The same history with new candidates."""
+    cands = np.random.default_rng(seed).integers(0, config.num_items, 4)
+    return RankingRequest.create(req.user_id, req.item_ids, req.actions, req.timestamps, cands, req.contextual, config)
+
+
+def test_rerank_of_an_unchanged_history_computes_only_the_candidates(tiny_config, book):
+    model, mgr = _setup(tiny_config, on_no_new_tokens="candidates")
+    first = [book.request(u, 5 + u) for u in range(3)]
+    _check(model, first)
+    mixed = [_rerank(first[0], tiny_config, 1), book.request(1, 2), _rerank(first[2], tiny_config, 2)]
+    out = _check(model, mixed)
+    assert [o.cached_tokens for o in out] == [tiny_config.history_tokens(5 + u) for u in range(3)]
+    assert out[0].computed_tokens == 4 and out[2].computed_tokens == 4, "candidates only"
+    unchanged = [_rerank(r, tiny_config, 3 + i) for i, r in enumerate(mixed)]
+    out = _check(model, unchanged)  # no history token to append in the whole batch
+    assert all(o.computed_tokens == 4 for o in out)
+
+
+def test_rerank_after_gpu_eviction_onloads_the_whole_history_from_the_host(tiny_config, book):
+    model, mgr = _setup(tiny_config, on_no_new_tokens="candidates")
+    req = book.request(1, 11)  # 24 tokens: three full 8-token chunks
+    _check(model, [req])
+    mgr.evict_gpu([1])
+    (out,) = _check(model, [_rerank(req, tiny_config, 5)])
+    assert out.cached_tokens == 24 and mgr.stats.snapshot()["host_hits"] == 1
 
 
 def test_batch_over_capacity_raises_and_leaves_state_intact(tiny_config, book):
