@@ -50,12 +50,12 @@ import torch
 
 from hstu.model.identity import HistoryIdentity
 from hstu.ops._build import load_extension
-from hstu.ops.kv_ops import gather_kvcache_all_layers, onload_kvcache, store_host_chunks
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.handle import OnloadHandle
 from hstu.ops.kvcache.layout import JaggedLayout
 from hstu.ops.kvcache.metadata import KVCacheMetadata, PadSpec
 from hstu.ops.kvcache.stats import CacheStats
+from hstu.ops.kvcache.transfers import OffloadJob, TierTransfers
 
 logger = logging.getLogger(__name__)
 
@@ -126,15 +126,12 @@ class AsyncKVCacheManager:
             pin_memory=self.is_cuda,
         )
         self.stats = CacheStats()
-        self.onload_fault = onload_fault
         self._index_lock = threading.RLock()
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="hstu-prepare")
-        self._onload_pool = ThreadPoolExecutor(1, thread_name_prefix="hstu-onload")
-        self._offload_pool = ThreadPoolExecutor(1, thread_name_prefix="hstu-offload")
-        self._onload_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
-        self._offload_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
-        self._offloads: dict[int, Future] = {}
-        self._offloads_lock = threading.Lock()
+        self.transfers = TierTransfers(
+            c, self.device, self.gpu, self.host, self.kv_pages, self.host_arena, self.stats, self._index_lock,
+            self._count_evictions, onload_fault,
+        )
         self._closed = False
 
     # ------------------------------------------------------------------- plan
@@ -180,7 +177,7 @@ class AsyncKVCacheManager:
                 raise ValueError(f"user {u}: identity covers {ident.num_tokens} tokens but the history has {n}")
         # Settle in-flight offloads of users this lookup may shrink, drop or onload, before taking
         # the index lock (the offload worker needs it to finish).
-        self._join_offloads([u for u, n, i in zip(user_ids, history_lens, identities) if self._gpu_extension(u, n, i) == 0])
+        self.transfers.join([u for u, n, i in zip(user_ids, history_lens, identities) if self._gpu_extension(u, n, i) == 0])
         plan = BatchPlan(list(user_ids), list(history_lens), list(identities), [], [])
         with self._index_lock:
             try:
@@ -270,7 +267,7 @@ class AsyncKVCacheManager:
         else:
             handle = OnloadHandle(self.config.num_layers, self.device, self.config.onload_timeout_s)
             slot_ids, page_ids = self._onload_plan(plan, pages)
-            self._onload_pool.submit(self._onload, handle, onload_users, slot_ids, page_ids, compute_done)
+            self.transfers.onload_async(handle, onload_users, slot_ids, page_ids, compute_done)
         digests = [ident.prefix(n) for ident, n in zip(plan.identities, plan.history_lens)]
         return PreparedBatch(pages, metadata, handle, self.kv_pages, onload_users, digests)
 
@@ -288,50 +285,6 @@ class AsyncKVCacheManager:
                 slots.append(slot)
                 page_rows.append(pages[b][c * ppc : (c + 1) * ppc])
         return torch.tensor(slots, dtype=torch.int32), torch.tensor(page_rows, dtype=torch.int32).reshape(-1, ppc)
-
-    def _onload(
-        self,
-        handle: OnloadHandle,
-        users: list[int],
-        slot_ids: torch.Tensor,
-        page_ids: torch.Tensor,
-        compute_done: "torch.cuda.Event | None",
-    ) -> None:
-        """Onload worker: copy host chunks into the reserved pages, layer by layer.
-
-        The host pins are dropped only once the copies completed, and before the handle reports
-        done, so a finished batch never leaves pins behind.
-        """
-        stream = self._onload_stream
-        error: BaseException | None = None
-        try:
-            with torch.cuda.stream(stream):  # a no-op for None (CPU)
-                if stream is not None and compute_done is not None:
-                    stream.wait_event(compute_done)
-                for layer in range(self.config.num_layers):
-                    if self.onload_fault is not None:
-                        self.onload_fault(users, layer)
-                    onload_kvcache(self.kv_pages, self.host_arena, slot_ids, page_ids, layer)
-                    handle.mark_ready(layer, stream)
-            if stream is not None:
-                stream.synchronize()
-            self.stats.add(bytes_onloaded=int(page_ids.numel()) * self.config.page_bytes * self.config.num_layers)
-        except BaseException as exc:  # fail-open: the batch recomputes these users
-            error = exc
-            logger.warning("onload of users %s failed: %s; they will be recomputed", users, exc)
-            self.stats.add(onload_failures=1)
-            if stream is not None:
-                try:
-                    stream.synchronize()
-                except BaseException:
-                    logger.exception("onload stream failed to synchronize")
-        finally:
-            with self._index_lock:
-                self.host.unpin(users)
-            if error is None:
-                handle.mark_done()
-            else:
-                handle.fail(error)
 
     def wait(self, plan: BatchPlan) -> PreparedBatch:
         """Join the prepare job (re-raising its error); the metadata moves to the device."""
@@ -371,7 +324,9 @@ class AsyncKVCacheManager:
             if done:
                 self.gpu.release(done)
         if offload:
-            self._start_offload(plan, prepared, offload)
+            self.transfers.offload_async(
+                [OffloadJob(u, plan.history_lens[b], prepared.pages[b], plan.identities[b]) for u, b in offload]
+            )
         return failed
 
     def abort(self, plan: BatchPlan) -> None:
@@ -388,83 +343,11 @@ class AsyncKVCacheManager:
             with self._index_lock:
                 self.gpu.release(plan.user_ids)
 
-    # ---------------------------------------------------------------- offload
-    def _start_offload(self, plan: BatchPlan, prepared: PreparedBatch, jobs: list[tuple[int, int]]) -> None:
-        compute_done = None
-        if self.is_cuda:
-            compute_done = torch.cuda.Event()
-            compute_done.record(torch.cuda.current_stream(self.device))
-        future = self._offload_pool.submit(self._offload, plan, prepared, jobs, compute_done)
-        with self._offloads_lock:
-            for u, _ in jobs:
-                self._offloads[u] = future
-
-    def _offload(self, plan: BatchPlan, prepared: PreparedBatch, jobs, compute_done) -> None:
-        """Offload worker: reserve host slots, gather all layers in one op, copy, then commit."""
-        ppc, chunk = self.config.pages_per_chunk, self.config.chunk_tokens
-        stream = self._offload_stream
-        reserved: list[tuple[int, int, int, list[int]]] = []
-        users = [u for u, _ in jobs]
-        try:
-            page_rows, slot_list = [], []
-            with self._index_lock:
-                for u, b in jobs:
-                    first = len(self.host.lookup(u)[0])
-                    count = plan.history_lens[b] // chunk - first
-                    if count <= 0:
-                        continue
-                    try:
-                        slots = self.host.reserve(u, first, count)
-                    except CacheCapacityError:
-                        self.stats.add(offload_skipped=1)
-                        continue
-                    self._count_evictions()
-                    reserved.append((u, b, first, slots))
-                    pages = prepared.pages[b]
-                    for c in range(count):
-                        page_rows.append(pages[(first + c) * ppc : (first + c + 1) * ppc])
-                    slot_list.extend(slots)
-            if reserved:
-                page_ids = torch.tensor(page_rows, dtype=torch.int32).reshape(-1, ppc)
-                slot_ids = torch.tensor(slot_list, dtype=torch.int32)
-                with torch.cuda.stream(stream):  # a no-op for None (CPU)
-                    if stream is not None:
-                        stream.wait_event(compute_done)
-                        page_ids = page_ids.to(self.device, non_blocking=True)
-                    chunks = gather_kvcache_all_layers(self.kv_pages, page_ids)
-                    store_host_chunks(self.host_arena, chunks, slot_ids)
-                    if stream is not None:
-                        stream.synchronize()
-                self.stats.add(bytes_offloaded=len(slot_list) * self.config.chunk_bytes)
-            with self._index_lock:
-                for u, b, first, slots in reserved:
-                    n_tokens = (first + len(slots)) * chunk
-                    if not self.host.commit(u, slots, first, plan.identities[b].prefix(n_tokens)):
-                        self.stats.add(offload_skipped=1)
-        except BaseException as exc:
-            logger.warning("offload of users %s failed: %s; their host copies are dropped", users, exc)
-            self.stats.add(offload_failures=1)
-            with self._index_lock:
-                for u, _, _, slots in reserved:
-                    self.host.abort(slots)
-                    self.host.invalidate(u)
-        finally:
-            with self._index_lock:
-                self.gpu.release(users)
-
-    def _join_offloads(self, user_ids: list[int] | None) -> None:
-        """Wait for the in-flight offloads of these users (None: of every user)."""
-        with self._offloads_lock:
-            users = list(self._offloads) if user_ids is None else [u for u in user_ids if u in self._offloads]
-            futures = {self._offloads.pop(u) for u in users}
-        for f in futures:
-            f.result()
-
+    # ------------------------------------------------------------ maintenance
     def drain(self) -> None:
         """Wait for every in-flight offload."""
-        self._join_offloads(None)
+        self.transfers.join(None)
 
-    # ------------------------------------------------------------ maintenance
     def invalidate(self, user: int) -> None:
         """Drop every tier's copy of a user (caller guarantees the user is not pinned)."""
         with self._index_lock:
@@ -474,7 +357,7 @@ class AsyncKVCacheManager:
     def evict_gpu(self, users: list[int]) -> None:
         """Drop only the GPU copy of users (their host chunks stay), after in-flight offloads finish;
         the next request of such a user onloads from the host tier."""
-        self._join_offloads(list(users))
+        self.transfers.join(list(users))
         with self._index_lock:
             for u in users:
                 self.gpu.invalidate(u)
@@ -498,5 +381,5 @@ class AsyncKVCacheManager:
             return
         self.drain()
         self._closed = True
-        for pool in (self._prepare_pool, self._onload_pool, self._offload_pool):
-            pool.shutdown(wait=True)
+        self._prepare_pool.shutdown(wait=True)
+        self.transfers.close()

@@ -232,17 +232,17 @@ def test_evict_gpu_keeps_host_copy(tiny_config, book):
 
 
 def test_plain_extension_does_not_wait_for_the_users_offload(tiny_config, book, monkeypatch):
-    import hstu.ops.kvcache.manager as manager_module
+    import hstu.ops.kvcache.transfers as transfers_module
 
     model, mgr = _setup(tiny_config)
     release = threading.Event()
-    real_store = manager_module.store_host_chunks
+    real_store = transfers_module.store_host_chunks
 
     def slow_store(*args):
         release.wait(10)
         real_store(*args)
 
-    monkeypatch.setattr(manager_module, "store_host_chunks", slow_store)
+    monkeypatch.setattr(transfers_module, "store_host_chunks", slow_store)
     _check(model, [book.request(1, 12)])  # its offload now blocks in slow_store
     assert mgr.gpu.pin_count(1) == 1
     out = _check(model, [book.request(1, 3)])[0]  # must not wait for that offload
