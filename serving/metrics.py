@@ -79,6 +79,13 @@ class ServingMetrics:
         self.batch_splits = Counter(
             "hstu_batch_splits", "Batches split in two because they needed more KV pages than were free", registry=r
         )
+        self.dropped = Counter(
+            "hstu_requests_dropped",
+            "Queued requests dropped before the model thread: abandoned (the caller stopped waiting), "
+            "timeout (deadline passed), overloaded (queued longer than max_queue_wait)",
+            ["reason"],
+            registry=r,
+        )
         self.queue_depth = Gauge("hstu_queue_depth", "Requests queued or running in the batcher", registry=r)
         self.ready = Gauge("hstu_ready", "1 once the model is loaded and warmed up", registry=r)
 

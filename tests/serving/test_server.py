@@ -119,13 +119,13 @@ BAD_INPUTS = [
     ("numeric string", replace("candidates", ["5"]), 422, ["candidates.0", "'5'"]),
     ("float id", replace("candidates", [1.5]), 422, ["candidates.0", "1.5"]),
     ("bool id", replace("candidates", [True]), 422, ["candidates.0"]),
-    ("history not a list", replace("history", "abc"), 422, ["history", "valid list"]),
+    ("history not a list", replace("history", "abc"), 422, ["history", "valid array"]),
     ("unknown field", replace("histroy", []), 422, ["histroy", "Extra inputs"]),
     ("wrong contextual count", replace("contextual", [1]), 422, ["contextual", "at least 2"]),
     ("contextual out of range", replace("contextual", [1, 50]), 422, ["contextual.1", "less than 50"]),
     ("decreasing timestamps", last_event(timestamp=0), 422, ["non-decreasing", "event"]),
-    ("not json", lambda p: b"{user_id: 1", 422, ["JSON"]),
-    ("body is a list", lambda p: [p], 422, ["valid dictionary"]),
+    ("not json", lambda p: b"{user_id: 1", 400, ["JSON"]),
+    ("body is a list", lambda p: [p], 422, ["body", "an object"]),
     ("shrinking history", lambda p: {**p, "history": p["history"][:2]}, 409, ["shorter", "cached", "full history"]),
 ]
 
@@ -145,7 +145,7 @@ async def test_every_bad_input_class_gets_4xx_with_a_clear_message_and_leaves_th
                 r = await client.post("/v1/rank", json=bad)
             assert r.status_code == status, f"{name}: {r.status_code} {r.text}"
             body = r.json()
-            assert body["error"] in ("invalid_request", "history_conflict"), name
+            assert body["error"] in ("invalid_json", "invalid_request", "history_conflict"), name
             for word in words:
                 assert word in body["detail"], f"{name}: {word!r} not in {body['detail']!r}"
             events += 2
@@ -225,15 +225,19 @@ async def test_ready_is_503_until_warm_up_finishes_while_live_answers(monkeypatc
 
 
 @anyio
-async def test_failed_load_reports_not_live_and_not_ready(tmp_path):
+async def test_failed_load_reports_not_live_and_not_ready_without_leaking_the_cause(tmp_path, caplog):
     async with serving(tiny_settings(checkpoint=str(tmp_path / "missing.pt")), ready=False) as (app, client):
         for _ in range(500):
             if app.state.runtime.state != "loading":
                 break
             await asyncio.sleep(0.01)
         live, ready = await client.get("/v2/health/live"), await client.get("/v2/health/ready")
-        assert live.status_code == ready.status_code == 503
-        assert "missing.pt" in ready.json()["detail"]
+        model_ready = await client.get("/v2/models/hstu/ready")
+    assert live.status_code == ready.status_code == model_ready.status_code == 503
+    for r in (live, ready, model_ready):
+        assert r.json()["error"] == "unavailable" and "loading the model failed" in r.json()["detail"]
+        assert "missing.pt" not in r.text and str(tmp_path) not in r.text and "Error" not in r.text
+    assert "missing.pt" in caplog.text, "the cause goes to the log"
 
 
 @anyio
