@@ -54,7 +54,8 @@ class _Item:
     enqueued: float
     deadline: float
     queue_deadline: float
-    started: bool = False
+    started: bool = False  # its batch went to the model thread
+    refused: bool = False  # answered 503/504 by a timer before that
 
 
 def retry_after_s(wait_s: float) -> int:
@@ -136,6 +137,9 @@ class Batcher:
                 return item.future.result()
             refusal = self._refusal(item, time.monotonic())
             if refusal is not None:
+                if not item.started:
+                    item.refused = True
+                    self._count_drop(refusal.kind)
                 raise refusal
 
     def _refusal(self, item: _Item, now: float) -> RankError | None:
@@ -229,18 +233,22 @@ class Batcher:
 
     def _admit(self, item: _Item, now: float) -> bool:
         """Whether `item` still goes to the model thread; answers it here when it does not."""
-        if item.future.done():  # its caller stopped waiting (client gone, timed out, refused)
-            if self.metrics is not None:
-                self.metrics.dropped.labels("abandoned").inc()
+        if item.future.done():  # its caller stopped waiting: the client went away, or a timer refused it
+            if not item.refused:
+                self._count_drop("abandoned")
             return False
         refusal = self._refusal(item, now)
         if refusal is not None:
-            if self.metrics is not None:
-                self.metrics.dropped.labels(refusal.kind).inc()
+            item.refused = True
+            self._count_drop(refusal.kind)
             item.future.set_exception(refusal)
             return False
         item.started = True
         return True
+
+    def _count_drop(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.dropped.labels(reason).inc()
 
     def _offer(self, item: _Item, batch: list[_Item], users: set[int]) -> None:
         if item.future.done():  # cancelled while queued: drop it

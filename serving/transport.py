@@ -42,9 +42,10 @@ async def read_body(request: Request, limit: int) -> bytes:
     size = 0
     try:
         async for chunk in request.stream():
+            if size + len(chunk) > limit:
+                prefix = b"".join(chunks) + chunk[: limit - size]
+                raise _too_large(limit, f"more than {limit} bytes", prefix)
             size += len(chunk)
-            if size > limit:
-                raise _too_large(limit, f"more than {limit} bytes", b"".join(chunks))
             chunks.append(chunk)
     except ClientDisconnect as exc:
         raise ClientGone("the client disconnected while sending the body") from exc
