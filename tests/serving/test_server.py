@@ -11,6 +11,9 @@ import httpx
 import pytest
 import uvicorn
 
+from hstu import __version__
+from hstu.model.config import HSTUConfig
+from hstu.model.identity import model_identity
 from hstu.serving.app import create_app
 from hstu.serving.runtime import ServingRuntime
 
@@ -332,3 +335,28 @@ def test_real_uvicorn_server_on_loopback_serves_scores_and_stops(reference):
         thread.join(timeout=30)
     assert not thread.is_alive(), "uvicorn did not stop"
     assert_manager_closed(app)
+
+
+@anyio
+async def test_model_metadata_names_the_config_limits_cache_and_the_weights_fingerprint(reference):
+    async with serving() as (_, client):
+        meta = (await client.get("/v2/models/hstu")).json()
+        alias = (await client.get("/v1/model")).json()
+        ready = await client.get("/v2/models/hstu/ready")
+    assert meta == alias
+    assert (meta["name"], meta["platform"], meta["versions"]) == ("hstu", "pytorch", [__version__])
+    assert meta["package_version"] == __version__ and meta["ready"] is True
+    assert HSTUConfig(**meta["config"]) == TINY and meta["task_names"] == list(TASKS)
+    assert meta["limits"]["max_events"] == 126 and meta["limits"]["max_candidates"] == 64
+    assert meta["limits"]["max_body_bytes"] > 126 * 100
+    assert (meta["dtype"], meta["device"]) == ("float32", "cpu")
+    assert meta["cache"] == {"page_size": 8, "num_pages": 64, "chunk_tokens": 16, "host_cache_bytes": 1 << 20}
+    assert meta["weights_fingerprint"] == model_identity(reference, TINY).hex()
+    assert ready.status_code == 200 and ready.json() == {"name": "hstu", "ready": True}
+
+
+@anyio
+async def test_model_metadata_before_the_model_is_loaded_has_no_fingerprint_and_is_not_ready(tmp_path):
+    async with serving(tiny_settings(checkpoint=str(tmp_path / "missing.pt")), ready=False) as (app, client):
+        meta = (await client.get("/v2/models/hstu")).json()
+    assert meta["weights_fingerprint"] is None and meta["ready"] is False
