@@ -172,11 +172,11 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         content = {**error_body("unavailable", runtime.detail or runtime.state), "status": runtime.state}
         return JSONResponse(status_code=503, content=content, headers={"Retry-After": "1"})
 
-    @app.get("/v2/health/live", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+    @app.get("/v2/health/live", response_model=HealthResponse, responses=_responses(503))
     async def live() -> HealthResponse | JSONResponse:
         return _not_ready() if runtime.state == "failed" else HealthResponse(status="live")
 
-    @app.get("/v2/health/ready", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+    @app.get("/v2/health/ready", response_model=HealthResponse, responses=_responses(503))
     async def ready() -> HealthResponse | JSONResponse:
         return HealthResponse(status="ready") if runtime.ready else _not_ready()
 

@@ -52,7 +52,7 @@ class ServingMetrics:
         r = self.registry
         self.request_latency = Histogram(
             "hstu_request_latency_seconds",
-            "POST /v1/rank time from the validated request to the response, by HTTP status",
+            "POST /v1/rank time from arrival to the response, by HTTP status",
             ["status"],
             buckets=_LATENCY_BUCKETS,
             registry=r,

@@ -198,7 +198,7 @@ class RankResponse(BaseModel):
     scores: list[CandidateScore] = Field(description="one entry per candidate, in request order")
     cached_tokens: int = Field(description="history tokens whose K/V came from the cache")
     computed_tokens: int = Field(description="tokens computed for this request (new history + candidates)")
-    latency_ms: float = Field(description="server time from the validated request to the response (queue + model)")
+    latency_ms: float = Field(description="server time from arrival to the response (body, parsing, queue, model)")
 
 
 class ErrorResponse(BaseModel):
