@@ -201,6 +201,29 @@ def _with_user(request: RankingRequest, user_id: int) -> RankingRequest:
     return dataclasses.replace(request, user_id=user_id)
 
 
+@dataclass
+class VerifyTally:
+    """Mismatches and the largest logit difference over every request checked against the reference."""
+
+    dtype: str
+    what: str
+    mismatches: int = 0
+    max_abs_diff: float = 0.0
+
+    def check(self, user_id: int, logits: torch.Tensor, reference: torch.Tensor) -> None:
+        check = compare_logits(logits, reference, self.dtype)
+        self.max_abs_diff = max(self.max_abs_diff, check.max_abs_diff)
+        if not check.ok:
+            self.mismatches += 1
+            logger.warning(
+                "user %d: %s differ from the no-cache reference by %.3g (tolerance %.3g)",
+                user_id,
+                self.what,
+                check.max_abs_diff,
+                check.tolerance,
+            )
+
+
 def run_pass(
     name: str,
     model_config: HSTUConfig,
@@ -238,7 +261,7 @@ def run_pass(
         manager.drain()
         before = manager.stats.snapshot()
         records: list[RequestRecord] = []
-        mismatches, max_diff = 0, 0.0
+        tally = VerifyTally(model_config.dtype, "cached logits")
         total = sum(len(b) for b in batches)
         bar = tqdm(total=total, desc=name, unit="req", disable=not progress, leave=False)
         ranked_s = 0.0  # time inside rank() + device sync; verify excluded
@@ -266,16 +289,7 @@ def run_pass(
             if verify:
                 reference = torch.split(model.forward_no_cache(batch), [r.candidates.shape[0] for r in batch])
                 for r, o, ref in zip(batch, outputs, reference):
-                    check = compare_logits(o.logits, ref, model_config.dtype)
-                    max_diff = max(max_diff, check.max_abs_diff)
-                    if not check.ok:
-                        mismatches += 1
-                        logger.warning(
-                            "user %d: cached logits differ from the reference by %.3g (tolerance %.3g)",
-                            r.user_id,
-                            check.max_abs_diff,
-                            check.tolerance,
-                        )
+                    tally.check(r.user_id, o.logits, ref)
             bar.update(len(batch))
         bar.close()
         manager.drain()
@@ -284,7 +298,7 @@ def run_pass(
         manager.close()
     result = PassResult(name, records, ranked_s, stats)
     if verify:
-        result.mismatches, result.max_abs_diff = mismatches, max_diff
+        result.mismatches, result.max_abs_diff = tally.mismatches, tally.max_abs_diff
     return result
 
 
@@ -487,26 +501,15 @@ def verify_answers(
 
     The server answers probabilities; they are compared as logits (log p - log(1 - p), float64),
     the scale compare_logits' per-dtype tolerance is defined on."""
-    dtype = reference.config.dtype
-    mismatches, max_diff = 0, 0.0
+    tally = VerifyTally(reference.config.dtype, "server scores (as logits)")
     for start in range(0, len(answers), batch_size):
         chunk = answers[start : start + batch_size]
         requests = [request for request, _ in chunk]
         expected = torch.split(reference.forward_no_cache(requests), [r.candidates.shape[0] for r in requests])
         for (request, scores), want in zip(chunk, expected):
             probs = torch.tensor([[c["scores"][t] for t in task_names] for c in scores], dtype=torch.float64)
-            got = torch.log(probs) - torch.log1p(-probs)
-            check = compare_logits(got, want.double().cpu(), dtype)
-            max_diff = max(max_diff, check.max_abs_diff)
-            if not check.ok:
-                mismatches += 1
-                logger.warning(
-                    "user %d: server scores differ from the no-cache model by %.3g in logits (tolerance %.3g)",
-                    request.user_id,
-                    check.max_abs_diff,
-                    check.tolerance,
-                )
-    return mismatches, max_diff
+            tally.check(request.user_id, torch.log(probs) - torch.log1p(-probs), want.double().cpu())
+    return tally.mismatches, tally.max_abs_diff
 
 
 # ------------------------------------------------------------------------------------ reporting
