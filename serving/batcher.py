@@ -197,7 +197,7 @@ class Batcher:
             if self.metrics is not None:
                 self.metrics.batch_latency.observe(time.monotonic() - started)
             for item, outcome in zip(batch, outcomes):
-                if item.future.done():  # the client went away
+                if item.future.done():  # answered meanwhile: 504 while running, 503 at the shutdown deadline
                     continue
                 if isinstance(outcome, RankError):
                     item.future.set_exception(outcome)
@@ -233,9 +233,7 @@ class Batcher:
 
     def _admit(self, item: _Item, now: float) -> bool:
         """Whether `item` still goes to the model thread; answers it here when it does not."""
-        if item.future.done():  # its caller stopped waiting: the client went away, or a timer refused it
-            if not item.refused:
-                self._count_drop("abandoned")
+        if self._abandoned(item):
             return False
         refusal = self._refusal(item, now)
         if refusal is not None:
@@ -246,12 +244,20 @@ class Batcher:
         item.started = True
         return True
 
+    def _abandoned(self, item: _Item) -> bool:
+        """Whether its caller stopped waiting (the client went away, or a timer refused it)."""
+        if not item.future.done():
+            return False
+        if not item.refused:
+            self._count_drop("abandoned")
+        return True
+
     def _count_drop(self, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.dropped.labels(reason).inc()
 
     def _offer(self, item: _Item, batch: list[_Item], users: set[int]) -> None:
-        if item.future.done():  # cancelled while queued: drop it
+        if self._abandoned(item):
             return
         user = item.request.user_id
         if user in users:

@@ -4,9 +4,9 @@ read_body() never holds more than `limit` bytes: a declared Content-Length over 
 refused before any byte is read, and a chunked (or lying) upload is refused as soon as the bytes
 received pass the limit. Turning the bytes into a request is a separate step (schemas.json_parser).
 
-cancel_on_disconnect() runs a coroutine while listening for http.disconnect on the same ASGI
-receive channel; when the client goes away first, the coroutine is cancelled (the batcher then
-drops the request before it reaches the model thread) and ClientGone is raised.
+cancel_on_disconnect() awaits a coroutine while a watcher listens for http.disconnect on the same
+ASGI receive channel; when the client goes away first, the coroutine is cancelled (the batcher
+then drops the request before it reaches the model thread) and ClientGone is raised.
 """
 
 from __future__ import annotations
@@ -58,15 +58,23 @@ async def _disconnected(receive: Receive) -> None:
 
 
 async def cancel_on_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work` (after the body was read); cancel it and raise ClientGone if the client leaves first."""
-    task = asyncio.ensure_future(work)
+    """Await `work` (after the body was read); cancel it and raise ClientGone if the client leaves
+    first. One watcher task per request: on disconnect it cancels the awaiting task itself."""
+    waiter = asyncio.current_task()
+    waiting = True
+
+    def on_disconnect(watch: asyncio.Future) -> None:
+        if waiting and not watch.cancelled():  # never cancel the handler once it stopped waiting here
+            waiter.cancel()
+
     watch = asyncio.ensure_future(_disconnected(receive))
+    watch.add_done_callback(on_disconnect)
     try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if watch.done() and not watch.cancelled() and waiter.uncancel() == 0:
+            raise ClientGone("the client disconnected while its request waited") from None
+        raise
     finally:
+        waiting = False
         watch.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done():  # the watch finished first; the cancellation lands on the next loop turn
-        raise ClientGone("the client disconnected while its request waited")
-    return task.result()

@@ -31,7 +31,7 @@ async def live_latency_s(client: httpx.AsyncClient) -> float:
 
 def test_work_of_clients_that_went_away_never_reaches_the_model_and_does_not_delay_others(monkeypatch):
     slow = SlowModel(monkeypatch, delay_s=0.4)
-    with live_server(tiny_settings(max_batch_size=1)) as (_, _, url):
+    with live_server(tiny_settings(max_batch_size=1)) as (app, _, url):
 
         async def scenario() -> tuple[httpx.Response, float, list[float]]:
             async with httpx.AsyncClient(base_url=url, timeout=10) as client:
@@ -49,6 +49,10 @@ def test_work_of_clients_that_went_away_never_reaches_the_model_and_does_not_del
                 return normal, waited, live
 
         normal, waited, live = asyncio.run(scenario())
+        registry = app.state.metrics.registry
+        abandoned = registry.get_sample_value("hstu_requests_dropped_total", {"reason": "abandoned"})
+        gone = registry.get_sample_value("hstu_errors_total", {"kind": "client_gone"})
+    assert abandoned == gone == 10
     assert normal.status_code == 200, normal.text
     assert waited < 1.5, f"a normal request waited {waited:.2f}s behind abandoned work"
     assert not set(slow.users) & set(range(100, 110)), f"abandoned users reached the model: {slow.users}"
