@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 
 from hstu import __version__
 from hstu.model.batch import RankingRequest
-from hstu.serving.errors import RankError, error_body, error_response, rank_error_response
+from hstu.serving.errors import RETRY_AFTER_S, RankError, error_body, error_response, rank_error_response
 from hstu.serving.metadata import MODEL_NAME, ModelMetadata, ModelReady, model_metadata
 from hstu.serving.metrics import ServingMetrics
 from hstu.serving.runtime import ServingRuntime
@@ -106,7 +106,8 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = _HTTP_KINDS.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, kind, f"{request.method} {request.url.path}: {exc.detail}", None, exc.headers)
+        detail = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(exc.status_code, kind, detail, None, exc.headers)
 
     @app.post(
         "/v1/rank",
@@ -152,7 +153,8 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
 
     async def _rank_one(body, deadline: float):
         if not runtime.ready:
-            raise RankError(503, "unavailable", f"server is {runtime.state}: {runtime.detail}", retry_after_s=1)
+            detail = f"server is {runtime.state}: {runtime.detail}"
+            raise RankError(503, "unavailable", detail, retry_after_s=RETRY_AFTER_S)
         try:
             request = RankingRequest.create(
                 body.user_id,
@@ -170,7 +172,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     def _not_ready() -> JSONResponse:
         """503 in the error shape, with `status` for the health probes; never exception text."""
         content = {**error_body("unavailable", runtime.detail or runtime.state), "status": runtime.state}
-        return JSONResponse(status_code=503, content=content, headers={"Retry-After": "1"})
+        return JSONResponse(status_code=503, content=content, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.get("/v2/health/live", response_model=HealthResponse, responses=_responses(503))
     async def live() -> HealthResponse | JSONResponse:

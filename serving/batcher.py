@@ -16,8 +16,8 @@ Invariants:
     waits (submit() was not cancelled), its deadline has not passed and it has waited in the
     queue at most `max_queue_wait_s`. Otherwise it is dropped there: answered 504 (deadline) or
     503 overloaded (queue wait), or not at all (the client went away).
-  - submit() answers by its own timers, whatever the model thread is doing: 503 overloaded once
-    the queue wait is over while still queued, 504 at the deadline (queued or running; a running
+  - Each request's timer answers it whatever the model thread is doing: 503 overloaded once the
+    queue wait is over while still queued, 504 at the deadline (queued or running; a running
     batch's late result is then dropped).
   - close(timeout_s) refuses new requests and runs everything already queued; at the deadline
     every request still unanswered gets 503 unavailable, then the model thread is joined (it
@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 from hstu.model.batch import RankingRequest
 from hstu.model.ranking import RankOutput
 from hstu.ops.kvcache.manager import CacheCapacityError
-from hstu.serving.errors import RankError, classify
+from hstu.serving.errors import RETRY_AFTER_S, RankError, classify
 from hstu.serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
@@ -55,12 +55,8 @@ class _Item:
     deadline: float
     queue_deadline: float
     started: bool = False  # its batch went to the model thread
-    refused: bool = False  # answered 503/504 by a timer before that
-
-
-def retry_after_s(wait_s: float) -> int:
-    """Whole seconds for a Retry-After header: at least 1, about one queue wait."""
-    return max(1, math.ceil(wait_s))
+    refused: bool = False  # answered 503/504 before that (by its timer or at dispatch)
+    timer: asyncio.TimerHandle | None = None
 
 
 class Batcher:
@@ -113,7 +109,10 @@ class Batcher:
         (the client went away) drops the request before it reaches the model thread."""
         if self._closing or self._task is None or self._task.done():
             raise RankError(
-                503, "unavailable", "the server is not accepting requests (starting or shutting down)", retry_after_s=1
+                503,
+                "unavailable",
+                "the server is not accepting requests (starting or shutting down)",
+                retry_after_s=RETRY_AFTER_S,
             )
         if len(self._live) >= self.max_queue:
             raise self._overloaded(f"{len(self._live)} requests are already waiting (max_queue {self.max_queue})")
@@ -121,26 +120,31 @@ class Batcher:
         item = _Item(request, asyncio.get_running_loop().create_future(), now, deadline, now + self.max_queue_wait_s)
         self._live.add(item)
         self._queue.put_nowait(item)
+        self._arm(item)
         try:
-            return await self._outcome(item)
+            return await item.future
         finally:
             self._live.discard(item)
-            if not item.future.done():  # cancelled, timed out or refused: the batcher drops it
-                item.future.cancel()
+            if item.timer is not None:
+                item.timer.cancel()
 
-    async def _outcome(self, item: _Item) -> RankOutput:
-        while True:
-            limit = item.deadline if item.started else min(item.deadline, item.queue_deadline)
-            timeout = None if limit == math.inf else max(0.0, limit - time.monotonic())
-            await asyncio.wait((item.future,), timeout=timeout)
-            if item.future.done():
-                return item.future.result()
-            refusal = self._refusal(item, time.monotonic())
-            if refusal is not None:
-                if not item.started:
-                    item.refused = True
-                    self._count_drop(refusal.kind)
-                raise refusal
+    def _arm(self, item: _Item) -> None:
+        """Schedule _expire at the item's next limit: the queue wait until it starts, then the deadline."""
+        limit = item.deadline if item.started else min(item.deadline, item.queue_deadline)
+        if limit != math.inf:
+            item.timer = asyncio.get_running_loop().call_later(max(0.0, limit - time.monotonic()), self._expire, item)
+
+    def _expire(self, item: _Item) -> None:
+        if item.future.done():
+            return
+        refusal = self._refusal(item, time.monotonic())
+        if refusal is None:  # it started in time: wait for the deadline now
+            self._arm(item)
+            return
+        if not item.started:
+            item.refused = True
+            self._count_drop(refusal.kind)
+        item.future.set_exception(refusal)
 
     def _refusal(self, item: _Item, now: float) -> RankError | None:
         """Why `item` gets no scores any more at `now` (deadline, queue wait), else None."""
@@ -153,7 +157,7 @@ class Batcher:
         return None
 
     def _overloaded(self, detail: str) -> RankError:
-        return RankError(503, "overloaded", detail, retry_after_s=retry_after_s(min(self.max_queue_wait_s, 1.0)))
+        return RankError(503, "overloaded", detail, retry_after_s=RETRY_AFTER_S)
 
     async def close(self, timeout_s: float | None = None) -> None:
         """Refuse new requests and finish the queued ones; after `timeout_s` answer the rest 503.

@@ -19,6 +19,9 @@ from hstu.ops.kvcache.manager import CacheCapacityError, HistoryConflictError
 
 logger = logging.getLogger(__name__)
 
+RETRY_AFTER_S = 1
+"""Retry-After of the 503s that pass (overloaded, not ready, shutting down): one second."""
+
 
 class RankError(Exception):
     """A request's outcome when it got no scores: HTTP status, error kind and message."""

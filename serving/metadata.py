@@ -61,7 +61,10 @@ def model_metadata(runtime: ServingRuntime, task_names: tuple[str, ...]) -> Mode
         dtype=cfg.dtype,
         device=s.device,
         cache=CacheSizes(
-            page_size=s.page_size, num_pages=s.num_pages, chunk_tokens=s.chunk_tokens, host_cache_bytes=s.host_cache_bytes
+            page_size=s.page_size,
+            num_pages=s.num_pages,
+            chunk_tokens=s.chunk_tokens,
+            host_cache_bytes=s.host_cache_bytes,
         ),
         weights_fingerprint=runtime.fingerprint,
         ready=runtime.ready,

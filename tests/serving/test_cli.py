@@ -75,7 +75,9 @@ def test_bad_settings_are_rejected_with_the_offending_value():
 
 def test_lifecycle_flags_map_to_settings():
     s = settings_from_args(
-        parse("serve --max-queue-wait-ms 150 --request-timeout-ms 900 --max-body-bytes 4096 --shutdown-timeout-s 2.5".split())
+        parse(
+            "serve --max-queue-wait-ms 150 --request-timeout-ms 900 --max-body-bytes 4096 --shutdown-timeout-s 2.5".split()
+        )
     )
     assert (s.max_queue_wait_ms, s.request_timeout_ms, s.max_body_bytes, s.shutdown_timeout_s) == (150, 900, 4096, 2.5)
     with pytest.raises(ValueError, match="request_timeout_ms must be positive, got 0"):
