@@ -10,11 +10,14 @@ Each pass starts with one warm-up batch of never-seen users (lazy initialisation
 compilation stay out of the numbers). A request's latency is its batch's wall time (rank() plus a
 device sync). `--verify` checks every cached result against forward_no_cache (dense reference).
 
-Server mode (`--server URL`, loopback only): the same requests go over HTTP to a running
-`hstu serve`, `--concurrency` at a time, each user's requests in order. The server must serve the
-same model config (`hstu serve --config` with the JSON of --model-config / the preset). The server
+Server mode (`--server URL`, loopback only): the replay first reads the server's model metadata
+(GET /v2/models/hstu) and adopts its model config, so the workload fits the served model; then the
+same requests go over HTTP, `--concurrency` at a time, each user's requests in order. The server
 rejects a history shorter than its cached one with 409, so workload restarts show up as history
-conflicts (counted apart from errors); cache counters come from the server's /metrics.
+conflicts (counted apart from errors); cache counters come from the server's /metrics. With
+`--verify` the replay builds the no-cache model from the server's config and seed, refuses to run
+unless its weights fingerprint equals the server's (the server may serve a checkpoint this client
+lacks), and checks every answered request's scores against it (mismatches make the exit non-zero).
 
 Presets: `--preset cpu` (default) is a small embedded model that replays 200 requests on CPU in
 well under a minute; `--preset seed` is the benchmark's model (8 layers, hidden 1024, 4x256 heads,
@@ -46,6 +49,7 @@ from tqdm import tqdm
 from hstu.engine import RankingEngine
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
+from hstu.model.identity import model_identity
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
@@ -198,6 +202,29 @@ def _with_user(request: RankingRequest, user_id: int) -> RankingRequest:
     return dataclasses.replace(request, user_id=user_id)
 
 
+@dataclass
+class VerifyTally:
+    """Mismatches and the largest logit difference over every request checked against the reference."""
+
+    dtype: str
+    what: str
+    mismatches: int = 0
+    max_abs_diff: float = 0.0
+
+    def check(self, user_id: int, logits: torch.Tensor, reference: torch.Tensor) -> None:
+        check = compare_logits(logits, reference, self.dtype)
+        self.max_abs_diff = max(self.max_abs_diff, check.max_abs_diff)
+        if not check.ok:
+            self.mismatches += 1
+            logger.warning(
+                "user %d: %s differ from the no-cache reference by %.3g (tolerance %.3g)",
+                user_id,
+                self.what,
+                check.max_abs_diff,
+                check.tolerance,
+            )
+
+
 def run_pass(
     name: str,
     model_config: HSTUConfig,
@@ -235,7 +262,7 @@ def run_pass(
         manager.drain()
         before = manager.stats.snapshot()
         records: list[RequestRecord] = []
-        mismatches, max_diff = 0, 0.0
+        tally = VerifyTally(model_config.dtype, "cached logits")
         total = sum(len(b) for b in batches)
         bar = tqdm(total=total, desc=name, unit="req", disable=not progress, leave=False)
         ranked_s = 0.0  # time inside rank() + device sync; verify excluded
@@ -263,16 +290,7 @@ def run_pass(
             if verify:
                 reference = torch.split(model.forward_no_cache(batch), [r.candidates.shape[0] for r in batch])
                 for r, o, ref in zip(batch, outputs, reference):
-                    check = compare_logits(o.logits, ref, model_config.dtype)
-                    max_diff = max(max_diff, check.max_abs_diff)
-                    if not check.ok:
-                        mismatches += 1
-                        logger.warning(
-                            "user %d: cached logits differ from the reference by %.3g (tolerance %.3g)",
-                            r.user_id,
-                            check.max_abs_diff,
-                            check.tolerance,
-                        )
+                    tally.check(r.user_id, o.logits, ref)
             bar.update(len(batch))
         bar.close()
         manager.drain()
@@ -281,7 +299,7 @@ def run_pass(
         manager.close()
     result = PassResult(name, records, ranked_s, stats)
     if verify:
-        result.mismatches, result.max_abs_diff = mismatches, max_diff
+        result.mismatches, result.max_abs_diff = tally.mismatches, tally.max_abs_diff
     return result
 
 
@@ -361,7 +379,13 @@ async def _scrape(client, url: str) -> dict[str, int]:
 
 
 async def _send_all(
-    url: str, requests: list[RankingRequest], model_config: HSTUConfig, concurrency: int, timeout_s: float, progress: bool
+    url: str,
+    requests: list[RankingRequest],
+    model_config: HSTUConfig,
+    concurrency: int,
+    timeout_s: float,
+    progress: bool,
+    answers: list | None,
 ) -> PassResult:
     import httpx
 
@@ -394,6 +418,8 @@ async def _send_all(
                 finally:
                     bar.update(1)
                 ms = (time.perf_counter() - t0) * 1e3
+            if answers is not None:
+                answers.append((request, body["scores"]))
             records[index] = RequestRecord(
                 request.user_id,
                 request.history_tokens(model_config),
@@ -426,16 +452,67 @@ def run_server(
     concurrency: int = 8,
     timeout_s: float = 60.0,
     progress: bool = True,
+    answers: list | None = None,
 ) -> PassResult:
     """Send `requests` to a running server, `concurrency` in flight, each user's requests in order.
 
     A 409 (the history is shorter than the server's cached one: a workload restart, which the
-    server rejects by policy) is counted in `conflicts`, any other failure in `errors`.
+    server rejects by policy) is counted in `conflicts`, any other failure in `errors`. When
+    `answers` is a list, (request, response scores) of every 200 is appended to it.
     """
     check_loopback(url)
     if concurrency <= 0:
         raise ValueError(f"concurrency must be positive, got {concurrency}")
-    return asyncio.run(_send_all(url, requests, model_config, concurrency, timeout_s, progress))
+    return asyncio.run(_send_all(url, requests, model_config, concurrency, timeout_s, progress, answers))
+
+
+class VerifyRefused(Exception):
+    """--verify cannot check this server: its model is not the one the client can build."""
+
+
+def fetch_server_model(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The server's model metadata (GET /v2/models/hstu)."""
+    import httpx
+
+    check_loopback(url)
+    response = httpx.get(f"{url.rstrip('/')}/v2/models/hstu", timeout=timeout_s)
+    response.raise_for_status()
+    return response.json()
+
+
+def server_reference(meta: dict[str, Any], url: str, device: torch.device) -> InferenceRankingGR:
+    """The local no-cache model of the server's config and seed; VerifyRefused unless its weights
+    fingerprint equals the server's."""
+    config = HSTUConfig(**meta["config"])
+    served = meta.get("weights_fingerprint")
+    if served is None:
+        raise VerifyRefused(f"--verify: the server at {url} has not loaded its model yet (no weights fingerprint)")
+    model = InferenceRankingGR(config, device)
+    local = model_identity(model, config).hex()
+    if local != served:
+        raise VerifyRefused(
+            f"--verify: the server at {url} serves weights {served}, but the model built here from its config "
+            f"(seed {config.seed}) has {local}; it may serve a checkpoint this client does not have"
+        )
+    return model
+
+
+def verify_answers(
+    reference: InferenceRankingGR, answers: list, task_names: list[str], batch_size: int = 8
+) -> tuple[int, float]:
+    """(mismatched requests, max abs logit difference) of the server's scores against `reference`.
+
+    The server answers probabilities; they are compared as logits (log p - log(1 - p), float64),
+    the scale compare_logits' per-dtype tolerance is defined on."""
+    tally = VerifyTally(reference.config.dtype, "server scores (as logits)")
+    for start in range(0, len(answers), batch_size):
+        chunk = answers[start : start + batch_size]
+        requests = [request for request, _ in chunk]
+        expected = torch.split(reference.forward_no_cache(requests), [r.candidates.shape[0] for r in requests])
+        for (request, scores), want in zip(chunk, expected):
+            probs = torch.tensor([[c["scores"][t] for t in task_names] for c in scores], dtype=torch.float64)
+            tally.check(request.user_id, torch.log(probs) - torch.log1p(-probs), want.double().cpu())
+    return tally.mismatches, tally.max_abs_diff
 
 
 # ------------------------------------------------------------------------------------ reporting
@@ -557,6 +634,14 @@ def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
     """Run the replay, write replay.json and replay.png to out_dir, return the JSON document."""
     device = torch.device(settings.device)
     model_cfg, wl_cfg = settings.model, settings.workload
+    meta = None
+    if settings.server:
+        meta = fetch_server_model(settings.server)
+        served = HSTUConfig(**meta["config"])
+        if served != model_cfg:
+            logger.info("adopting the model config of the server at %s", settings.server)
+        model_cfg = served
+    reference = server_reference(meta, settings.server, device) if meta is not None and settings.verify else None
     workload = Workload(wl_cfg, model_cfg)
     requests = list(workload)
     logger.info(
@@ -570,7 +655,13 @@ def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
     results: list[PassResult] = []
     kv_cfg = None
     if settings.server:
-        results.append(run_server(settings.server, requests, model_cfg, settings.concurrency, progress=settings.progress))
+        answers = [] if reference is not None else None
+        result = run_server(
+            settings.server, requests, model_cfg, settings.concurrency, progress=settings.progress, answers=answers
+        )
+        if reference is not None:
+            result.mismatches, result.max_abs_diff = verify_answers(reference, answers, meta["task_names"])
+        results.append(result)
     else:
         kv_cfg = settings.cache.build(model_cfg, wl_cfg, settings.batch_size)
         batches = list(distinct_user_batches(requests, settings.batch_size))
@@ -596,6 +687,7 @@ def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
             "cuda_graphs": settings.cuda_graphs,
             "compile_layers": settings.compile_layers,
             "server": settings.server,
+            "server_weights_fingerprint": None if meta is None else meta["weights_fingerprint"],
             "concurrency": settings.concurrency if settings.server else None,
             "uncached_method": None if settings.server or not settings.uncached else UNCACHED_METHOD,
         },
@@ -655,7 +747,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--chunk-tokens", type=int, help="tokens per host chunk (default: the preset's)")
     p.add_argument("--host-capacity-mb", type=float, help="host tier size (default: the preset's)")
     p.add_argument("--no-uncached", action="store_true", help="skip the uncached comparison pass")
-    p.add_argument("--verify", action="store_true", help="check every cached result against forward_no_cache")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every cached (or, with --server, every answered) result against forward_no_cache",
+    )
     p.add_argument("--server", help="URL of a running `hstu serve` on loopback, e.g. http://127.0.0.1:8000")
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight in --server mode")
     p.add_argument("--no-progress", action="store_true")
@@ -706,9 +802,13 @@ def settings_from_args(args: argparse.Namespace) -> ReplaySettings:
 
 def main(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
-    doc = replay(settings_from_args(args), args.out)
+    try:
+        doc = replay(settings_from_args(args), args.out)
+    except VerifyRefused as exc:
+        logger.error("%s", exc)
+        return 2
     logger.info("wrote %s and %s", args.out / "replay.json", args.out / "replay.png")
     print(doc["table"])
-    mismatches = doc["summary"].get("cached", {}).get("verify_mismatches")
+    mismatches = sum(s.get("verify_mismatches") or 0 for s in doc["summary"].values())
     errors = sum(s.get("errors", 0) for s in doc["summary"].values())
     return 1 if (mismatches or errors) else 0

@@ -1,12 +1,17 @@
-"""The FastAPI app: POST /v1/rank, /v2/health/live, /v2/health/ready, /metrics, /docs.
+"""The FastAPI app: POST /v1/rank, health, model metadata, /metrics, /docs.
 
-create_app(settings) resolves the model config at once (the request schema's limits come from
-it); the lifespan starts ServingRuntime.start() in the background (model load + warm-up) and, on
-shutdown, drains the batcher and closes the cache manager. Until warm-up is done /v2/health/ready
-and /v1/rank answer 503; /v2/health/live answers 200 unless loading failed.
+create_app(settings) resolves the model config at once (the request limits come from it); the
+lifespan starts ServingRuntime.start() in the background (model load + warm-up) and, on shutdown,
+drains the batcher (settings.shutdown_timeout_s) and closes the cache manager. Until warm-up is
+done /v2/health/ready, /v2/models/hstu/ready and /v1/rank answer 503; /v2/health/live answers 200
+unless loading failed.
 
-Every error response has the body {"error": kind, "detail": message, "request_id": id or null};
-request validation errors list each problem as "location: message" in `detail`.
+A rank request goes: read the raw body under max_body_bytes (413) -> parse the bytes (400 not
+JSON, 422 invalid) -> queue in the batcher until its deadline (request_timeout_ms: 504), its queue
+wait (max_queue_wait_ms: 503 + Retry-After) or the client's disconnect (dropped) -> scores.
+
+Every non-2xx answer has the body {"error": kind, "detail": message, "request_id": id or null},
+with the client's request_id when its body had one (read best-effort even from a rejected body).
 """
 
 import asyncio
@@ -19,10 +24,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from hstu import __version__
 from hstu.model.batch import RankingRequest
-from hstu.serving.errors import RankError
+from hstu.serving.errors import RETRY_AFTER_S, RankError, error_body, error_response, rank_error_response
+from hstu.serving.metadata import MODEL_NAME, ModelMetadata, ModelReady, model_metadata
 from hstu.serving.metrics import ServingMetrics
 from hstu.serving.runtime import ServingRuntime
 from hstu.serving.schemas import (
@@ -31,34 +38,30 @@ from hstu.serving.schemas import (
     RankResponse,
     RequestLimits,
     build_rank_request_model,
+    describe_validation_error,
+    json_parser,
 )
 from hstu.serving.settings import ServerSettings
+from hstu.serving.transport import ClientGone, cancel_on_disconnect, read_body
 
 logger = logging.getLogger(__name__)
 
-_ERROR_RESPONSES = {
-    status: {"model": ErrorResponse, "description": text}
-    for status, text in (
-        (409, "history is shorter than the user's cached history"),
-        (422, "invalid request (schema, id ranges, limits, timestamps)"),
-        (500, "the model call failed; the server keeps serving"),
-        (503, "not ready, shutting down, queue full, or the request alone exceeds the KV cache"),
-    )
+# Every status an endpoint may answer with the error shape; the README's error table lists them too.
+_ERROR_STATUSES = {
+    400: "the body is not valid JSON",
+    409: "history is shorter than the user's cached history",
+    413: "the body is larger than max_body_bytes",
+    422: "invalid request (schema, id ranges, limits, timestamps)",
+    500: "the model call failed; the server keeps serving",
+    503: "not ready, shutting down, overloaded (queue full or queue wait over; Retry-After), or over the KV cache",
+    504: "the request's deadline (request_timeout_ms) passed",
 }
+_HTTP_KINDS = {404: "not_found", 405: "method_not_allowed"}
+_CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by a client
 
 
-def _error(status: int, kind: str, detail: str, request_id: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": kind, "detail": detail, "request_id": request_id})
-
-
-def _describe_validation_error(exc: RequestValidationError) -> str:
-    problems = []
-    for err in exc.errors():
-        loc = ".".join(str(part) for part in err.get("loc", ()) if part != "body") or "body"
-        got = err.get("input")
-        shown = f" (got {got!r})" if isinstance(got, (int, float, str, bool)) and len(repr(got)) <= 64 else ""
-        problems.append(f"{loc}: {err.get('msg', 'invalid')}{shown}")
-    return "; ".join(problems)
+def _responses(*statuses: int) -> dict:
+    return {s: {"model": ErrorResponse, "description": _ERROR_STATUSES[s]} for s in statuses}
 
 
 def create_app(settings: ServerSettings | None = None) -> FastAPI:
@@ -66,12 +69,14 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     config = settings.resolve_model_config()
     task_names = settings.resolve_task_names(config)
-    limits = RequestLimits.for_model(config, settings.max_candidates)
+    limits = RequestLimits.for_model(config, settings.max_candidates, settings.max_body_bytes)
     metrics = ServingMetrics(settings.max_batch_size)
     runtime = ServingRuntime(settings, config, limits, metrics)
     metrics.watch_cache(lambda: runtime.manager)
     metrics.queue_depth.set_function(lambda: runtime.batcher.pending if runtime.batcher is not None else 0)
     RankRequestModel = build_rank_request_model(limits)
+    parse_rank_request = json_parser(RankRequestModel)
+    request_timeout_s = settings.request_timeout_ms / 1000.0
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -96,26 +101,42 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.errors.labels("invalid_request").inc()
-        return _error(422, "invalid_request", _describe_validation_error(exc))
+        return error_response(422, "invalid_request", describe_validation_error(exc))
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = _HTTP_KINDS.get(exc.status_code, "http_error")
+        detail = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(exc.status_code, kind, detail, None, exc.headers)
 
     @app.post(
         "/v1/rank",
         response_model=RankResponse,
-        responses=_ERROR_RESPONSES,
+        responses=_responses(400, 409, 413, 422, 500, 503, 504),
         summary="Score candidates for one user",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RankRequest"}}},
+            }
+        },
     )
-    async def rank(body: RankRequestModel) -> RankResponse | JSONResponse:
+    async def rank(request: Request) -> Response:
         arrived = time.perf_counter()
-        request_id = body.request_id or uuid.uuid4().hex
+        deadline = time.monotonic() + request_timeout_s
+        request_id = None
         try:
-            output = await _rank_one(body)
+            body = parse_rank_request(await read_body(request, limits.max_body_bytes))
+            request_id = body.request_id or uuid.uuid4().hex
+            output = await cancel_on_disconnect(request.receive, _rank_one(body, deadline))
         except RankError as exc:
-            metrics.errors.labels(exc.kind).inc()
-            metrics.request_latency.labels(str(exc.status)).observe(time.perf_counter() - arrived)
-            return _error(exc.status, exc.kind, exc.detail, request_id)
-        probs = output.scores.tolist()
+            return _failed(exc.status, exc.kind, arrived, rank_error_response(exc, request_id))
+        except ClientGone as exc:
+            logger.info("request %s: %s", request_id, exc)
+            return _failed(_CLIENT_GONE, "client_gone", arrived, Response(status_code=_CLIENT_GONE))
         latency = time.perf_counter() - arrived
         metrics.request_latency.labels("200").observe(latency)
+        probs = output.scores.tolist()
         return RankResponse(
             request_id=request_id,
             user_id=body.user_id,
@@ -125,9 +146,15 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
             latency_ms=latency * 1000.0,
         )
 
-    async def _rank_one(body):
+    def _failed(status: int, kind: str, arrived: float, response: Response) -> Response:
+        metrics.errors.labels(kind).inc()
+        metrics.request_latency.labels(str(status)).observe(time.perf_counter() - arrived)
+        return response
+
+    async def _rank_one(body, deadline: float):
         if not runtime.ready:
-            raise RankError(503, "unavailable", f"server is {runtime.state}: {runtime.detail}")
+            detail = f"server is {runtime.state}: {runtime.detail}"
+            raise RankError(503, "unavailable", detail, retry_after_s=RETRY_AFTER_S)
         try:
             request = RankingRequest.create(
                 body.user_id,
@@ -140,22 +167,49 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
             )
         except ValueError as exc:
             raise RankError(422, "invalid_request", str(exc)) from exc
-        return await runtime.batcher.submit(request)
+        return await runtime.batcher.submit(request, deadline)
 
-    @app.get("/v2/health/live", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+    def _not_ready() -> JSONResponse:
+        """503 in the error shape, with `status` for the health probes; never exception text."""
+        content = {**error_body("unavailable", runtime.detail or runtime.state), "status": runtime.state}
+        return JSONResponse(status_code=503, content=content, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.get("/v2/health/live", response_model=HealthResponse, responses=_responses(503))
     async def live() -> HealthResponse | JSONResponse:
-        if runtime.state == "failed":
-            return JSONResponse(status_code=503, content={"status": "failed", "detail": runtime.detail})
-        return HealthResponse(status="live")
+        return _not_ready() if runtime.state == "failed" else HealthResponse(status="live")
 
-    @app.get("/v2/health/ready", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+    @app.get("/v2/health/ready", response_model=HealthResponse, responses=_responses(503))
     async def ready() -> HealthResponse | JSONResponse:
-        if not runtime.ready:
-            return JSONResponse(status_code=503, content={"status": runtime.state, "detail": runtime.detail})
-        return HealthResponse(status="ready")
+        return HealthResponse(status="ready") if runtime.ready else _not_ready()
+
+    @app.get(f"/v2/models/{MODEL_NAME}", response_model=ModelMetadata, summary="Served model metadata")
+    @app.get("/v1/model", response_model=ModelMetadata, summary="Served model metadata (alias)")
+    async def metadata() -> ModelMetadata:
+        return model_metadata(runtime, task_names)
+
+    @app.get(f"/v2/models/{MODEL_NAME}/ready", response_model=ModelReady, responses=_responses(503))
+    async def model_ready() -> ModelReady | JSONResponse:
+        return ModelReady(name=MODEL_NAME, ready=True) if runtime.ready else _not_ready()
 
     @app.get("/metrics", response_class=Response, summary="Prometheus metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    _publish_request_schema(app, RankRequestModel)
     return app
+
+
+def _publish_request_schema(app: FastAPI, model) -> None:
+    """Add the rank body model (read from raw bytes, so FastAPI does not see it) to the OpenAPI schemas."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            spec = build()  # cached by FastAPI in app.openapi_schema; completed here once
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components = spec.setdefault("components", {}).setdefault("schemas", {})
+            components.update(schema.pop("$defs", {}))
+            components[model.__name__] = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -1,7 +1,8 @@
 """`hstu serve`: run the ranking server with uvicorn.
 
 Kept import-light (argparse only) because hstu/cli.py imports every subcommand to build its parser;
-the app and torch are imported when the command runs.
+the app and torch are imported when the command runs. A configuration that cannot work is
+refused with one logged line (exit status 2) before the model loads or the port is bound.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser(
         "serve",
         help="run the ranking HTTP server",
-        description="Serve POST /v1/rank, /v2/health/{live,ready}, /metrics and /docs with uvicorn.",
+        description=(
+            "Serve POST /v1/rank, /v2/health/{live,ready}, /v2/models/hstu[/ready], /metrics and /docs with uvicorn."
+        ),
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="bind port, 0 for any free port (default %(default)s)")
@@ -45,6 +48,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--max-queue", type=int, default=4096, help="most queued requests before 503 overloaded (default %(default)s)"
     )
     p.add_argument("--max-candidates", type=int, default=1024, help="most candidates per request (default %(default)s)")
+    p.add_argument(
+        "--max-queue-wait-ms",
+        type=float,
+        default=2000.0,
+        help="longest wait in the queue before 503 overloaded with Retry-After (default %(default)s)",
+    )
+    p.add_argument(
+        "--request-timeout-ms",
+        type=float,
+        default=10000.0,
+        help="deadline of a request from arrival; past it the answer is 504 (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="largest request body, else 413 (default: sized for the longest valid request)",
+    )
+    p.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=10.0,
+        help="on SIGTERM/SIGINT, time for queued requests to finish; the rest get 503 (default %(default)s)",
+    )
     p.add_argument(
         "--on-shorter-history",
         choices=["invalidate", "raise"],
@@ -78,6 +105,10 @@ def settings_from_args(args: argparse.Namespace):
         max_wait_ms=args.max_wait_ms,
         max_queue=args.max_queue,
         max_candidates=args.max_candidates,
+        max_queue_wait_ms=args.max_queue_wait_ms,
+        request_timeout_ms=args.request_timeout_ms,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout_s=args.shutdown_timeout_s,
         task_names=tuple(args.task_names.split(",")) if args.task_names else None,
         cuda_graphs=args.cuda_graphs or args.compile,
         compile_layers=args.compile,
@@ -85,12 +116,24 @@ def settings_from_args(args: argparse.Namespace):
     )
 
 
+def checked_settings(args: argparse.Namespace):
+    """ServerSettings for `args`, checked against this machine (ServerSettings.check()); ValueError otherwise."""
+    settings = settings_from_args(args)
+    settings.check()
+    return settings
+
+
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
+    try:
+        settings = checked_settings(args)
+    except ValueError as exc:
+        logger.error("hstu serve: %s", exc)
+        return 2
 
     from hstu.serving.app import create_app
+    from hstu.serving.server import draining_server
 
-    app = create_app(settings_from_args(args))
+    app = create_app(settings)
     logger.info("serving on http://%s:%d (docs at /docs)", args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
+    draining_server(app, args.host, args.port).run()
     return 0

@@ -3,8 +3,9 @@
     ValueError (bad request content)                 -> 422 invalid_request
     HistoryConflictError (history shorter than cache) -> 409 history_conflict
     CacheCapacityError for a single request           -> 503 capacity
-    queue full                                        -> 503 overloaded
-    not ready / shutting down                         -> 503 unavailable
+    queue full, or queued longer than max_queue_wait  -> 503 overloaded (with Retry-After)
+    not ready / shutting down                         -> 503 unavailable (with Retry-After)
+    request deadline passed                           -> 504 timeout
     anything else                                     -> 500 internal (logged with traceback)
 """
 
@@ -12,19 +13,33 @@ from __future__ import annotations
 
 import logging
 
+from fastapi.responses import JSONResponse
+
 from hstu.ops.kvcache.manager import CacheCapacityError, HistoryConflictError
 
 logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+"""Retry-After of the 503s that pass (overloaded, not ready, shutting down): one second."""
 
 
 class RankError(Exception):
     """A request's outcome when it got no scores: HTTP status, error kind and message."""
 
-    def __init__(self, status: int, kind: str, detail: str) -> None:
+    def __init__(
+        self,
+        status: int,
+        kind: str,
+        detail: str,
+        retry_after_s: int | None = None,
+        request_id: str | None = None,
+    ) -> None:
         super().__init__(detail)
         self.status = status
         self.kind = kind
         self.detail = detail
+        self.retry_after_s = retry_after_s
+        self.request_id = request_id  # the client's, when known before the body was parsed
 
 
 def classify(exc: BaseException, user_id: int) -> RankError:
@@ -38,3 +53,20 @@ def classify(exc: BaseException, user_id: int) -> RankError:
         return RankError(503, "capacity", f"user {user_id}: request does not fit in the KV cache: {exc}")
     logger.error("ranking user %s failed", user_id, exc_info=exc)
     return RankError(500, "internal", f"user {user_id}: ranking failed: {type(exc).__name__}: {exc}")
+
+
+def error_body(kind: str, detail: str, request_id: str | None = None) -> dict:
+    """The one error shape of every non-2xx answer."""
+    return {"error": kind, "detail": detail, "request_id": request_id}
+
+
+def error_response(
+    status: int, kind: str, detail: str, request_id: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(status_code=status, content=error_body(kind, detail, request_id), headers=headers)
+
+
+def rank_error_response(exc: RankError, request_id: str | None = None) -> JSONResponse:
+    """`exc` as a response (its own request_id first); 503s that may pass carry Retry-After."""
+    headers = None if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+    return error_response(exc.status, exc.kind, exc.detail, exc.request_id or request_id, headers)

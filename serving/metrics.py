@@ -55,7 +55,7 @@ class ServingMetrics:
         r = self.registry
         self.request_latency = Histogram(
             "hstu_request_latency_seconds",
-            "POST /v1/rank time from the validated request to the response, by HTTP status",
+            "POST /v1/rank time from arrival to the response, by HTTP status",
             ["status"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -81,6 +81,13 @@ class ServingMetrics:
         )
         self.batch_splits = Counter(
             "hstu_batch_splits", "Batches split in two because they needed more KV pages than were free", registry=r
+        )
+        self.dropped = Counter(
+            "hstu_requests_dropped",
+            "Queued requests dropped before the model thread: abandoned (the caller stopped waiting), "
+            "timeout (deadline passed), overloaded (queued longer than max_queue_wait)",
+            ["reason"],
+            registry=r,
         )
         self.queue_depth = Gauge("hstu_queue_depth", "Requests queued or running in the batcher", registry=r)
         self.ready = Gauge("hstu_ready", "1 once the model is loaded and warmed up", registry=r)

@@ -2,13 +2,18 @@
 
     loading --start()--> ready --close()--> stopped
     loading --start() raised (load or warm-up)--> failed --close()--> stopped
+    ready --drain()--> stopping --close()--> stopped
 
 start() loads in a worker thread so the event loop keeps answering /v2/health/live meanwhile:
 it builds the AsyncKVCacheManager and InferenceRankingGR (weights from config.seed, or the
 checkpoint's state_dict), runs a warm-up (a new history, then the same history extended by one
 event, so both the miss and the GPU-hit paths run once), drops the warm-up user from the cache and
-only then starts the batcher. close() drains the batcher, then closes the manager (drains the
-offloads, joins the cache threads).
+only then starts the batcher. drain() (the server's first shutdown step) stops new requests and
+gives the queued ones settings.shutdown_timeout_s to finish, answering the rest 503; close() waits
+for that drain (or starts it), then closes the manager (drains the offloads, joins the cache threads).
+
+`detail` is what unauthenticated health endpoints show: never exception text or paths (those
+go to the log).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ WARMUP_USER = 0
 
 
 class ServingRuntime:
-    """Owns the model, the manager and the batcher; `state` is loading, ready, failed or stopped."""
+    """Owns the model, the manager and the batcher; `state` is loading, ready, failed, stopping or stopped."""
 
     def __init__(
         self, settings: ServerSettings, config: HSTUConfig, limits: RequestLimits, metrics: ServingMetrics
@@ -52,6 +57,8 @@ class ServingRuntime:
         self.manager: AsyncKVCacheManager | None = None
         self.engine: RankingEngine | None = None
         self.batcher: Batcher | None = None
+        self.fingerprint: str | None = None
+        self._drain: asyncio.Task | None = None
 
     @property
     def ready(self) -> bool:
@@ -63,13 +70,20 @@ class ServingRuntime:
         try:
             await asyncio.to_thread(self._load)
         except Exception as exc:
-            logger.exception("loading the model failed; the server stays not ready")
-            self.state, self.detail = "failed", f"loading failed: {type(exc).__name__}: {exc}"
+            logger.exception("loading the model failed (%s: %s); the server stays not ready", type(exc).__name__, exc)
+            self.state, self.detail = "failed", "loading the model failed; the server log has the cause"
             return
         if self.state != "loading":  # close() ran while loading
             return
         s = self.settings
-        self.batcher = Batcher(self._rank, s.max_batch_size, s.max_wait_ms / 1000.0, s.max_queue, self.metrics)
+        self.batcher = Batcher(
+            self._rank,
+            s.max_batch_size,
+            s.max_wait_ms / 1000.0,
+            s.max_queue,
+            self.metrics,
+            max_queue_wait_s=s.max_queue_wait_ms / 1000.0,
+        )
         self.batcher.start()
         self.state, self.detail = "ready", None
         self.metrics.ready.set(1)
@@ -105,6 +119,8 @@ class ServingRuntime:
             self.model.load_state_dict(state_dict)
             logger.info("loaded checkpoint %s", s.checkpoint)
         self.engine = RankingEngine(self.model, self.manager)
+        self.fingerprint = self.model.identity.hex()
+        logger.info("weights fingerprint %s", self.fingerprint)
         if s.cuda_graphs:
             self.engine.enable_cuda_graphs(max_batch=s.max_batch_size, compile=s.compile_layers)
             logger.info(
@@ -145,14 +161,27 @@ class ServingRuntime:
             "warm-up (%d and %d events, then a batch of %d) took %.2fs", events, events + 1, batch, time.monotonic() - started
         )
 
+    def drain(self) -> asyncio.Task:
+        """Stop taking requests; the queued ones get settings.shutdown_timeout_s, the rest 503."""
+        if self._drain is None:
+            if self.state in ("loading", "ready"):
+                self.state, self.detail = "stopping", "shutting down"
+            self.metrics.ready.set(0)
+            self._drain = asyncio.create_task(self._close_batcher(), name="hstu-drain")
+        return self._drain
+
+    async def _close_batcher(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.close(self.settings.shutdown_timeout_s)
+
     async def close(self, start_task: asyncio.Task | None = None) -> None:
         """Stop serving: wait for a load in progress, drain the batcher, close the manager."""
-        previous, self.state, self.detail = self.state, "stopped", "shutting down"
-        self.metrics.ready.set(0)
+        previous = self.state
         if start_task is not None:
+            self.state, self.detail = "stopping", "shutting down"
             await start_task
-        if self.batcher is not None:
-            await self.batcher.close()
+        await self.drain()
+        self.state, self.detail = "stopped", "shutting down"
         if self.manager is not None:
             await asyncio.to_thread(self.manager.close)
         logger.info("stopped (was %s)", previous)

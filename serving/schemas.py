@@ -6,20 +6,31 @@ model's: item ids in [0, num_items), actions in [0, num_actions), contextual fea
 (num_contextual + 2 * events + 1 <= max_seq_len) and at most `max_candidates` candidates. The
 limits appear in the OpenAPI schema at /docs. Models are strict (no "5" -> 5 or true -> 1
 coercion) and reject unknown fields, so a typo is a 422 and not a silently ignored field.
+
+json_parser(model) is the step from raw body bytes to a validated request: 400 when the bytes are
+not JSON, 422 when the JSON does not fit the model.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from hstu.model.config import HSTUConfig
+from hstu.serving.errors import RankError
 
 MAX_USER_ID = 2**63 - 1
 MAX_TIMESTAMP = 2**62
 MAX_REQUEST_ID_LEN = 128
+EVENT_BODY_BYTES = 256
+"""Room for one history event in a body: three ids of up to 20 digits with their keys, pretty-printed."""
+ITEM_BODY_BYTES = 32
+BODY_HEADROOM_BYTES = 64 << 10
+_REQUEST_ID = re.compile(rb'"request_id"\s*:\s*("(?:[^"\\]|\\.){1,%d}")' % MAX_REQUEST_ID_LEN)
 
 
 @dataclass(frozen=True)
@@ -32,9 +43,11 @@ class RequestLimits:
     num_contextual_features: int
     max_events: int
     max_candidates: int
+    max_body_bytes: int
 
     @classmethod
-    def for_model(cls, cfg: HSTUConfig, max_candidates: int) -> "RequestLimits":
+    def for_model(cls, cfg: HSTUConfig, max_candidates: int, max_body_bytes: int | None = None) -> "RequestLimits":
+        """Limits of `cfg`; max_body_bytes None sizes the body for the longest valid request."""
         max_events = (cfg.max_seq_len - 1 - cfg.num_contextual) // 2
         if max_events < 1:
             raise ValueError(
@@ -48,7 +61,60 @@ class RequestLimits:
             num_contextual_features=cfg.num_contextual_features,
             max_events=max_events,
             max_candidates=max_candidates,
+            max_body_bytes=max_body_bytes or body_bytes_for(max_events, max_candidates, cfg.num_contextual),
         )
+
+
+def body_bytes_for(max_events: int, max_candidates: int, num_contextual: int) -> int:
+    """A body size that holds the longest valid request with generous formatting."""
+    return EVENT_BODY_BYTES * max_events + ITEM_BODY_BYTES * (max_candidates + num_contextual) + BODY_HEADROOM_BYTES
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """Every problem as "location: message (got value)", joined by "; "."""
+    problems = []
+    for err in exc.errors():
+        loc = ".".join(str(part) for part in err.get("loc", ()) if part != "body") or "body"
+        got = err.get("input")
+        shown = f" (got {got!r})" if isinstance(got, (int, float, str, bool)) and len(repr(got)) <= 64 else ""
+        problems.append(f"{loc}: {err.get('msg', 'invalid')}{shown}")
+    return "; ".join(problems)
+
+
+def sniff_request_id(raw: bytes) -> str | None:
+    """The client's request_id from a body that may be invalid, truncated or not JSON (best effort)."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        value = doc.get("request_id")
+        return value if isinstance(value, str) and 0 < len(value) <= MAX_REQUEST_ID_LEN else None
+    match = _REQUEST_ID.search(raw)
+    if match is None:
+        return None
+    try:
+        return json.loads(match.group(1))
+    except ValueError:
+        return None
+
+
+def json_parser(model: type[BaseModel]) -> Callable[[bytes], BaseModel]:
+    """bytes -> validated `model`; RankError 400 invalid_json or 422 invalid_request otherwise."""
+
+    def parse(raw: bytes) -> BaseModel:
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as exc:
+            errors = exc.errors()
+            if errors and errors[0]["type"] == "json_invalid":
+                detail = f"body is not valid JSON: {errors[0]['msg']}"
+                raise RankError(400, "invalid_json", detail, request_id=sniff_request_id(raw)) from exc
+            raise RankError(
+                422, "invalid_request", describe_validation_error(exc), request_id=sniff_request_id(raw)
+            ) from exc
+
+    return parse
 
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
@@ -132,12 +198,15 @@ class RankResponse(BaseModel):
     scores: list[CandidateScore] = Field(description="one entry per candidate, in request order")
     cached_tokens: int = Field(description="history tokens whose K/V came from the cache")
     computed_tokens: int = Field(description="tokens computed for this request (new history + candidates)")
-    latency_ms: float = Field(description="server time from the validated request to the response (queue + model)")
+    latency_ms: float = Field(description="server time from arrival to the response (body, parsing, queue, model)")
 
 
 class ErrorResponse(BaseModel):
     error: str = Field(
-        description="error kind: invalid_request, history_conflict, capacity, overloaded, unavailable, internal"
+        description=(
+            "error kind: invalid_json, invalid_request, history_conflict, payload_too_large, not_found, "
+            "method_not_allowed, capacity, overloaded, unavailable, timeout, internal"
+        )
     )
     detail: str = Field(description="what was wrong, naming the offending value")
     request_id: str | None = None

@@ -1,9 +1,17 @@
-"""ServerSettings: everything `hstu serve` can set, resolved into the model and cache configs."""
+"""ServerSettings: everything `hstu serve` can set, resolved into the model and cache configs.
+
+Construction rejects values that are wrong on their own (a zero size, an unknown device);
+check() rejects a configuration that cannot work on this machine (missing files, an unreadable
+or unknown-keyed model config, CUDA asked for but absent, cache sizes that do not fit together)
+so `hstu serve` can exit with one line before it binds the port.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from hstu.model.config import HSTUConfig
 from hstu.ops.kvcache.config import KVCacheConfig
@@ -34,6 +42,10 @@ class ServerSettings:
     max_batch_size: int = 16
     max_wait_ms: float = 2.0
     max_queue: int = 4096
+    max_queue_wait_ms: float = 2_000.0
+    request_timeout_ms: float = 10_000.0
+    max_body_bytes: int | None = None
+    shutdown_timeout_s: float = 10.0
     max_candidates: int = 1024
     task_names: tuple[str, ...] | None = None
     cuda_graphs: bool = False
@@ -46,6 +58,11 @@ class ServerSettings:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        for name in ("max_queue_wait_ms", "request_timeout_ms", "shutdown_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_body_bytes is not None and self.max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -60,7 +77,7 @@ class ServerSettings:
         if self.model_config is not None:
             cfg = self.model_config
         elif self.model_config_path is not None:
-            cfg = HSTUConfig.from_json(self.model_config_path)
+            cfg = load_model_config(self.model_config_path)
         else:
             cfg = HSTUConfig()
         if self.dtype is not None and self.dtype != cfg.dtype:
@@ -75,6 +92,19 @@ class ServerSettings:
             raise ValueError(f"need {cfg.num_tasks} distinct task names, got {list(self.task_names)}")
         return self.task_names
 
+    def check(self) -> None:
+        """Raise ValueError naming the problem if this configuration cannot serve on this machine."""
+        from hstu.serving.schemas import RequestLimits
+
+        cfg = self.resolve_model_config()
+        self.resolve_task_names(cfg)
+        self.kv_config(cfg)
+        RequestLimits.for_model(cfg, self.max_candidates, self.max_body_bytes)
+        if self.checkpoint is not None and not Path(self.checkpoint).is_file():
+            raise ValueError(f"checkpoint {self.checkpoint!r} is not a file")
+        if self.device.startswith("cuda"):
+            check_cuda_device(self.device)
+
     def kv_config(self, cfg: HSTUConfig) -> KVCacheConfig:
         return KVCacheConfig.for_model(
             cfg,
@@ -85,3 +115,35 @@ class ServerSettings:
             on_no_new_tokens="candidates",
             on_shorter_history=self.on_shorter_history,
         )
+
+
+def load_model_config(path: str) -> HSTUConfig:
+    """An HSTUConfig from a JSON file; ValueError naming the file for an unreadable, non-object or
+    unknown-keyed document (a typo must not silently fall back to a default)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model config {path!r} cannot be read as JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise ValueError(f"model config {path!r} must be a JSON object, got {type(doc).__name__}")
+    unknown = sorted(set(doc) - {f.name for f in dataclasses.fields(HSTUConfig)})
+    if unknown:
+        raise ValueError(f"model config {path!r} has unknown keys {unknown}")
+    try:
+        return HSTUConfig(**doc)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"model config {path!r}: {exc}") from exc
+
+
+def check_cuda_device(device: str) -> None:
+    """ValueError unless `device` (cuda or cuda:N) exists on this machine."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available (torch.cuda.is_available() is False)")
+    try:
+        index = torch.device(device).index
+    except RuntimeError as exc:
+        raise ValueError(f"device {device!r} is not a valid device: {exc}") from exc
+    if index is not None and index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} requested but only {torch.cuda.device_count()} CUDA devices exist")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from hstu.model.config import HSTUConfig
+from hstu.model.identity import model_identity
+from hstu.model.ranking import InferenceRankingGR
 from hstu.scripts import replay as rp
 from hstu.scripts.workload import Workload, WorkloadConfig, count_restarts
 
@@ -135,3 +138,68 @@ def test_seed_preset_resolves_to_the_benchmark_model_and_fits_the_history_limit(
     assert (settings.model.num_layers, settings.model.embedding_dim, settings.model.dtype) == (8, 1024, "bfloat16")
     assert settings.cache.page_size == 64 and settings.cache.chunk_tokens == 128
     assert settings.workload.history_limit(settings.model) == 4096
+
+
+SERVED = dataclasses.replace(MODEL, seed=7)
+SERVER_WORKLOAD = dataclasses.replace(WORKLOAD, num_requests=16)
+
+
+def served_settings(**overrides):
+    from hstu.scripts.loadtest import tiny_server_settings
+
+    return tiny_server_settings(SERVED, page_size=8, chunk_tokens=16, max_candidates=64, **overrides)
+
+
+def replay_cli(url: str, out, *extra: str) -> int:
+    parser = argparse.ArgumentParser()
+    rp.add_parser(parser.add_subparsers())
+    argv = ["replay", "--server", url, "--requests", "16", "--users", "12", "--new-tokens", "8", "64",
+            "--initial-tokens", "8", "128", "--max-history-tokens", "255", "--candidates", "4", "24",
+            "--seed", "1", "--no-progress", "--out", str(out), *extra]
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_server_replay_adopts_the_server_model_config_and_verifies_every_answer(tmp_path):
+    from hstu.scripts.loadtest import local_server
+
+    with local_server(served_settings()) as url:
+        settings = rp.ReplaySettings(workload=SERVER_WORKLOAD, server=url, verify=True, progress=False)
+        doc = rp.replay(settings, tmp_path)
+    server = doc["summary"]["server"]
+    assert HSTUConfig(**doc["settings"]["model"]) == SERVED, "the server's config replaces the local default"
+    assert server["requests"] > 0 and server["errors"] == 0
+    assert server["verify_mismatches"] == 0 and server["verify_max_abs_diff"] < 1e-4
+    assert doc["settings"]["server_weights_fingerprint"] == model_identity(InferenceRankingGR(SERVED), SERVED).hex()
+
+
+def test_verify_refuses_a_server_whose_weights_the_client_cannot_build(tmp_path, caplog):
+    from hstu.scripts.loadtest import local_server
+
+    model = InferenceRankingGR(SERVED)
+    state = {k: v + 0.01 if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    torch.save(state, tmp_path / "tuned.pt")
+    with local_server(served_settings(checkpoint=str(tmp_path / "tuned.pt"))) as url:
+        served = rp.fetch_server_model(url)["weights_fingerprint"]
+        assert replay_cli(url, tmp_path / "o", "--verify") == 2
+    refusal = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    local = model_identity(model, SERVED).hex()
+    assert served != local
+    assert len(refusal) == 1 and served in refusal[0] and local in refusal[0] and "checkpoint" in refusal[0], refusal
+    assert not (tmp_path / "o" / "replay.json").exists(), "nothing was replayed"
+
+
+def test_verify_counts_every_mismatching_answer_and_exits_non_zero(tmp_path, monkeypatch):
+    from hstu.scripts.loadtest import local_server
+    from hstu.serving.runtime import ServingRuntime
+
+    rank = ServingRuntime._rank
+
+    def shifted(self, requests):
+        return [dataclasses.replace(o, logits=o.logits + 0.5) for o in rank(self, requests)]
+
+    monkeypatch.setattr(ServingRuntime, "_rank", shifted)
+    with local_server(served_settings()) as url:
+        assert replay_cli(url, tmp_path, "--verify") == 1
+    server = json.loads((tmp_path / "replay.json").read_text())["summary"]["server"]
+    assert server["verify_mismatches"] == server["requests"] > 0

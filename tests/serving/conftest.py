@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import threading
+import time
 from collections import defaultdict
-from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import AsyncIterator, Iterator
 
 import httpx
 import numpy as np
@@ -15,6 +19,8 @@ from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
 from hstu.model.ranking import InferenceRankingGR
 from hstu.serving.app import create_app
+from hstu.serving.runtime import ServingRuntime
+from hstu.serving.server import DrainingServer, draining_server
 from hstu.serving.settings import ServerSettings
 
 TINY = HSTUConfig(
@@ -166,3 +172,83 @@ async def post_per_user_in_order(
 
     await asyncio.gather(*(chain(indices) for indices in by_user.values()))
     return responses
+
+
+@contextmanager
+def live_server(settings: ServerSettings | None = None) -> Iterator[tuple[object, DrainingServer, str]]:
+    """(app, server, base URL): the app under a real DrainingServer (uvicorn) on loopback, in a
+    thread, ready; leaving the block asks it to exit and joins the thread."""
+    app = create_app(settings or tiny_settings())
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = draining_server(app, "127.0.0.1", 0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn-test", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        deadline = time.monotonic() + 60
+        with httpx.Client(base_url=url, timeout=5) as client:
+            while True:
+                assert thread.is_alive() and time.monotonic() < deadline, "server did not become ready"
+                try:
+                    if client.get("/v2/health/ready").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.02)
+        yield app, server, url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+    assert not thread.is_alive(), "uvicorn did not stop"
+
+
+class SlowModel:
+    """Patches ServingRuntime._rank: each batch takes at least `delay_s`; records the users ranked."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.users: list[int] = []
+        rank = ServingRuntime._rank
+        model = self
+
+        def slow_rank(runtime, requests):
+            model.users.extend(r.user_id for r in requests)
+            time.sleep(model.delay_s)
+            return rank(runtime, requests)
+
+        monkeypatch.setattr(ServingRuntime, "_rank", slow_rank)
+
+
+def assert_error_shape(response: httpx.Response, status: int, kind: str, request_id: str | None = None) -> dict:
+    """`response` is `status` with the one error body {error, detail, request_id}."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert {"error", "detail", "request_id"} <= set(body), body
+    assert body["error"] == kind and isinstance(body["detail"], str) and body["detail"], body
+    assert body["request_id"] == request_id, body
+    return body
+
+
+async def http_request(
+    url: str, method: str, path: str, body: dict | None = None, timeout_s: float = 30.0
+) -> tuple[int, dict[str, str], dict]:
+    """One HTTP/1.1 exchange on its own connection: (status, lower-cased headers, JSON body).
+
+    For bursts: httpx's async pool spends seconds of client CPU on 500 concurrent connections."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = b"" if body is None else json.dumps(body).encode()
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+    try:
+        writer.write(
+            f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload
+        )
+        data = await asyncio.wait_for(reader.read(), timeout_s)
+    finally:
+        writer.close()
+    head, _, content = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines)
+    return int(status_line.split()[1]), headers, json.loads(content)

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import time
 
 import pytest
+import torch
 
+from hstu.cli import main as hstu_main
 from hstu.serving.cli import add_parser, settings_from_args
 from hstu.serving.settings import ServerSettings
 
@@ -66,3 +71,65 @@ def test_bad_settings_are_rejected_with_the_offending_value():
         settings_from_args(parse(["serve", "--compile"]))
     with pytest.raises(ValueError, match="compile_layers .* needs cuda_graphs"):
         ServerSettings(device="cuda", compile_layers=True)
+
+
+def test_lifecycle_flags_map_to_settings():
+    s = settings_from_args(
+        parse(
+            "serve --max-queue-wait-ms 150 --request-timeout-ms 900 --max-body-bytes 4096 --shutdown-timeout-s 2.5".split()
+        )
+    )
+    assert (s.max_queue_wait_ms, s.request_timeout_ms, s.max_body_bytes, s.shutdown_timeout_s) == (150, 900, 4096, 2.5)
+    with pytest.raises(ValueError, match="request_timeout_ms must be positive, got 0"):
+        settings_from_args(parse(["serve", "--request-timeout-ms", "0"]))
+
+
+def tiny_config_file(tmp_path, **changes) -> str:
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({**TINY.to_dict(), **changes}))
+    return str(path)
+
+
+UNWORKABLE = [
+    ("missing checkpoint", lambda tmp: ["--checkpoint", str(tmp / "nope.pt")], "nope.pt"),
+    ("missing config", lambda tmp: ["--config", str(tmp / "absent.json")], "absent.json"),
+    ("unknown config key", lambda tmp: ["--config", tiny_config_file(tmp, num_itmes=5)], "unknown keys ['num_itmes']"),
+    ("config not json", lambda tmp: ["--config", str(tmp / "bad.json")], "cannot be read as JSON"),
+    ("chunk not a page multiple", lambda tmp: ["--page-size", "32", "--chunk-tokens", "48"], "multiple of page_size"),
+    ("zero pages", lambda tmp: ["--num-pages", "0"], "num_pages must be positive, got 0"),
+    ("wrong task count", lambda tmp: ["--task-names", "a,b"], "3 distinct task names"),
+]
+
+
+@pytest.mark.parametrize("name,argv,words", UNWORKABLE, ids=[u[0] for u in UNWORKABLE])
+def test_unworkable_configuration_exits_2_with_one_line_before_the_server_starts(
+    name, argv, words, tmp_path, monkeypatch, caplog
+):
+    (tmp_path / "bad.json").write_text("{num_items: 3")
+    import hstu.serving.server as server
+
+    monkeypatch.setattr(server, "draining_server", lambda *a, **k: pytest.fail("the server must not start"))
+    assert hstu_main(["serve", *argv(tmp_path)]) == 2
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and words in errors[0].getMessage() and "\n" not in errors[0].getMessage()
+    assert errors[0].exc_info is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_asked_for_without_cuda_is_refused_before_loading(caplog):
+    assert hstu_main(["serve", "--device", "cuda"]) == 2
+    assert "CUDA is not available" in caplog.text
+
+
+def test_serve_with_a_missing_checkpoint_exits_non_zero_with_one_line_and_no_traceback(tmp_path):
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "hstu.cli", "serve", "--port", "0", "--checkpoint", str(tmp_path / "gone.pt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "gone.pt" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert "Uvicorn running" not in proc.stderr and time.monotonic() - started < 60

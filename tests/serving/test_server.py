@@ -11,6 +11,9 @@ import httpx
 import pytest
 import uvicorn
 
+from hstu import __version__
+from hstu.model.config import HSTUConfig
+from hstu.model.identity import model_identity
 from hstu.serving.app import create_app
 from hstu.serving.runtime import ServingRuntime
 
@@ -119,13 +122,13 @@ BAD_INPUTS = [
     ("numeric string", replace("candidates", ["5"]), 422, ["candidates.0", "'5'"]),
     ("float id", replace("candidates", [1.5]), 422, ["candidates.0", "1.5"]),
     ("bool id", replace("candidates", [True]), 422, ["candidates.0"]),
-    ("history not a list", replace("history", "abc"), 422, ["history", "valid list"]),
+    ("history not a list", replace("history", "abc"), 422, ["history", "valid array"]),
     ("unknown field", replace("histroy", []), 422, ["histroy", "Extra inputs"]),
     ("wrong contextual count", replace("contextual", [1]), 422, ["contextual", "at least 2"]),
     ("contextual out of range", replace("contextual", [1, 50]), 422, ["contextual.1", "less than 50"]),
     ("decreasing timestamps", last_event(timestamp=0), 422, ["non-decreasing", "event"]),
-    ("not json", lambda p: b"{user_id: 1", 422, ["JSON"]),
-    ("body is a list", lambda p: [p], 422, ["valid dictionary"]),
+    ("not json", lambda p: b"{user_id: 1", 400, ["JSON"]),
+    ("body is a list", lambda p: [p], 422, ["body", "an object"]),
 ]
 
 
@@ -144,7 +147,7 @@ async def test_every_bad_input_class_gets_4xx_with_a_clear_message_and_leaves_th
                 r = await client.post("/v1/rank", json=bad)
             assert r.status_code == status, f"{name}: {r.status_code} {r.text}"
             body = r.json()
-            assert body["error"] in ("invalid_request", "history_conflict"), name
+            assert body["error"] in ("invalid_json", "invalid_request", "history_conflict"), name
             for word in words:
                 assert word in body["detail"], f"{name}: {word!r} not in {body['detail']!r}"
             events += 2
@@ -254,15 +257,19 @@ async def test_ready_is_503_until_warm_up_finishes_while_live_answers(monkeypatc
 
 
 @anyio
-async def test_failed_load_reports_not_live_and_not_ready(tmp_path):
+async def test_failed_load_reports_not_live_and_not_ready_without_leaking_the_cause(tmp_path, caplog):
     async with serving(tiny_settings(checkpoint=str(tmp_path / "missing.pt")), ready=False) as (app, client):
         for _ in range(500):
             if app.state.runtime.state != "loading":
                 break
             await asyncio.sleep(0.01)
         live, ready = await client.get("/v2/health/live"), await client.get("/v2/health/ready")
-        assert live.status_code == ready.status_code == 503
-        assert "missing.pt" in ready.json()["detail"]
+        model_ready = await client.get("/v2/models/hstu/ready")
+    assert live.status_code == ready.status_code == model_ready.status_code == 503
+    for r in (live, ready, model_ready):
+        assert r.json()["error"] == "unavailable" and "loading the model failed" in r.json()["detail"]
+        assert "missing.pt" not in r.text and str(tmp_path) not in r.text and "Error" not in r.text
+    assert "missing.pt" in caplog.text, "the cause goes to the log"
 
 
 @anyio
@@ -357,3 +364,28 @@ def test_real_uvicorn_server_on_loopback_serves_scores_and_stops(reference):
         thread.join(timeout=30)
     assert not thread.is_alive(), "uvicorn did not stop"
     assert_manager_closed(app)
+
+
+@anyio
+async def test_model_metadata_names_the_config_limits_cache_and_the_weights_fingerprint(reference):
+    async with serving() as (_, client):
+        meta = (await client.get("/v2/models/hstu")).json()
+        alias = (await client.get("/v1/model")).json()
+        ready = await client.get("/v2/models/hstu/ready")
+    assert meta == alias
+    assert (meta["name"], meta["platform"], meta["versions"]) == ("hstu", "pytorch", [__version__])
+    assert meta["package_version"] == __version__ and meta["ready"] is True
+    assert HSTUConfig(**meta["config"]) == TINY and meta["task_names"] == list(TASKS)
+    assert meta["limits"]["max_events"] == 126 and meta["limits"]["max_candidates"] == 64
+    assert meta["limits"]["max_body_bytes"] > 126 * 100
+    assert (meta["dtype"], meta["device"]) == ("float32", "cpu")
+    assert meta["cache"] == {"page_size": 8, "num_pages": 64, "chunk_tokens": 16, "host_cache_bytes": 1 << 20}
+    assert meta["weights_fingerprint"] == model_identity(reference, TINY).hex()
+    assert ready.status_code == 200 and ready.json() == {"name": "hstu", "ready": True}
+
+
+@anyio
+async def test_model_metadata_before_the_model_is_loaded_has_no_fingerprint_and_is_not_ready(tmp_path):
+    async with serving(tiny_settings(checkpoint=str(tmp_path / "missing.pt")), ready=False) as (app, client):
+        meta = (await client.get("/v2/models/hstu")).json()
+    assert meta["weights_fingerprint"] is None and meta["ready"] is False

@@ -1,0 +1,71 @@
+"""The served model's metadata (GET /v2/models/hstu, after the Open Inference Protocol's model metadata).
+
+Besides the protocol's name / versions / platform it carries what a client needs to reproduce the
+server's scores: the HSTUConfig, the request limits, the task names, dtype, device, cache sizes and
+the weights fingerprint (hstu.model.identity.model_identity over the config and every weight, hex;
+null until the model is loaded). `hstu replay --server URL --verify` compares that fingerprint
+with its own no-cache model's before it checks any score.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from hstu import __version__
+from hstu.serving.runtime import ServingRuntime
+
+MODEL_NAME = "hstu"
+
+
+class CacheSizes(BaseModel):
+    page_size: int
+    num_pages: int
+    chunk_tokens: int
+    host_cache_bytes: int
+
+
+class ModelMetadata(BaseModel):
+    name: str
+    versions: list[str]
+    platform: str
+    package_version: str
+    config: dict[str, Any] = Field(description="HSTUConfig.to_dict() of the served model")
+    limits: dict[str, int] = Field(description="RequestLimits: the bounds every request must satisfy")
+    task_names: list[str]
+    dtype: str
+    device: str
+    cache: CacheSizes
+    weights_fingerprint: str | None = Field(description="model_identity(model, config) in hex; null until loaded")
+    ready: bool
+
+
+class ModelReady(BaseModel):
+    name: str
+    ready: bool
+
+
+def model_metadata(runtime: ServingRuntime, task_names: tuple[str, ...]) -> ModelMetadata:
+    """The metadata document of `runtime`'s model as it is now."""
+    s, cfg = runtime.settings, runtime.config
+    return ModelMetadata(
+        name=MODEL_NAME,
+        versions=[__version__],
+        platform="pytorch",
+        package_version=__version__,
+        config=cfg.to_dict(),
+        limits=dataclasses.asdict(runtime.limits),
+        task_names=list(task_names),
+        dtype=cfg.dtype,
+        device=s.device,
+        cache=CacheSizes(
+            page_size=s.page_size,
+            num_pages=s.num_pages,
+            chunk_tokens=s.chunk_tokens,
+            host_cache_bytes=s.host_cache_bytes,
+        ),
+        weights_fingerprint=runtime.fingerprint,
+        ready=runtime.ready,
+    )
