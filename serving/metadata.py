@@ -21,6 +21,8 @@ MODEL_NAME = "hstu"
 
 
 class CacheSizes(BaseModel):
+    """The ServerSettings fields of the same names."""
+
     page_size: int
     num_pages: int
     chunk_tokens: int
@@ -60,12 +62,7 @@ def model_metadata(runtime: ServingRuntime, task_names: tuple[str, ...]) -> Mode
         task_names=list(task_names),
         dtype=cfg.dtype,
         device=s.device,
-        cache=CacheSizes(
-            page_size=s.page_size,
-            num_pages=s.num_pages,
-            chunk_tokens=s.chunk_tokens,
-            host_cache_bytes=s.host_cache_bytes,
-        ),
+        cache=CacheSizes(**{name: getattr(s, name) for name in CacheSizes.model_fields}),
         weights_fingerprint=runtime.fingerprint,
         ready=runtime.ready,
     )

@@ -17,6 +17,20 @@ from hstu.model.config import HSTUConfig
 from hstu.ops.kvcache.config import KVCacheConfig
 
 
+_POSITIVE = (
+    "page_size",
+    "num_pages",
+    "chunk_tokens",
+    "max_batch_size",
+    "max_queue",
+    "max_candidates",
+    "max_queue_wait_ms",
+    "request_timeout_ms",
+    "max_body_bytes",
+    "shutdown_timeout_s",
+)
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """Server, batcher and cache sizes; the model comes from `model_config` or `model_config_path`.
@@ -42,10 +56,10 @@ class ServerSettings:
     max_batch_size: int = 16
     max_wait_ms: float = 2.0
     max_queue: int = 4096
-    max_queue_wait_ms: float = 2_000.0
-    request_timeout_ms: float = 10_000.0
-    max_body_bytes: int | None = None
-    shutdown_timeout_s: float = 10.0
+    max_queue_wait_ms: float = 2_000.0  # longest wait in the queue, then 503 overloaded
+    request_timeout_ms: float = 10_000.0  # deadline from arrival, then 504
+    max_body_bytes: int | None = None  # None: sized for the longest valid request (RequestLimits)
+    shutdown_timeout_s: float = 10.0  # time queued requests get on shutdown, then 503
     max_candidates: int = 1024
     task_names: tuple[str, ...] | None = None
     cuda_graphs: bool = False
@@ -53,16 +67,12 @@ class ServerSettings:
     on_shorter_history: str = "invalidate"
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "num_pages", "chunk_tokens", "max_batch_size", "max_queue", "max_candidates"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            if value is not None and not value > 0:  # `not > 0` also refuses NaN
+                raise ValueError(f"{name} must be positive, got {value}")
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
-        for name in ("max_queue_wait_ms", "request_timeout_ms", "shutdown_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_body_bytes is not None and self.max_body_bytes <= 0:
-            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -72,9 +72,11 @@ async def cancel_on_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     try:
         return await work
     except asyncio.CancelledError:
-        if watch.done() and not watch.cancelled() and waiter.uncancel() == 0:
-            raise ClientGone("the client disconnected while its request waited") from None
-        raise
+        if not (watch.done() and not watch.cancelled()):
+            raise
+        if hasattr(waiter, "uncancel"):  # Python 3.11+: the cancellation was ours, take it back
+            waiter.uncancel()
+        raise ClientGone("the client disconnected while its request waited") from None
     finally:
         waiting = False
         watch.cancel()
