@@ -1,5 +1,9 @@
 """ServerSettings: everything `hstu serve` can set, resolved into the model and cache configs.
 
+One source of configuration: ServerSettings.load() merges a config file (--config-file), HSTU_*
+environment variables and the command-line flags, in that order, onto these fields, with the model
+config as the nested "model" section (serving/config_sources.py); unknown keys are an error.
+
 Construction rejects values that are wrong on their own (a zero size, an unknown device);
 check() rejects a configuration that cannot work on this machine (missing files, an unreadable
 or unknown-keyed model config, CUDA asked for but absent, cache sizes that do not fit together)
@@ -10,11 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 
 from hstu.model.config import HSTUConfig
 from hstu.ops.kvcache.config import KVCacheConfig
+from hstu.serving.config_sources import MODEL_SECTION, check_keys, merge, read_env, read_file
 
 
 _POSITIVE = (
@@ -82,6 +89,33 @@ class ServerSettings:
         if self.compile_layers and not self.cuda_graphs:
             raise ValueError("compile_layers compiles the layers the CUDA graphs capture: it needs cuda_graphs")
 
+    @classmethod
+    def load(
+        cls, config_file: str | None = None, env: Mapping[str, str] | None = None, **flags: Any
+    ) -> "ServerSettings":
+        """Settings from `config_file`, then HSTU_* variables of `env` (os.environ when None; {}
+        for none), then `flags` (field name -> value, None = not given): later sources win."""
+        docs = []
+        if config_file is not None:
+            doc = read_file(config_file)
+            check_keys(doc, cls, HSTUConfig, f"config file {config_file!r}", _NOT_SOURCED)
+            docs.append(doc)
+        docs.append(read_env(os.environ if env is None else env, cls, HSTUConfig, _NOT_SOURCED))
+        given = {k: v for k, v in flags.items() if v is not None}
+        check_keys(given, cls, HSTUConfig, "flags", ())
+        values = merge(*docs, given)
+        model = values.pop(MODEL_SECTION, None)
+        if isinstance(values.get("task_names"), list):
+            values["task_names"] = tuple(values["task_names"])
+        settings = cls(**values)
+        if model:
+            base = settings.resolve_model_config()
+            try:
+                settings = dataclasses.replace(settings, model_config=dataclasses.replace(base, **model))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"model settings {model}: {exc}") from exc
+        return settings
+
     def resolve_model_config(self) -> HSTUConfig:
         """The served HSTUConfig, with the dtype override applied."""
         if self.model_config is not None:
@@ -125,6 +159,10 @@ class ServerSettings:
             on_no_new_tokens="candidates",
             on_shorter_history=self.on_shorter_history,
         )
+
+
+# Fields that hold objects: set in code or through the "model" section, never as plain values.
+_NOT_SOURCED = ("model_config",)
 
 
 def load_model_config(path: str) -> HSTUConfig:

@@ -26,8 +26,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def test_serve_defaults_bind_loopback_port_8000_on_cpu_with_the_embedded_config():
     args = parse(["serve"])
-    assert (args.host, args.port, args.device) == ("127.0.0.1", 8000, "cpu")
-    settings = settings_from_args(args)
+    settings = settings_from_args(args, env={})
+    assert (args.host, args.port, settings.device) == ("127.0.0.1", 8000, "cpu")
     assert settings.resolve_model_config().num_items == 100_000
     assert settings.host_cache_bytes == 1 << 30 and settings.num_pages == 1024
     assert callable(args.func)
@@ -50,6 +50,36 @@ def test_serve_flags_map_to_settings_and_the_config_file(tmp_path):
     assert s.resolve_task_names(cfg) == ("click", "like", "share")
     kv = s.kv_config(cfg)
     assert (kv.on_no_new_tokens, kv.on_shorter_history) == ("candidates", "invalidate")
+
+
+def test_settings_come_from_the_config_file_then_the_environment_then_the_flags(tmp_path):
+    path = tmp_path / "serve.toml"
+    path.write_text('num_pages = 300\npage_size = 8\ntask_names = ["a", "b", "c"]\n[model]\nnum_layers = 2\nnum_items = 500\n')
+    env = {"HSTU_PAGE_SIZE": "16", "HSTU_MAX_WAIT_MS": "0.5", "HSTU_MODEL__NUM_LAYERS": "4", "HSTU_BUILD_DIR": "/x"}
+    s = settings_from_args(parse(["serve", "--config-file", str(path), "--num-pages", "100"]), env=env)
+    assert (s.num_pages, s.page_size, s.max_wait_ms, s.task_names) == (100, 16, 0.5, ("a", "b", "c"))
+    cfg = s.resolve_model_config()
+    assert (cfg.num_layers, cfg.num_items) == (4, 500), "the model section merges file and environment"
+
+
+@pytest.mark.parametrize(
+    "source, text, message",
+    [
+        ("file", '{"num_page": 3}', "unknown settings ['num_page']"),
+        ("file", '{"model": {"layers": 3}}', "unknown model settings ['layers']"),
+        ("file", '{"model_config": {}}', "unknown settings ['model_config']"),
+        ("env", "HSTU_NUM_PAGE=3", "HSTU_NUM_PAGE names no setting"),
+        ("env", "HSTU_NUM_PAGES=many", "HSTU_NUM_PAGES: expected int, got 'many'"),
+        ("env", "HSTU_MODEL__LAYERS=2", "HSTU_MODEL__LAYERS names no model field"),
+    ],
+)
+def test_unknown_or_malformed_settings_are_one_line_errors(tmp_path, source, text, message):
+    path = tmp_path / "serve.json"
+    path.write_text(text if source == "file" else "{}")
+    env = dict([text.split("=", 1)]) if source == "env" else {}
+    with pytest.raises(ValueError) as info:
+        settings_from_args(parse(["serve", "--config-file", str(path)]), env=env)
+    assert message in str(info.value) and "\n" not in str(info.value)
 
 
 def test_compile_flag_turns_on_cuda_graphs_of_compiled_layers():
