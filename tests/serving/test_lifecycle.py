@@ -137,13 +137,17 @@ def raw_exchange(url: str, head: bytes, body_chunks: list[bytes] = (), timeout_s
     """Send `head` (ending the headers) and chunks on a plain socket, read until the server closes;
     the status and JSON body. A server that waits for a body it was promised times out here."""
     host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
-        sock.sendall(head)
-        for chunk in body_chunks:
-            sock.sendall(chunk)
-        data = b""
-        while part := sock.recv(65536):
-            data += part
+    for _ in range(3):  # a server that answers and closes before reading the rest may reset the
+        data = b""      # connection, and the kernel can drop the answer with it: try again
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+                sock.sendall(head + b"".join(body_chunks))
+                while part := sock.recv(65536):
+                    data += part
+        except ConnectionResetError:
+            if b"\r\n\r\n" not in data:
+                continue
+        break
     status = int(data.split(b" ", 2)[1])
     return status, json.loads(data.split(b"\r\n\r\n", 1)[1])
 
