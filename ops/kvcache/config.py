@@ -23,6 +23,8 @@ class KVCacheConfig:
                         mode for clients that want to hear about it).
     A history whose cached prefix differs (digest mismatch) is always invalidated and recomputed, so
     no request can make another request for the same user fail.
+    Offload: a user's chunks go to the host tier once it was seen offload_min_seen times (1: always,
+    ops/kvcache/admission.py), at most offload_bytes_per_s (None: unlimited).
     """
 
     num_layers: int
@@ -36,6 +38,8 @@ class KVCacheConfig:
     on_no_new_tokens: str = "raise"
     on_shorter_history: str = "invalidate"
     onload_timeout_s: float = 60.0
+    offload_min_seen: int = 1
+    offload_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.num_pages <= 0:
@@ -48,6 +52,10 @@ class KVCacheConfig:
             )
         if self.on_shorter_history not in ("raise", "invalidate"):
             raise ValueError(f"on_shorter_history must be 'raise' or 'invalidate', got {self.on_shorter_history!r}")
+        if self.offload_min_seen < 0:
+            raise ValueError(f"offload_min_seen must be >= 0, got {self.offload_min_seen}")
+        if self.offload_bytes_per_s is not None and not self.offload_bytes_per_s > 0:
+            raise ValueError(f"offload_bytes_per_s must be positive or None, got {self.offload_bytes_per_s}")
         if self.host_capacity_bytes < 0:
             raise ValueError(f"host_capacity_bytes must be >= 0, got {self.host_capacity_bytes}")
 

@@ -24,6 +24,13 @@ class CacheStats:
     bytes_offloaded: int = 0
     cached_tokens: int = 0
     computed_tokens: int = 0
+    tokens_onloaded: int = 0  # host-tier prefix tokens onloaded
+    tokens_recomputed: int = 0  # host-tier prefix tokens the planner chose to recompute instead
+    candidate_tokens: int = 0
+    offload_rejected_users: int = 0  # not admitted to the host tier (seen too rarely)
+    offload_rejected_bytes: int = 0
+    prefetches: int = 0
+    prefetch_hits: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -24,6 +25,7 @@ import torch
 from hstu.model.identity import HistoryIdentity
 from hstu.ops._build import load_extension
 from hstu.ops.kv_ops import gather_kvcache_all_layers, onload_kvcache, store_host_chunks
+from hstu.ops.kvcache.admission import ByteBudget
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.handle import OnloadHandle
 from hstu.ops.kvcache.stats import CacheStats
@@ -64,6 +66,7 @@ class TierTransfers:
         self.kv_pages, self.host_arena = kv_pages, host_arena
         self.stats, self._index_lock, self._count_evictions = stats, index_lock, count_evictions
         self.onload_fault = onload_fault
+        self.budget = ByteBudget(config.offload_bytes_per_s)
         cuda = device.type == "cuda"
         self._onload_pool = ThreadPoolExecutor(1, thread_name_prefix="hstu-onload")
         self._offload_pool = ThreadPoolExecutor(1, thread_name_prefix="hstu-offload")
@@ -116,6 +119,36 @@ class TierTransfers:
             else:
                 handle.fail(error)
 
+    def prefetch_async(self, user: int, slot_ids: torch.Tensor, page_ids: torch.Tensor, length: int, digest: bytes) -> None:
+        """Onload a user's whole host prefix into its reserved (pinned) pages outside any batch, then
+        commit it (length, digest) and drop the pins; a plan for the user joins it first."""
+        future = self._onload_pool.submit(self._prefetch, user, slot_ids, page_ids, length, digest)
+        with self._offloads_lock:
+            self._offloads[user] = future
+
+    def _prefetch(self, user, slot_ids, page_ids, length, digest) -> None:
+        stream = self._onload_stream
+        try:
+            with torch.cuda.stream(stream):
+                for layer in range(self.config.num_layers):
+                    onload_kvcache(self.kv_pages, self.host_arena, slot_ids, page_ids, layer)
+            if stream is not None:
+                stream.synchronize()
+            self.stats.add(bytes_onloaded=int(page_ids.numel()) * self.config.page_bytes * self.config.num_layers)
+            with self._index_lock:
+                self.gpu.commit(user, length, digest)
+        except BaseException as exc:  # fail-open: the user's next request onloads or recomputes
+            logger.warning("prefetch of user %d failed: %s", user, exc)
+            self.stats.add(onload_failures=1)
+            with self._index_lock:
+                self.gpu.release([user])
+                self.gpu.invalidate(user)
+                self.host.unpin([user])
+            return
+        with self._index_lock:
+            self.gpu.release([user])
+            self.host.unpin([user])
+
     # ---------------------------------------------------------------- offload
     def offload_async(self, jobs: list[OffloadJob]) -> None:
         """Offload the jobs' newly full chunks after the compute stream's work so far."""
@@ -150,6 +183,9 @@ class TierTransfers:
                     page_rows += [job.pages[(first + c) * ppc : (first + c + 1) * ppc] for c in range(count)]
                     slot_list.extend(slots)
             if reserved:
+                delay = self.budget.delay_for(len(slot_list) * self.config.chunk_bytes)
+                if delay > 0:  # paced: D2H stays under its share of the link
+                    time.sleep(min(delay, 1.0))
                 page_ids = torch.tensor(page_rows, dtype=torch.int32).reshape(-1, ppc)
                 slot_ids = torch.tensor(slot_list, dtype=torch.int32)
                 with torch.cuda.stream(stream):  # a no-op for None (CPU)

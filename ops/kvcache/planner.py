@@ -1,0 +1,102 @@
+"""Compute or load: how much of each host-tier prefix a batch onloads, and how much it recomputes.
+
+A user whose history prefix of n tokens sits in the host tier (not on the GPU) can have it back
+two ways: onload its K/V over the host link, or recompute it with the batch. Both from one prefix
+at once (anchor: Cake, "Compute Or Load KV Cache? Why Not Both?", 2024): onload tokens [0, p)
+and recompute [p, n) together with the new tokens, p on a chunk boundary. p = n is pure onload,
+p = 0 pure recompute. GPU-resident prefixes are always used (they cost nothing); this only splits
+host-tier prefixes.
+
+Timeline of one batch (layer-wise, L layers): the onload stream copies layer 0's pages of every
+onloading user, then layer 1's, ...; layer i's compute starts when layer i - 1's compute finished
+and layer i's pages landed:
+    load_layer   = onload_tokens * bytes_per_token_layer / h2d_bytes_per_s
+    compute_layer = fixed_s + rows * per_row_s + pairs * per_pair_s
+    finish_i      = max(finish_{i-1}, (i + 1) * load_layer) + compute_layer
+where rows are the batch's computed rows (recomputed prefix tokens, new tokens, candidates) and
+pairs the (query, key) pairs their attention reads. The planner picks one split fraction f for the
+batch (each user's p = f * n rounded down to a chunk) minimising finish_{L-1}: O(users x chunks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Inputs of the timeline above; measured at start-up (ops/kvcache/costs.py) or given."""
+
+    h2d_bytes_per_s: float
+    bytes_per_token_layer: int
+    per_row_s: float
+    per_pair_s: float
+    fixed_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("h2d_bytes_per_s", "bytes_per_token_layer"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("per_row_s", "per_pair_s", "fixed_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class UserShape:
+    """One user of the batch: its host-tier prefix (0 if none), history and candidate counts."""
+
+    host_tokens: int
+    gpu_tokens: int
+    history_tokens: int
+    candidates: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Onloaded prefix per user and the predicted times of the chosen split (seconds)."""
+
+    onload_tokens: list[int]
+    predicted_s: float
+    onload_s: float
+    compute_s: float
+
+
+def _layer_work(users: list[UserShape], onload: list[int]) -> tuple[int, int]:
+    """(rows, attention pairs) one layer computes when user u reuses `onload[u]` host tokens."""
+    rows = pairs = 0
+    for u, p in zip(users, onload):
+        start = max(u.gpu_tokens, p)  # first computed history position
+        n = u.history_tokens
+        rows += n - start + u.candidates
+        pairs += (n * (n + 1) - start * (start + 1)) // 2 + u.candidates * (n + 1)  # causal rows, then candidates
+    return rows, pairs
+
+
+def predict(users: list[UserShape], onload: list[int], cost: CostModel, num_layers: int) -> tuple[float, float, float]:
+    """(finish time of the last layer, total onload time, total compute time) for this split."""
+    rows, pairs = _layer_work(users, onload)
+    load_layer = sum(onload) * cost.bytes_per_token_layer / cost.h2d_bytes_per_s
+    compute_layer = cost.fixed_s + rows * cost.per_row_s + pairs * cost.per_pair_s
+    finish = 0.0
+    for i in range(num_layers):
+        finish = max(finish, (i + 1) * load_layer) + compute_layer
+    return finish, load_layer * num_layers, compute_layer * num_layers
+
+
+def plan(users: list[UserShape], cost: CostModel, num_layers: int, chunk_tokens: int) -> Plan:
+    """The split minimising the predicted finish; ties go to more onload (less GPU work)."""
+    steps = max((u.host_tokens // chunk_tokens for u in users), default=0)
+    if steps == 0:
+        zero = [0] * len(users)
+        return Plan(zero, *predict(users, zero, cost, num_layers))
+    best: Plan | None = None
+    for k in range(steps, -1, -1):  # fraction k / steps of every host prefix, in whole chunks
+        onload = [(u.host_tokens // chunk_tokens) * k // steps * chunk_tokens for u in users]
+        finish, load, compute = predict(users, onload, cost, num_layers)
+        if best is None or finish < best.predicted_s * (1 - 1e-9):
+            best = Plan(onload, finish, load, compute)
+    return best

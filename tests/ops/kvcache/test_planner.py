@@ -1,0 +1,94 @@
+"""Compute or load: the planner's split, and the oracle at every split point."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hstu.ops.kvcache.manager as manager_module
+from hstu.engine import RankingEngine
+from hstu.model.ranking import InferenceRankingGR
+from hstu.ops.kvcache.config import KVCacheConfig
+from hstu.ops.kvcache.costs import measure_costs
+from hstu.ops.kvcache.manager import AsyncKVCacheManager
+from hstu.ops.kvcache.planner import CostModel, Plan, UserShape, plan, predict
+from tests.conftest import rel_err
+
+CHUNK, LAYERS = 128, 8
+# One 4k-token user in the host tier, 128 new tokens and 256 candidates (the seed's shape).
+SEED_USERS = [UserShape(host_tokens=3968, gpu_tokens=0, history_tokens=4096, candidates=256)] * 8
+
+
+def _cost(h2d_gb_s: float) -> CostModel:
+    # Per-row and per-pair costs of the order the H200 shows at the seed shapes (bf16).
+    return CostModel(h2d_bytes_per_s=h2d_gb_s * 1e9, bytes_per_token_layer=4096, per_row_s=2e-8, per_pair_s=4e-12)
+
+
+def test_a_fast_link_onloads_everything():
+    chosen = plan(SEED_USERS, _cost(10_000), LAYERS, CHUNK)
+    assert chosen.onload_tokens == [3968] * 8
+
+
+def test_a_slow_link_recomputes_everything():
+    chosen = plan(SEED_USERS, _cost(0.01), LAYERS, CHUNK)
+    assert chosen.onload_tokens == [0] * 8
+
+
+def test_a_link_in_between_splits_on_chunk_boundaries_and_beats_both_ends():
+    cost = _cost(55)
+    chosen = plan(SEED_USERS, cost, LAYERS, CHUNK)
+    p = chosen.onload_tokens[0]
+    assert 0 < p < 3968 and p % CHUNK == 0 and len(set(chosen.onload_tokens)) == 1
+    for end in ([0] * 8, [3968] * 8):
+        assert chosen.predicted_s < predict(SEED_USERS, end, cost, LAYERS)[0]
+
+
+def test_more_bandwidth_never_onloads_less():
+    shares = [plan(SEED_USERS, _cost(gb), LAYERS, CHUNK).onload_tokens[0] for gb in (1, 10, 30, 55, 100, 400, 4000)]
+    assert shares == sorted(shares)
+
+
+def test_gpu_resident_prefixes_and_misses_are_left_alone():
+    users = [UserShape(0, 2048, 2176, 64), UserShape(0, 0, 512, 64), UserShape(1024, 0, 1100, 64)]
+    chosen = plan(users, _cost(55), LAYERS, CHUNK)
+    assert chosen.onload_tokens[:2] == [0, 0] and chosen.onload_tokens[2] % CHUNK == 0
+
+
+def test_cost_model_rejects_nonsense():
+    with pytest.raises(ValueError, match="h2d_bytes_per_s must be positive, got 0"):
+        CostModel(h2d_bytes_per_s=0, bytes_per_token_layer=1, per_row_s=0, per_pair_s=0)
+
+
+def _engine(config, **kv):
+    cfg = KVCacheConfig.for_model(config, page_size=4, num_pages=128, chunk_tokens=8, **kv)
+    return RankingEngine(InferenceRankingGR(config), AsyncKVCacheManager(cfg))
+
+
+@pytest.mark.parametrize("onload_chunks", [0, 1, 2, 3])
+def test_every_split_point_matches_the_no_cache_model(tiny_config, book, monkeypatch, onload_chunks):
+    engine = _engine(tiny_config)
+    mgr = engine.cache
+    engine.rank([book.request(1, 11)])  # 24 tokens: three full 8-token chunks in the host tier
+    mgr.evict_gpu([1])
+    forced = lambda users, cost, layers, chunk: Plan([onload_chunks * 8] * len(users), 0.0, 0.0, 0.0)  # noqa: E731
+    monkeypatch.setattr(manager_module, "plan_split", forced)
+    mgr.cost_model = _cost(55)
+    req = book.request(1, 2)
+    (out,) = engine.rank([req])
+    assert out.cached_tokens == onload_chunks * 8
+    assert rel_err(out.logits, engine.forward_no_cache([req])) < 1e-5
+    stats = mgr.stats.snapshot()
+    assert (stats["tokens_onloaded"], stats["tokens_recomputed"]) == (onload_chunks * 8, 24 - onload_chunks * 8)
+    mgr.drain()
+    assert mgr.host.pin_count(1) == 0 and mgr.gpu.pin_count(1) == 0
+    engine.close()
+
+
+def test_measured_costs_on_this_device_drive_the_planner(tiny_config):
+    engine = _engine(tiny_config)
+    cost = measure_costs(engine.model.block, engine.cache.config, torch.device("cpu"), tiny_config.max_seq_len)
+    assert cost.h2d_bytes_per_s > 0 and cost.per_row_s + cost.per_pair_s > 0
+    users = [UserShape(64, 0, 80, 8)]
+    chosen = plan(users, cost, tiny_config.num_layers, 8)
+    assert 0 <= chosen.onload_tokens[0] <= 64 and chosen.predicted_s > 0
+    engine.close()
