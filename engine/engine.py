@@ -34,6 +34,7 @@ import torch
 from hstu.model.batch import RankingRequest
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.manager import AsyncKVCacheManager, PreparedBatch
+from hstu.ops.kvcache.planner import CostModel
 
 # A batch is ranked at most this many times: the retry after a failed onload is a plain miss.
 _MAX_ATTEMPTS = 2
@@ -95,6 +96,26 @@ class RankingEngine:
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()
+
+    def calibrate(self, cost: CostModel | None = None) -> CostModel:
+        """Turn on the compute-or-load planner with `cost`, or with costs measured now on this
+        device (ops/kvcache/costs.py: H2D bandwidth, per-row and per-pair layer cost)."""
+        from hstu.ops.kvcache.costs import measure_costs
+
+        if self.cache is None:
+            raise RuntimeError("the planner splits host-tier prefixes: it needs a KV cache")
+        with self._lock:
+            if cost is None:
+                cost = measure_costs(self.model.block, self.cache.config, self.model.device, self.config.max_seq_len)
+            self.cache.cost_model = cost
+        return cost
+
+    def prefetch(self, user_ids: list[int]) -> int:
+        """Start onloading host-tier users expected to rank soon (between batches); users started."""
+        if self.cache is None:
+            return 0
+        with self._lock:
+            return self.cache.prefetch(user_ids)
 
     # ------------------------------------------------------- compiled / graphs
     def compile_paged_layers(self, **compile_kwargs) -> None:

@@ -340,7 +340,12 @@ class EndToEnd:
     """The cached and uncached models (same seeded weights) and their managers, shared by sections."""
 
     def __init__(
-        self, shape: BenchShape, device: torch.device, cuda_graphs: bool = False, compile_layers: bool = False
+        self,
+        shape: BenchShape,
+        device: torch.device,
+        cuda_graphs: bool = False,
+        compile_layers: bool = False,
+        planner: bool = True,
     ) -> None:
         self.shape = shape
         self.device = device
@@ -351,6 +356,9 @@ class EndToEnd:
         self.cached = RankingEngine(InferenceRankingGR(self.model_config, device), self.cached_mgr)
         self.uncached = RankingEngine(InferenceRankingGR(self.model_config, device), self.uncached_mgr)
         self.ids = _UserIds()
+        # The planner's cost model, measured once here (None: --no-planner).
+        self.cost = self.cached.calibrate() if planner else None
+        self.cached_mgr.cost_model = None
         self.cuda_graphs = cuda_graphs
         if cuda_graphs:
             # One bucket per measured row count: cached (new + candidates) and full (history + candidates) rows.
@@ -413,14 +421,24 @@ class EndToEnd:
         failures += _check_outputs("e2e/uncached", uncached_out, 0, batch)
         out["uncached"] = {**_summary(times), "cuda_graph_replays": check_graphs("uncached", self.uncached, before)}
 
-        for name, drop_gpu, tier in (("cached_gpu", False, "gpu_hits"), ("cached_host", True, "host_hits")):
+        passes = [("cached_gpu", False, "gpu_hits", None), ("cached_host", True, "host_hits", None)]
+        if self.cost is not None:  # the host tier again, the planner choosing onload vs recompute
+            passes.append(("cached_host_planned", True, "host_hits", self.cost))
+        for name, drop_gpu, tier, cost in passes:
             replays = self._replays(self.cached)
             probe = CacheWaitProbe(self.cached)
-            times, cached_out = timer.measure(probe.timed(rank_with(self.cached)), prefilled(drop_gpu), warmup, repeats)
+            mgr.cost_model = cost
+            try:
+                times, cached_out = timer.measure(
+                    probe.timed(rank_with(self.cached)), prefilled(drop_gpu), warmup, repeats
+                )
+            finally:
+                mgr.cost_model = None
             replays = check_graphs(name, self.cached, replays)
             mgr.drain()
             delta = {k: v - state["before"][k] for k, v in mgr.stats.snapshot().items()}
-            failures += _check_outputs(f"e2e/{name}", cached_out, shape.cached_tokens, batch)
+            if cost is None:
+                failures += _check_outputs(f"e2e/{name}", cached_out, shape.cached_tokens, batch)
             if delta[tier] != batch:
                 failures.append(f"e2e/{name}: expected {batch} {tier} in the last timed forward, stats delta {delta}")
             out[name] = {
@@ -428,6 +446,8 @@ class EndToEnd:
                 **probe.per_forward_ms(repeats),
                 "cuda_graph_replays": replays,
                 "bytes_onloaded_per_forward": delta["bytes_onloaded"],
+                "onloaded_tokens_per_forward": delta["tokens_onloaded"],
+                "recomputed_tokens_per_forward": delta["tokens_recomputed"],
                 "max_abs_diff_vs_uncached": _compare(
                     f"e2e/{name} vs uncached", cached_out, [o.logits for o in uncached_out], dtype, failures
                 ),
@@ -448,6 +468,9 @@ class EndToEnd:
         gpu_ms, host_ms = out["cached_gpu"]["median_ms"], out["cached_host"]["median_ms"]
         out["speedup"] = out["uncached"]["median_ms"] / gpu_ms
         out["speedup_host_tier"] = out["uncached"]["median_ms"] / host_ms
+        if "cached_host_planned" in out:
+            out["speedup_host_tier_planned"] = out["uncached"]["median_ms"] / out["cached_host_planned"]["median_ms"]
+            out["cost_model"] = self.cost.as_dict()
         out["speedup_rerank"] = out["uncached"]["median_ms"] / out["cached_rerank"]["median_ms"]
         out["exposed_cache_ms"] = host_ms - gpu_ms
         out["exposed_cache_share"] = (host_ms - gpu_ms) / host_ms
@@ -533,6 +556,7 @@ def run_bench(
     attention: str = "auto",
     cuda_graphs: bool = False,
     compile_layers: bool = False,
+    planner: bool = True,
 ) -> dict[str, Any]:
     """Run the sections for every batch size; write bench.json (after each section) and bench.md.
 
@@ -541,7 +565,7 @@ def run_bench(
     eager block.
     """
     with attention_backend(attention):
-        return _run_bench(shape, device, warmup, repeats, out_dir, sections, cuda_graphs, compile_layers)
+        return _run_bench(shape, device, warmup, repeats, out_dir, sections, cuda_graphs, compile_layers, planner)
 
 
 def _run_bench(
@@ -553,6 +577,7 @@ def _run_bench(
     sections: tuple[str, ...],
     cuda_graphs: bool,
     compile_layers: bool,
+    planner: bool,
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = memory_plan(shape)
@@ -596,7 +621,7 @@ def _run_bench(
     timer = Timer(device)
     try:
         check_memory(shape, device, plan)
-        e2e = EndToEnd(shape, device, cuda_graphs, compile_layers)
+        e2e = EndToEnd(shape, device, cuda_graphs, compile_layers, planner)
     except Exception as exc:
         logger.exception("setup failed")
         doc["errors"].append({"section": "setup", "batch": None, "error": f"{type(exc).__name__}: {exc}"})
@@ -644,6 +669,19 @@ def table_rows(doc: dict) -> list[list[str]]:
             ]
         )
     for batch in doc["shape"]["batch_sizes"]:
+        if _cell(doc, "e2e", batch, "cached_host_planned", "median_ms") is not None:
+            e2e_rows.append(
+                [
+                    "host tier + planner",
+                    str(batch),
+                    fmt(_cell(doc, "e2e", batch, "cached_host_planned", "median_ms"), ".2f"),
+                    fmt(_cell(doc, "e2e", batch, "uncached", "median_ms"), ".2f"),
+                    times(_cell(doc, "e2e", batch, "speedup_host_tier_planned")),
+                    "",
+                    "",
+                    "",
+                ]
+            )
         e2e_rows.append(
             [
                 "re-rank, same history",
@@ -726,6 +764,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--attention", choices=["auto", "torch"], default="auto", help="torch: bypass the Triton kernel")
     p.add_argument("--cuda-graphs", action="store_true", help="end-to-end models replay per-layer CUDA graphs (CUDA only)")
     p.add_argument("--compile", action="store_true", help="those graphs capture torch.compile'd layers (implies --cuda-graphs)")
+    p.add_argument("--no-planner", action="store_true", help="skip the host-tier pass with the compute-or-load planner")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", type=Path, default=Path("out/bench"))
@@ -761,6 +800,7 @@ def main(args: argparse.Namespace) -> int:
         args.attention,
         args.cuda_graphs,
         args.compile,
+        not args.no_planner,
     )
     logger.info("wrote %s and %s", args.out / "bench.json", args.out / "bench.md")
     print(format_table(doc))
