@@ -35,6 +35,8 @@ from hstu.serving.runtime import ServingRuntime
 from hstu.serving.schemas import (
     ErrorResponse,
     HealthResponse,
+    PrefetchRequest,
+    PrefetchResponse,
     RankResponse,
     RequestLimits,
     build_rank_request_model,
@@ -145,6 +147,21 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
             computed_tokens=output.computed_tokens,
             latency_ms=latency * 1000.0,
         )
+
+    parse_prefetch = json_parser(PrefetchRequest)
+
+    @app.post("/v1/prefetch", response_model=PrefetchResponse, responses=_responses(400, 413, 422, 503),
+              summary="Start moving users' cached K/V from the host tier to the GPU")
+    async def prefetch(request: Request) -> Response:
+        try:
+            body = parse_prefetch(await read_body(request, limits.max_body_bytes))
+            if not runtime.ready:
+                raise RankError(503, "unavailable", f"server is {runtime.state}", retry_after_s=RETRY_AFTER_S)
+        except RankError as exc:
+            return rank_error_response(exc, None)
+        users = list(dict.fromkeys(body.user_ids))
+        started = await runtime.batcher.run_on_model_thread(runtime.prefetch, users)
+        return PrefetchResponse(requested=len(users), started=started)
 
     def _failed(status: int, kind: str, arrived: float, response: Response) -> Response:
         metrics.errors.labels(kind).inc()

@@ -159,6 +159,10 @@ class Batcher:
     def _overloaded(self, detail: str) -> RankError:
         return RankError(503, "overloaded", detail, retry_after_s=RETRY_AFTER_S)
 
+    async def run_on_model_thread(self, fn, *args):
+        """Run fn(*args) on the model thread, between batches (e.g. a prefetch)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
     async def close(self, timeout_s: float | None = None) -> None:
         """Refuse new requests and finish the queued ones; after `timeout_s` answer the rest 503.
         Then stop the task and join the model thread."""

@@ -42,8 +42,13 @@ _LABELLED_COUNTERS = (
      (("onload", "onload_failures"), ("offload", "offload_failures"))),
     ("hstu_cache_invalidations", "Cache entries dropped because the request's history was shorter or differed",
      "reason", (("shorter", "invalidated_shorter"), ("diverged", "invalidated_diverged"))),
-    ("hstu_cache_tokens", "History tokens reused or computed", "kind",
-     (("cached", "cached_tokens"), ("computed", "computed_tokens"))),
+    ("hstu_cache_tokens", "Tokens reused, computed, onloaded or recomputed from host-tier prefixes", "kind",
+     (("cached", "cached_tokens"), ("computed", "computed_tokens"), ("candidates", "candidate_tokens"),
+      ("onloaded", "tokens_onloaded"), ("recomputed_from_host", "tokens_recomputed"))),
+    ("hstu_cache_offload_rejected", "Offloads not admitted to the host tier (users seen too rarely)", "unit",
+     (("users", "offload_rejected_users"), ("bytes", "offload_rejected_bytes"))),
+    ("hstu_cache_prefetch", "Prefetches started and later found on the GPU", "result",
+     (("started", "prefetches"), ("hit", "prefetch_hits"))),
 )
 
 
@@ -129,6 +134,12 @@ class CacheCollector(Collector):
             ("hstu_cache_offload_skipped", "Offloads skipped (host tier full of pinned users)", "offload_skipped"),
         ):
             yield CounterMetricFamily(name, doc, value=s[key])
+        cost = manager.cost_model
+        if cost is not None:
+            m = GaugeMetricFamily("hstu_planner_cost", "Compute-or-load planner cost model (measured or set)", labels=["input"])
+            for key, value in cost.as_dict().items():
+                m.add_metric([key], float(value))
+            yield m
         occupancy = manager.occupancy()
         free_pages, free_slots = occupancy["gpu_free_pages"], occupancy["host_free_slots"]
         yield GaugeMetricFamily("hstu_cache_gpu_free_pages", "Free pages in the GPU page pool", value=free_pages)

@@ -129,6 +129,15 @@ class ServingRuntime:
                 self.engine.graphs.bucket_sizes,
             )
         self._warm_up()
+        if s.planner:
+            cost = self.engine.calibrate()
+            if s.h2d_gb_per_s is not None:
+                cost = self.engine.calibrate(dataclasses.replace(cost, h2d_bytes_per_s=s.h2d_gb_per_s * 1e9))
+            logger.info("compute-or-load planner costs: %s", cost.as_dict())
+
+    def prefetch(self, user_ids: list[int]) -> int:
+        """Start onloads for users expected soon, on the model thread between batches (awaitable)."""
+        return self.engine.prefetch(user_ids)
 
     def _warm_up(self) -> None:
         cfg, kv = self.config, self.manager.config

@@ -201,6 +201,21 @@ class RankResponse(BaseModel):
     latency_ms: float = Field(description="server time from arrival to the response (body, parsing, queue, model)")
 
 
+MAX_PREFETCH_USERS = 1024
+
+
+class PrefetchRequest(BaseModel):
+    """Users expected to rank soon: their host-tier K/V start moving to the GPU now."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    user_ids: list[Annotated[int, Field(ge=0, le=MAX_USER_ID)]] = Field(min_length=1, max_length=MAX_PREFETCH_USERS)
+
+
+class PrefetchResponse(BaseModel):
+    requested: int = Field(description="distinct users asked for")
+    started: int = Field(description="onloads started (the rest are on the GPU already, not in the host tier, or do not fit free pages)")
+
+
 class ErrorResponse(BaseModel):
     error: str = Field(
         description=(

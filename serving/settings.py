@@ -72,6 +72,10 @@ class ServerSettings:
     cuda_graphs: bool = False
     compile_layers: bool = False
     on_shorter_history: str = "invalidate"
+    planner: bool = True  # split host-tier prefixes between onload and recompute (measured costs)
+    h2d_gb_per_s: float | None = None  # overrides the measured host->device bandwidth
+    offload_min_seen: int = 2  # offload a user's chunks once it was seen this often
+    offload_mb_per_s: float | None = None  # D2H pacing budget (None: unlimited)
 
     def __post_init__(self) -> None:
         for name in _POSITIVE:
@@ -158,6 +162,8 @@ class ServerSettings:
             host_capacity_bytes=self.host_cache_bytes,
             on_no_new_tokens="candidates",
             on_shorter_history=self.on_shorter_history,
+            offload_min_seen=self.offload_min_seen,
+            offload_bytes_per_s=None if self.offload_mb_per_s is None else self.offload_mb_per_s * 2**20,
         )
 
 

@@ -389,3 +389,23 @@ async def test_model_metadata_before_the_model_is_loaded_has_no_fingerprint_and_
     async with serving(tiny_settings(checkpoint=str(tmp_path / "missing.pt")), ready=False) as (app, client):
         meta = (await client.get("/v2/models/hstu")).json()
     assert meta["weights_fingerprint"] is None and meta["ready"] is False
+
+
+@anyio
+async def test_prefetch_over_http_puts_a_host_tier_user_back_on_the_gpu(reference):
+    user = Timeline(41)
+    async with serving() as (app, client):
+        for events in (20, 24):  # seen twice: its chunks are admitted to the host tier
+            assert (await client.post("/v1/rank", json=user.payload(events))).status_code == 200
+        manager = app.state.runtime.manager
+        manager.evict_gpu([41])
+        r = await client.post("/v1/prefetch", json={"user_ids": [41, 41, 999]})
+        assert r.status_code == 200 and r.json() == {"requested": 2, "started": 1}, r.text
+        payload = user.payload(26)
+        r = await client.post("/v1/rank", json=payload)
+        assert r.status_code == 200 and r.json()["cached_tokens"] == 48 and matches_reference(reference, payload, r.json())
+        bad = await client.post("/v1/prefetch", json={"user_ids": []})
+        assert bad.status_code == 422 and bad.json()["error"] == "invalid_request"
+        metrics = (await client.get("/metrics")).text
+    assert 'hstu_cache_prefetch_total{result="hit"} 1.0' in metrics
+    assert 'hstu_planner_cost{input="h2d_bytes_per_s"}' in metrics
