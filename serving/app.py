@@ -31,6 +31,7 @@ from hstu.model.batch import RankingRequest
 from hstu.serving.errors import RETRY_AFTER_S, RankError, error_body, error_response, rank_error_response
 from hstu.serving.metadata import MODEL_NAME, ModelMetadata, ModelReady, model_metadata
 from hstu.serving.metrics import ServingMetrics
+from hstu.serving.parsing import ParsedRank, RankBodyParser
 from hstu.serving.runtime import ServingRuntime
 from hstu.serving.schemas import (
     ErrorResponse,
@@ -39,6 +40,7 @@ from hstu.serving.schemas import (
     PrefetchResponse,
     RankResponse,
     RequestLimits,
+    build_rank_columns_model,
     build_rank_request_model,
     describe_validation_error,
     json_parser,
@@ -59,6 +61,7 @@ _ERROR_STATUSES = {
     504: "the request's deadline (request_timeout_ms) passed",
 }
 _HTTP_KINDS = {404: "not_found", 405: "method_not_allowed"}
+_INLINE_PARSE_BYTES = 32 << 10
 _CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by a client
 
 
@@ -77,7 +80,8 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     metrics.watch_cache(lambda: runtime.manager)
     metrics.queue_depth.set_function(lambda: runtime.batcher.pending if runtime.batcher is not None else 0)
     RankRequestModel = build_rank_request_model(limits)
-    parse_rank_request = json_parser(RankRequestModel)
+    RankColumnsModel = build_rank_columns_model(limits)
+    parse_rank_body = RankBodyParser(limits, config, RankRequestModel, RankColumnsModel)
     request_timeout_s = settings.request_timeout_ms / 1000.0
 
     @asynccontextmanager
@@ -119,7 +123,16 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         openapi_extra={
             "requestBody": {
                 "required": True,
-                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RankRequest"}}},
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "oneOf": [
+                                {"$ref": "#/components/schemas/RankRequest"},
+                                {"$ref": "#/components/schemas/RankRequestColumns"},
+                            ]
+                        }
+                    }
+                },
             }
         },
     )
@@ -128,9 +141,9 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         deadline = time.monotonic() + request_timeout_s
         request_id = None
         try:
-            body = parse_rank_request(await read_body(request, limits.max_body_bytes))
-            request_id = body.request_id or uuid.uuid4().hex
-            output = await cancel_on_disconnect(request.receive, _rank_one(body, deadline))
+            parsed = await _parse(await read_body(request, limits.max_body_bytes))
+            request_id = parsed.request_id or uuid.uuid4().hex
+            output = await cancel_on_disconnect(request.receive, _rank_one(parsed.request, deadline))
         except RankError as exc:
             return _failed(exc.status, exc.kind, arrived, rank_error_response(exc, request_id))
         except ClientGone as exc:
@@ -141,8 +154,8 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         probs = output.scores.tolist()
         return RankResponse(
             request_id=request_id,
-            user_id=body.user_id,
-            scores=[{"item_id": item, "scores": dict(zip(task_names, p))} for item, p in zip(body.candidates, probs)],
+            user_id=parsed.request.user_id,
+            scores=[{"item_id": item, "scores": dict(zip(task_names, p))} for item, p in zip(parsed.candidates, probs)],
             cached_tokens=output.cached_tokens,
             computed_tokens=output.computed_tokens,
             latency_ms=latency * 1000.0,
@@ -168,22 +181,25 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         metrics.request_latency.labels(str(status)).observe(time.perf_counter() - arrived)
         return response
 
-    async def _rank_one(body, deadline: float):
+    def _parse_and_digest(raw: bytes) -> ParsedRank:
+        """Parse, then the history's identity digests (model/identity.py) while off the model thread."""
+        parsed = parse_rank_body(raw)
+        if runtime.model is not None:
+            r = parsed.request
+            r.identity(runtime.model.identity).prefix(r.history_tokens(config))
+        return parsed
+
+    async def _parse(raw: bytes) -> ParsedRank:
+        """Small bodies parse on the loop (microseconds); large ones in a worker thread, so health
+        checks and batching stay responsive while a 4k-event body is read."""
+        if len(raw) < _INLINE_PARSE_BYTES:
+            return _parse_and_digest(raw)
+        return await asyncio.to_thread(_parse_and_digest, raw)
+
+    async def _rank_one(request: RankingRequest, deadline: float):
         if not runtime.ready:
             detail = f"server is {runtime.state}: {runtime.detail}"
             raise RankError(503, "unavailable", detail, retry_after_s=RETRY_AFTER_S)
-        try:
-            request = RankingRequest.create(
-                body.user_id,
-                [e.item_id for e in body.history],
-                [e.action for e in body.history],
-                [e.timestamp for e in body.history],
-                body.candidates,
-                contextual=body.contextual,
-                config=config,
-            )
-        except ValueError as exc:
-            raise RankError(422, "invalid_request", str(exc)) from exc
         return await runtime.batcher.submit(request, deadline)
 
     def _not_ready() -> JSONResponse:
@@ -213,6 +229,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     _publish_request_schema(app, RankRequestModel)
+    _publish_request_schema(app, RankColumnsModel)
     return app
 
 

@@ -1,0 +1,122 @@
+"""Request bodies at wire speed: POST /v1/rank decoded by msgspec into typed structs, checked as arrays.
+
+Two forms of one request, told apart by their keys:
+  events   {"user_id", "history": [{"item_id", "action", "timestamp"}, ...], "candidates", ...}
+  columns  {"user_id", "item_ids": [...], "actions": [...], "timestamps": [...], "candidates", ...}
+both with optional "contextual" and "request_id". msgspec checks JSON types exactly while it
+decodes (ints, not bools, floats or strings; no unknown fields), the sizes are checked against
+RequestLimits, then RankingRequest.create checks ranges, timestamp order and lengths vectorised.
+A body the fast path refuses is validated again by the form's pydantic model (schemas.py) only to
+word the error exactly as before, naming field and value: errors are rare, valid requests never pay
+for pydantic. 400 when the bytes are not JSON. A 4,000-event body: ~0.6 ms (columns) or ~1 ms
+(events) here, against ~7 ms through pydantic (scripts/bench_parse.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+from pydantic import BaseModel, ValidationError
+
+from hstu.model.batch import RankingRequest
+from hstu.model.config import HSTUConfig
+from hstu.serving.errors import RankError
+from hstu.serving.schemas import (
+    MAX_REQUEST_ID_LEN,
+    MAX_TIMESTAMP,
+    MAX_USER_ID,
+    RequestLimits,
+    describe_validation_error,
+    sniff_request_id,
+)
+
+
+class _Event(msgspec.Struct, forbid_unknown_fields=True):
+    item_id: int
+    action: int
+    timestamp: int
+
+
+class _EventsBody(msgspec.Struct, forbid_unknown_fields=True):
+    user_id: int
+    history: list[_Event]
+    candidates: list[int]
+    contextual: list[int] | None = None
+    request_id: str | None = None
+
+
+class _ColumnsBody(msgspec.Struct, forbid_unknown_fields=True):
+    user_id: int
+    item_ids: list[int]
+    actions: list[int]
+    timestamps: list[int]
+    candidates: list[int]
+    contextual: list[int] | None = None
+    request_id: str | None = None
+
+
+_DECODERS = {"events": msgspec.json.Decoder(_EventsBody), "columns": msgspec.json.Decoder(_ColumnsBody)}
+
+
+class _Refused(Exception):
+    """The fast path does not accept this body; the message is used if pydantic accepts it."""
+
+
+@dataclass
+class ParsedRank:
+    request: RankingRequest
+    request_id: str | None
+    candidates: list[int]
+
+
+class RankBodyParser:
+    """bytes -> ParsedRank for one served model; RankError 400/422 otherwise."""
+
+    def __init__(
+        self, limits: RequestLimits, config: HSTUConfig, events_model: type[BaseModel], columns_model: type[BaseModel]
+    ) -> None:
+        self.limits, self.config = limits, config
+        self.models = {"events": events_model, "columns": columns_model}
+
+    def __call__(self, raw: bytes) -> ParsedRank:
+        form = "columns" if b'"item_ids"' in raw else "events"
+        try:
+            body = _DECODERS[form].decode(raw)
+            return self._checked(body, form)
+        except msgspec.DecodeError as exc:
+            if not isinstance(exc, msgspec.ValidationError):
+                raise RankError(400, "invalid_json", f"body is not valid JSON: {exc}", request_id=sniff_request_id(raw)) from exc
+            problem: Exception = exc
+        except (_Refused, ValueError, OverflowError) as exc:
+            problem = exc
+        request_id = sniff_request_id(raw)
+        try:
+            self.models[form].model_validate_json(raw)
+        except ValidationError as invalid:
+            raise RankError(422, "invalid_request", describe_validation_error(invalid), request_id=request_id) from problem
+        raise RankError(422, "invalid_request", str(problem), request_id=request_id) from problem
+
+    def _checked(self, body, form: str) -> ParsedRank:
+        lim = self.limits
+        if not 0 <= body.user_id <= MAX_USER_ID:
+            raise _Refused(f"user_id: {body.user_id} outside [0, {MAX_USER_ID}]")
+        if body.request_id is not None and not 0 < len(body.request_id) <= MAX_REQUEST_ID_LEN:
+            raise _Refused(f"request_id: 1 to {MAX_REQUEST_ID_LEN} characters")
+        if form == "events":
+            history = body.history
+            items = [e.item_id for e in history]
+            actions = [e.action for e in history]
+            stamps = [e.timestamp for e in history]
+        else:
+            items, actions, stamps = body.item_ids, body.actions, body.timestamps
+        if len(items) > lim.max_events or len(actions) > lim.max_events or len(stamps) > lim.max_events:
+            raise _Refused(f"history: at most {lim.max_events} events")
+        if len(body.candidates) > lim.max_candidates:
+            raise _Refused(f"candidates: at most {lim.max_candidates}")
+        if stamps and max(stamps) > MAX_TIMESTAMP:
+            raise _Refused(f"timestamps: at most {MAX_TIMESTAMP}")
+        request = RankingRequest.create(
+            body.user_id, items, actions, stamps, body.candidates, body.contextual, self.config
+        )
+        return ParsedRank(request, body.request_id, body.candidates)

@@ -1,0 +1,81 @@
+"""The fast request parser: both body forms give the same request, errors keep their wording."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hstu.serving.errors import RankError
+from hstu.serving.parsing import RankBodyParser
+from hstu.serving.schemas import RequestLimits, build_rank_columns_model, build_rank_request_model
+
+from .conftest import TINY, Timeline, matches_reference, serving
+
+anyio = pytest.mark.anyio
+
+
+def columns(payload: dict) -> dict:
+    """The columnar form of an event-form payload."""
+    out = {k: v for k, v in payload.items() if k != "history"}
+    out["item_ids"] = [e["item_id"] for e in payload["history"]]
+    out["actions"] = [e["action"] for e in payload["history"]]
+    out["timestamps"] = [e["timestamp"] for e in payload["history"]]
+    return out
+
+
+@pytest.fixture
+def parser() -> RankBodyParser:
+    limits = RequestLimits.for_model(TINY, 64)
+    return RankBodyParser(limits, TINY, build_rank_request_model(limits), build_rank_columns_model(limits))
+
+
+def test_both_forms_parse_to_the_same_request(parser):
+    payload = Timeline(3).payload(40, request_id="r1", contextual=[4, 9])
+    a, b = parser(json.dumps(payload).encode()), parser(json.dumps(columns(payload)).encode())
+    for field in ("item_ids", "actions", "timestamps", "candidates", "contextual"):
+        np.testing.assert_array_equal(getattr(a.request, field), getattr(b.request, field))
+    assert (a.request.user_id, a.request_id, a.candidates) == (b.request.user_id, "r1", payload["candidates"])
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda c: {**c, "item_ids": c["item_ids"][:-1]}, ["equal lengths", "39, 40, 40"]),
+        (lambda c: {**c, "timestamps": c["timestamps"][:-1] + [0]}, ["non-decreasing", "event 39"]),
+        (lambda c: {**c, "item_ids": [-3] + c["item_ids"][1:]}, ["item_ids.0", "greater than or equal to 0", "-3"]),
+        (lambda c: {**c, "actions": [True] + c["actions"][1:]}, ["actions.0"]),
+        (lambda c: {**c, "actions": [1.5] + c["actions"][1:]}, ["actions.0", "1.5"]),
+        (lambda c: {**c, "item_idz": []}, ["item_idz", "Extra inputs"]),
+        (lambda c: {k: v for k, v in c.items() if k != "actions"}, ["actions", "Field required"]),
+        (lambda c: {**c, "candidates": [10**12]}, ["candidates.0", str(10**12)]),
+    ],
+)
+def test_columnar_errors_name_the_field_and_value(parser, change, words):
+    body = change(columns(Timeline(3).payload(40, request_id="bad")))
+    with pytest.raises(RankError) as info:
+        parser(json.dumps(body).encode())
+    assert info.value.status == 422 and info.value.request_id == "bad"
+    assert all(w in info.value.detail for w in words), info.value.detail
+
+
+def test_bytes_that_are_not_json_are_400(parser):
+    with pytest.raises(RankError) as info:
+        parser(b'{"request_id": "x1", "user_id": 1, "item_ids": [1,')
+    assert (info.value.status, info.value.kind, info.value.request_id) == (400, "invalid_json", "x1")
+
+
+@anyio
+async def test_columnar_and_event_forms_give_identical_scores_through_the_server(reference):
+    user = Timeline(51)
+    async with serving() as (_, client):
+        first = user.payload(30)
+        r1 = await client.post("/v1/rank", json=first)
+        second = user.payload(34)
+        r2 = await client.post("/v1/rank", json=columns(second))
+        assert r1.status_code == r2.status_code == 200, r2.text
+        assert matches_reference(reference, second, r2.json())
+        assert r2.json()["cached_tokens"] > 0, "the columnar request reused the event-form request's cache"
+        same = await client.post("/v1/rank", json=second)
+        assert [c["scores"] for c in same.json()["scores"]] == [c["scores"] for c in r2.json()["scores"]]
