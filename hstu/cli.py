@@ -12,6 +12,7 @@ _SUBCOMMANDS = {
     "replay": "hstu.scripts.replay",
     "bench": "hstu.scripts.bench",
     "profile": "hstu.scripts.profile_forward",
+    "loadgen": "hstu.scripts.loadgen",
 }
 
 

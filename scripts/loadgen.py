@@ -1,0 +1,209 @@
+"""`hstu loadgen`: open-loop load against a running server, fit to measure the server, not itself.
+
+Requests come from the synthetic workload (scripts/workload.py) for the server's own model (read
+from GET /v2/models/hstu), pre-encoded as bodies before the clock starts (columnar form by
+default). Request i is due at a Poisson arrival time for --rate requests/s; it is sent at that
+time, or when the same user's previous request was answered (a user's history grows in order),
+over a pool of --connections keep-alive HTTP/1.1 connections (a minimal client on asyncio
+streams: no per-request client objects). --processes splits the users over several client
+processes, each with its own loop and share of the rate. Reports achieved vs offered rate,
+p50/p99 latency, answers by status and the server's mean batch size (from /metrics), a short
+table last and JSON under --out. Loopback servers only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import multiprocessing
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+def encode(request, form: str) -> bytes:
+    """The POST /v1/rank body of one RankingRequest, in the "columns" or "events" form."""
+    doc: dict[str, Any] = {"user_id": request.user_id, "candidates": request.candidates.tolist()}
+    if form == "columns":
+        doc.update(item_ids=request.item_ids.tolist(), actions=request.actions.tolist(), timestamps=request.timestamps.tolist())
+    else:
+        doc["history"] = [
+            {"item_id": i, "action": a, "timestamp": t}
+            for i, a, t in zip(request.item_ids.tolist(), request.actions.tolist(), request.timestamps.tolist())
+        ]
+    doc["contextual"] = request.contextual.tolist()
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+class _Connection:
+    """One keep-alive HTTP/1.1 connection: POST a body, read the status and the body."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader = self.writer = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        self.writer.write(head + body)
+        status_line = await self.reader.readline()
+        length, close = 0, False
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.lower() == "content-length":
+                length = int(value)
+            elif name.lower() == "connection" and "close" in value.lower():
+                close = True
+        payload = await self.reader.readexactly(length)
+        if close:
+            self.writer.close()
+            self.reader = self.writer = None
+        return int(status_line.split(b" ", 2)[1]), payload
+
+
+async def _drive(url: str, bodies: list[tuple[int, bytes]], due: list[float], connections: int, timeout_s: float) -> dict:
+    parsed = urlparse(url)
+    pool: asyncio.Queue = asyncio.Queue()
+    for _ in range(connections):
+        pool.put_nowait(_Connection(parsed.hostname, parsed.port or 80))
+    latencies, statuses = [None] * len(bodies), {}
+    last_of_user: dict[int, asyncio.Task] = {}
+    start = time.perf_counter()
+
+    async def one(i: int, before: asyncio.Task | None) -> None:
+        delay = start + due[i] - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if before is not None:
+            await before
+        conn = await pool.get()
+        t0 = time.perf_counter()
+        try:
+            status, _ = await asyncio.wait_for(conn.post("/v1/rank", bodies[i][1]), timeout_s)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+            status = f"error:{type(exc).__name__}"
+            conn = _Connection(parsed.hostname, parsed.port or 80)
+        latencies[i] = (time.perf_counter() - t0) * 1e3
+        statuses[status] = statuses.get(status, 0) + 1
+        pool.put_nowait(conn)
+
+    tasks = []
+    for i, (user, _) in enumerate(bodies):
+        task = asyncio.ensure_future(one(i, last_of_user.get(user)))
+        last_of_user[user] = task
+        tasks.append(task)
+    await asyncio.gather(*tasks)
+    return {"wall_s": time.perf_counter() - start, "latencies_ms": latencies, "statuses": statuses}
+
+
+def _client(args: tuple) -> dict:
+    url, bodies, due, connections, timeout_s = args
+    return asyncio.run(_drive(url, bodies, due, connections, timeout_s))
+
+
+def _batch_counters(url: str) -> tuple[float, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    count = total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "hstu_batch_size_count":
+                count = s.value
+            elif s.name == "hstu_batch_size_sum":
+                total = s.value
+    return count, total
+
+
+def run(url: str, requests: list, rate: float, connections: int, processes: int, form: str, timeout_s: float, seed: int) -> dict:
+    """Send every request open-loop at `rate`; the report (see the module docstring)."""
+    bodies = [(r.user_id, encode(r, form)) for r in requests]
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(bodies)) if rate > 0 else np.zeros(len(bodies))
+    due = np.cumsum(gaps).tolist()
+    shares = [[i for i, (u, _) in enumerate(bodies) if u % processes == p] for p in range(processes)]
+    jobs = [(url, [bodies[i] for i in s], [due[i] for i in s], max(1, connections // processes), timeout_s) for s in shares]
+    before = _batch_counters(url)
+    if processes == 1:
+        results = [_client(jobs[0])]
+    else:
+        with multiprocessing.get_context("spawn").Pool(processes) as pool:
+            results = pool.map(_client, jobs)
+    after = _batch_counters(url)
+    latencies = np.asarray([x for r in results for x in r["latencies_ms"]], dtype=np.float64)
+    statuses: dict[str, int] = {}
+    for r in results:
+        for k, v in r["statuses"].items():
+            statuses[str(k)] = statuses.get(str(k), 0) + v
+    wall = max(r["wall_s"] for r in results)
+    batches, batched = after[0] - before[0], after[1] - before[1]
+    return {
+        "requests": len(bodies),
+        "form": form,
+        "offered_rate": rate,
+        "achieved_rate": len(bodies) / wall if wall > 0 else float("nan"),
+        "ok_rate": statuses.get("200", 0) / wall if wall > 0 else float("nan"),
+        "latency_p50_ms": float(np.percentile(latencies, 50)),
+        "latency_p99_ms": float(np.percentile(latencies, 99)),
+        "statuses": statuses,
+        "mean_batch_size": batched / batches if batches else float("nan"),
+        "connections": connections,
+        "processes": processes,
+        "wall_s": wall,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    from hstu.model.config import HSTUConfig
+    from hstu.scripts.replay import check_loopback, fetch_server_model
+    from hstu.scripts.workload import Workload, WorkloadConfig
+
+    check_loopback(args.server)
+    meta = fetch_server_model(args.server)
+    model = HSTUConfig(**meta["config"])
+    limit = min(4096, model.max_seq_len - 1) - model.num_contextual  # history tokens past the contextual ones
+    even = lambda n: max(2, n // 2 * 2)  # noqa: E731
+    work = WorkloadConfig(
+        num_requests=args.requests,
+        num_users=args.users,
+        seed=args.seed,
+        new_tokens=(2, even(min(256, limit // 8))),
+        initial_tokens=(8, even(min(2048, limit // 2))),
+        candidates=(16, min(256, meta["limits"]["max_candidates"])),
+    )
+    requests = list(Workload(work, model))
+    doc = run(args.server, requests, args.rate, args.connections, args.processes, args.form, args.timeout_s, args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "loadgen.json").write_text(json.dumps(doc, indent=1))
+    print(f"offered {doc['offered_rate']:.0f} req/s  achieved {doc['achieved_rate']:.1f} req/s  "
+          f"(200s {doc['ok_rate']:.1f}/s)  p50 {doc['latency_p50_ms']:.1f} ms  p99 {doc['latency_p99_ms']:.1f} ms  "
+          f"mean batch {doc['mean_batch_size']:.2f}  statuses {doc['statuses']}")
+    return 0 if set(doc["statuses"]) <= {"200"} else 1
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("loadgen", help="open-loop load against a running server", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--server", required=True, help="base URL of a loopback server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--rate", type=float, default=1000.0, help="offered requests/s (0: all at once)")
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--users", type=int, default=64)
+    p.add_argument("--connections", type=int, default=32)
+    p.add_argument("--processes", type=int, default=1)
+    p.add_argument("--form", choices=["columns", "events"], default="columns")
+    p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("out/loadgen"))
+    p.set_defaults(func=main)
+    return p

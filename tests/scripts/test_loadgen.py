@@ -1,0 +1,23 @@
+"""The open-loop load generator against a real uvicorn on loopback (tiny model, bounded)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from hstu.scripts import loadgen
+from tests.serving.conftest import live_server, tiny_settings
+
+
+def test_loadgen_reports_rate_latency_and_batch_size_and_gets_only_200s(tmp_path):
+    with live_server(tiny_settings()) as (_, _, url):
+        for form in ("columns", "events"):
+            args = argparse.Namespace(
+                server=url, rate=200.0, requests=60, users=12, connections=8, processes=1, form=form,
+                timeout_s=20.0, seed=1, out=tmp_path / form,
+            )
+            assert loadgen.main(args) == 0
+            doc = json.loads((tmp_path / form / "loadgen.json").read_text())
+            assert doc["statuses"] == {"200": 60} and doc["requests"] == 60
+            assert doc["achieved_rate"] > 0 and doc["latency_p99_ms"] >= doc["latency_p50_ms"] > 0
+            assert doc["mean_batch_size"] >= 1
