@@ -120,7 +120,7 @@ class Preprocessor(torch.nn.Module):
             [token_features(r, cfg, c, emb.item_offset, emb.action_offset) for r, c in zip(requests, cached_lens)], axis=1
         )
         f = torch.from_numpy(feats)
-        device = emb.tokens.weight.device
+        device = emb.device
         if device.type == "cuda":
             f = f.pin_memory().to(device, non_blocking=True)
         return emb(f[0], f[1], f[2], f[3])
