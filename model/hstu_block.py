@@ -32,7 +32,7 @@ class HSTUBlock(nn.Module):
         """One user's full sequence [N, D] (history then candidates) without any cache."""
         for layer in self.layers:
             u, q, k, v = layer.project(x)
-            x = layer.finish(x, dense_hstu_attention(q, k, v, history_len, self.config.max_seq_len), u)
+            x = layer.finish(x, dense_hstu_attention(q, k, v, history_len, self.config.attention_scale_len), u)
         return x
 
     def paged_layer(self, index: int, x: torch.Tensor, kv_cache: torch.Tensor, meta: KVCacheMetadata) -> torch.Tensor:
@@ -48,7 +48,7 @@ class HSTUBlock(nn.Module):
             meta.append_offsets,
             index,
         )
-        attn = paged_hstu_attention(q, k, v, kv_cache, index, meta, self.config.max_seq_len)
+        attn = paged_hstu_attention(q, k, v, kv_cache, index, meta, self.config.attention_scale_len)
         return layer.finish(x, attn, u)
 
     def forward_paged(

@@ -1,5 +1,11 @@
-"""One HSTU layer (inference): x -> LN -> Linear -> SiLU -> split u, v, q, k; pointwise attention;
-out = Linear(LN(a) * u) + x. The attention itself is supplied by the caller (dense or paged)."""
+"""One HSTU layer (inference): x -> LN -> Linear -> split u, v, q, k; pointwise attention; a
+residual output projection. The attention itself is supplied by the caller (dense or paged).
+
+Two variants (HSTUConfig.layer_variant), over the same attention and KV layout:
+  nvidia    SiLU on u, v, q and k;  out = Linear(LN(a) * u) + x            (NVIDIA recsys-examples)
+  meta_stu  SiLU on u only;         out = Linear([u, a, u * LN(a)]) + x    (Meta's STU layer)
+The output projection's bias is HSTUConfig.output_bias (upstream layers have none).
+"""
 
 from __future__ import annotations
 
@@ -15,20 +21,29 @@ class HSTULayer(nn.Module):
         super().__init__()
         D, H = config.embedding_dim, config.num_heads
         self.num_heads, self.d_qk, self.d_v = H, config.head_dim_qk, config.head_dim_v
+        self.meta_stu = config.layer_variant == "meta_stu"
         self.input_norm = nn.LayerNorm(D, eps=config.layer_norm_eps)
         self.uvqk = nn.Linear(D, H * (2 * self.d_v + 2 * self.d_qk))
         self.attn_norm = nn.LayerNorm(H * self.d_v, eps=config.layer_norm_eps)
-        self.output = nn.Linear(H * self.d_v, D)
+        width = 3 if self.meta_stu else 1
+        self.output = nn.Linear(width * H * self.d_v, D, bias=config.output_bias)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, D] -> u [T, H*d_v], q [T, H, d_qk], k [T, H, d_qk], v [T, H, d_v]."""
         H, dv, dqk = self.num_heads, self.d_v, self.d_qk
-        uvqk = F.silu(self.uvqk(self.input_norm(x)))
+        uvqk = self.uvqk(self.input_norm(x))
+        if not self.meta_stu:
+            uvqk = F.silu(uvqk)
         u, v, q, k = torch.split(uvqk, [H * dv, H * dv, H * dqk, H * dqk], dim=-1)
+        if self.meta_stu:
+            u = F.silu(u)
         T = x.shape[0]
         return u, q.reshape(T, H, dqk), k.reshape(T, H, dqk), v.reshape(T, H, dv)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Residual output from attention [T, H, d_v] and gate u."""
-        a = self.attn_norm(attn.reshape(x.shape[0], -1))
-        return self.output(a * u) + x
+        a = attn.reshape(x.shape[0], -1)
+        gated = self.attn_norm(a) * u
+        if self.meta_stu:
+            gated = torch.cat([u, a, gated], dim=-1)
+        return self.output(gated) + x

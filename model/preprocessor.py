@@ -105,7 +105,7 @@ class Preprocessor(torch.nn.Module):
         tokens, then candidates, user by user), for callers that build the layout themselves."""
         cfg, emb = self.config, self.embeddings
         f = torch.from_numpy(batch_features(requests, cached_lens, cfg, emb.item_offset, emb.action_offset))
-        device = emb.tokens.weight.device
+        device = emb.device
         if device.type == "cuda":
             f = f.pin_memory().to(device, non_blocking=True)
         return emb(f[0], f[1], f[2], f[3])

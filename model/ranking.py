@@ -43,7 +43,8 @@ class InferenceRankingGR(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.xavier_normal_(module.weight)
-                nn.init.normal_(module.bias, std=0.02)
+                if module.bias is not None:
+                    nn.init.normal_(module.bias, std=0.02)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=0.02)
             elif isinstance(module, nn.LayerNorm):
