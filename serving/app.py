@@ -20,6 +20,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -62,6 +63,7 @@ _ERROR_STATUSES = {
 }
 _HTTP_KINDS = {404: "not_found", 405: "method_not_allowed"}
 _INLINE_PARSE_BYTES = 32 << 10
+_encode_json = msgspec.json.Encoder().encode
 _CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by a client
 
 
@@ -152,14 +154,19 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         latency = time.perf_counter() - arrived
         metrics.request_latency.labels("200").observe(latency)
         probs = output.scores.tolist()
-        return RankResponse(
-            request_id=request_id,
-            user_id=parsed.request.user_id,
-            scores=[{"item_id": item, "scores": dict(zip(task_names, p))} for item, p in zip(parsed.candidates, probs)],
-            cached_tokens=output.cached_tokens,
-            computed_tokens=output.computed_tokens,
-            latency_ms=latency * 1000.0,
+        # Encoded here (msgspec, ~0.15 ms for 256 candidates) rather than through the RankResponse
+        # model (~3 ms of validation and encoding on the event loop); the model documents the shape.
+        body = _encode_json(
+            {
+                "request_id": request_id,
+                "user_id": parsed.request.user_id,
+                "scores": [{"item_id": i, "scores": dict(zip(task_names, p))} for i, p in zip(parsed.candidates, probs)],
+                "cached_tokens": output.cached_tokens,
+                "computed_tokens": output.computed_tokens,
+                "latency_ms": latency * 1000.0,
+            }
         )
+        return Response(content=body, media_type="application/json")
 
     parse_prefetch = json_parser(PrefetchRequest)
 
