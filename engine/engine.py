@@ -97,9 +97,10 @@ class RankingEngine:
         if self.cache is not None:
             self.cache.close()
 
-    def calibrate(self, cost: CostModel | None = None) -> CostModel:
+    def calibrate(self, cost: CostModel | None = None) -> CostModel | None:
         """Turn on the compute-or-load planner with `cost`, or with costs measured now on this
-        device (ops/kvcache/costs.py: H2D bandwidth, per-row and per-pair layer cost)."""
+        device (ops/kvcache/costs.py: H2D bandwidth, per-row and per-pair layer cost). A
+        measurement that cannot tell compute cost apart leaves the planner off (returns None)."""
         from hstu.ops.kvcache.costs import measure_costs
 
         if self.cache is None:

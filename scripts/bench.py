@@ -357,7 +357,7 @@ class EndToEnd:
         self.uncached = RankingEngine(InferenceRankingGR(self.model_config, device), self.uncached_mgr)
         self.ids = _UserIds()
         # The planner's cost model, measured once here (None: --no-planner).
-        self.cost = self.cached.calibrate() if planner else None
+        self.cost = self.cached.calibrate() if planner else None  # None also when unmeasurable
         self.cached_mgr.cost_model = None
         self.cuda_graphs = cuda_graphs
         if cuda_graphs:

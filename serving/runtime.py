@@ -131,9 +131,12 @@ class ServingRuntime:
         self._warm_up()
         if s.planner:
             cost = self.engine.calibrate()
-            if s.h2d_gb_per_s is not None:
+            if cost is not None and s.h2d_gb_per_s is not None:
                 cost = self.engine.calibrate(dataclasses.replace(cost, h2d_bytes_per_s=s.h2d_gb_per_s * 1e9))
-            logger.info("compute-or-load planner costs: %s", cost.as_dict())
+            if cost is None:
+                logger.warning("compute-or-load planner off: the cost measurement showed no per-token compute cost")
+            else:
+                logger.info("compute-or-load planner costs: %s", cost.as_dict())
 
     def prefetch(self, user_ids: list[int]) -> int:
         """Start onloads for users expected soon, on the model thread between batches (awaitable)."""
