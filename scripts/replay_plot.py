@@ -55,7 +55,7 @@ def plot_latency(results: list[PassResult], path: Path, title: str, device: str)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, tiers) = plt.subplots(1, 2, figsize=(10, 4.8), dpi=120, gridspec_kw={"width_ratios": (3, 1.2)})
+    fig, (ax, tiers) = plt.subplots(1, 2, figsize=(10, 5.6), dpi=120, gridspec_kw={"width_ratios": (3, 1.2)})
     for res, color in zip(results, COLORS):
         if not res.records:
             continue
@@ -70,8 +70,9 @@ def plot_latency(results: list[PassResult], path: Path, title: str, device: str)
     ax.set_xlabel("history length of the request (tokens)")
     ax.set_ylabel(latency_label(results))
     ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.35, which="major")
+    ax.grid(alpha=0.12, which="minor")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
 
     names, shares = [], []
     for res in results:
@@ -84,12 +85,13 @@ def plot_latency(results: list[PassResult], path: Path, title: str, device: str)
         ((f"{device_tier(device)} hit", "tab:green"), ("host-tier hit", "tab:olive"), ("miss", "tab:gray"))
     ):
         values = np.asarray([s[i] for s in shares])
-        tiers.bar(names, values, bottom=bottom, color=color, label=label)
+        bars = tiers.bar(names, values, bottom=bottom, color=color, label=label)
+        tiers.bar_label(bars, [f"{v:.0%}" if v >= 0.05 else "" for v in values], label_type="center", fontsize=7)
         bottom += values
     tiers.set_ylim(0, 1)
     tiers.set_ylabel("share of cache lookups")
     tiers.set_title("lookups by serving tier", fontsize=9)
-    tiers.legend(fontsize=7, loc="upper right")
+    tiers.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=1, frameon=False)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
