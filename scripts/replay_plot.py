@@ -54,6 +54,7 @@ def plot_latency(results: list[PassResult], path: Path, title: str, device: str)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogFormatter
 
     fig, (ax, tiers) = plt.subplots(1, 2, figsize=(10, 5.6), dpi=120, gridspec_kw={"width_ratios": (3, 1.2)})
     for res, color in zip(results, COLORS):
@@ -67,6 +68,9 @@ def plot_latency(results: list[PassResult], path: Path, title: str, device: str)
         ax.plot(mids, meds, color=color, linewidth=2, marker="o", markersize=3,
                 label=f"{res.name}: median per history bin ({HISTORY_BINS} bins)")
     ax.set_yscale("log")
+    # Plain numbers ("60", not "6 x 10^1"); minor ticks labelled only when the range is narrow.
+    ax.yaxis.set_major_formatter(LogFormatter())
+    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
     ax.set_xlabel("history length of the request (tokens)")
     ax.set_ylabel(latency_label(results))
     ax.set_title(title, fontsize=9)
