@@ -173,7 +173,7 @@ def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
 def presets() -> dict[str, tuple[HSTUConfig, CacheSettings]]:
     """Named (model, cache) setups: "cpu" the embedded small model, "seed" the benchmark's model
     (8 layers, hidden 1024, 4x256 heads, bf16) with page 32 / chunk 128 and a 4 GiB host tier."""
-    from hstu.scripts.bench import BenchShape
+    from hstu.scripts.bench_shapes import BenchShape
 
     return {
         "cpu": (DEFAULT_MODEL, CacheSettings()),
