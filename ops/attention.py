@@ -13,10 +13,35 @@ own k[r], v[r]; candidates never see each other and are never written to the cac
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+
+ATTENTION_BACKENDS = ("auto", "torch")
+_backend = "auto"
+
+
+def attention_backend() -> str:
+    """The backend paged_hstu_attention dispatches to: "auto" (Triton on CUDA when available) or "torch"."""
+    return _backend
+
+
+@contextlib.contextmanager
+def use_attention_backend(name: str) -> Iterator[None]:
+    """Within the block, paged_hstu_attention uses `name`; "torch" forces the torch implementation
+    everywhere (benchmarks compare it with the Triton kernel). Process-wide, not per thread, so a
+    model thread started inside the block sees it too; the previous backend is restored on exit."""
+    global _backend
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    previous, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = previous
 
 
 def paged_hstu_attention_torch(
@@ -88,9 +113,10 @@ def paged_hstu_attention(
 ) -> torch.Tensor:
     """Paged HSTU attention for the jagged batch described by `meta` (a KVCacheMetadata).
 
-    Uses the Triton kernel on CUDA when it is available, the torch implementation elsewhere.
+    Uses the Triton kernel on CUDA when it is available (unless use_attention_backend("torch") is in
+    force), the torch implementation elsewhere.
     """
-    if q.is_cuda:
+    if q.is_cuda and _backend == "auto":
         from hstu.ops import triton_attention
 
         if triton_attention.available():

@@ -8,9 +8,12 @@ well under 1%. Two results agree when max|a - b| <= rel * max|reference| + floor
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # dtype -> (rel, floor)
 LOGIT_TOLERANCE = {"float32": (1e-4, 1e-6), "bfloat16": (3e-2, 1e-3), "float16": (1e-2, 1e-4)}
@@ -36,3 +39,26 @@ def compare_logits(logits: torch.Tensor, reference: torch.Tensor, dtype: str) ->
     scale = float(b.abs().max()) if b.numel() else 0.0
     diff = float((a - b).abs().max()) if b.numel() else 0.0
     return LogitsComparison(diff, scale, rel * scale + floor)
+
+
+@dataclass
+class VerifyTally:
+    """Mismatches and the largest logit difference over every request checked against the reference."""
+
+    dtype: str
+    what: str
+    mismatches: int = 0
+    max_abs_diff: float = 0.0
+
+    def check(self, user_id: int, logits: torch.Tensor, reference: torch.Tensor) -> None:
+        check = compare_logits(logits, reference, self.dtype)
+        self.max_abs_diff = max(self.max_abs_diff, check.max_abs_diff)
+        if not check.ok:
+            self.mismatches += 1
+            logger.warning(
+                "user %d: %s differ from the no-cache reference by %.3g (tolerance %.3g)",
+                user_id,
+                self.what,
+                check.max_abs_diff,
+                check.tolerance,
+            )

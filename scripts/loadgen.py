@@ -166,7 +166,7 @@ def run(url: str, requests: list, rate: float, connections: int, processes: int,
 
 def main(args: argparse.Namespace) -> int:
     from hstu.model.config import HSTUConfig
-    from hstu.scripts.replay import check_loopback, fetch_server_model
+    from hstu.scripts.replay_server import check_loopback, fetch_server_model
     from hstu.scripts.workload import Workload, WorkloadConfig
 
     check_loopback(args.server)

@@ -4,7 +4,7 @@
 (a free port, a socket bound before the server starts so there is no port race) in a background
 thread and yields its URL once /v2/health/ready answers 200; leaving the block shuts it down.
 `run_load_test()` sends a workload (scripts/workload.py) with bounded concurrency through
-replay.run_server and reports QPS, p50/p99 latency, errors, history conflicts and the server's
+replay_server.run_server and reports QPS, p50/p99 latency, errors, history conflicts and the server's
 cache counters. The defaults (tiny model, 100 requests, 8 concurrent, no history restarts) run on
 CPU in seconds: `python -m hstu.scripts.loadtest`.
 """
@@ -20,7 +20,8 @@ import time
 from typing import Any, Iterator
 
 from hstu.model.config import HSTUConfig
-from hstu.scripts.replay import format_table, run_server
+from hstu.scripts.replay_passes import format_table
+from hstu.scripts.replay_server import run_server
 from hstu.scripts.workload import Workload, WorkloadConfig, count_restarts
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
-import json
 import logging
 import pstats
 import time
@@ -25,10 +24,13 @@ import torch
 from hstu.engine import RankingEngine
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
-from hstu.scripts.bench import TINY_SHAPE, BenchShape, _as_users, _UserIds, make_requests
+from hstu.scripts import report
+from hstu.scripts.bench_shapes import TINY_SHAPE, BenchShape, make_requests
+from hstu.scripts.timing import sync
+from hstu.scripts.workload import FreshUserIds, as_users
 
 logger = logging.getLogger(__name__)
-_IDS = _UserIds()  # never-reused users across every profiled pass
+_IDS = FreshUserIds()  # never-reused users across every profiled pass
 
 
 def _engine(shape: BenchShape, device: torch.device, batch: int, cuda_graphs: bool) -> RankingEngine:
@@ -44,14 +46,13 @@ def _forwards(engine: RankingEngine, shape: BenchShape, batch: int, n: int, devi
     """Yield n times: prefill (untimed), then the caller times one cached forward."""
     prefix, full = make_requests(shape, engine.config, batch)
     for _ in range(n):
-        users = _IDS.take(full)
-        engine.rank(_as_users(prefix, users))
+        users = _IDS.take(len(full))
+        engine.rank(as_users(prefix, users))
         engine.cache.drain()
-        requests = _as_users(full, users)
+        requests = as_users(full, users)
         for r in requests:  # digests as the server computes them: off the model thread
             r.identity(engine.model.identity).prefix(r.history_tokens(engine.config))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         yield requests
 
 
@@ -62,8 +63,7 @@ def host_profile(engine, shape, batch, n, device) -> dict:
         prof.enable()
         engine.rank(requests)
         prof.disable()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         wall += time.perf_counter() - t0
     stats = pstats.Stats(prof)
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:25]  # by own time
@@ -114,15 +114,26 @@ def main(args: argparse.Namespace) -> int:
             "device": device_profile(engine, shape, batch, args.forwards, device),
         }
         engine.close()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "profile.json").write_text(json.dumps(doc, indent=1))
-    for batch in args.batch:
-        h, d = doc[str(batch)]["host"], doc[str(batch)]["device"]
-        print(f"batch {batch}: wall {h['wall_ms_per_forward']:.2f} ms, profiled host {h['profiled_host_ms_per_forward']:.2f} ms"
-              + (f", GPU busy {100 * d['gpu_busy_share']:.0f}% ({d['kernel_busy_ms_per_forward']:.2f} ms)" if d else ""))
-        for row in h["top_own_time"][:12]:
-            print(f"  {row['own_ms_per_forward']:7.3f} ms  x{row['calls_per_forward']:6.1f}  {row['function']}")
+    report.write_json(args.out / "profile.json", doc)
+    print(format_table(doc, args.batch))
     return 0
+
+
+def format_table(doc: dict, batches: list[int]) -> str:
+    """Per batch: wall, profiled host and GPU busy time per forward; then its top own-time functions."""
+    rows = [["batch", "wall ms", "profiled host ms", "GPU busy"]]
+    for batch in batches:
+        h, d = doc[str(batch)]["host"], doc[str(batch)]["device"]
+        busy = f"{100 * d['gpu_busy_share']:.0f}% ({d['kernel_busy_ms_per_forward']:.2f} ms)" if d else "-"
+        rows.append([str(batch), f"{h['wall_ms_per_forward']:.2f}", f"{h['profiled_host_ms_per_forward']:.2f}", busy])
+    parts = [report.format_table(rows)]
+    for batch in batches:
+        top = [["function", "own ms per forward", "calls per forward"]] + [
+            [row["function"], f"{row['own_ms_per_forward']:.3f}", f"{row['calls_per_forward']:.1f}"]
+            for row in doc[str(batch)]["host"]["top_own_time"][:12]
+        ]
+        parts.append(f"batch {batch}, top own time:\n" + report.format_table(top))
+    return "\n\n".join(parts)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -19,6 +19,7 @@ previous history exactly (same prefix) or are a restart; every request passes Ra
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -201,3 +202,29 @@ def distinct_user_batches(
                 rest.append(r)
         pending = rest
         yield batch
+
+
+FRESH_USER_BASE = 1 << 40
+"""Never-reused user ids start here: above every workload user, so they are never in a cache."""
+
+
+class FreshUserIds:
+    """Never-reused user ids, so every request given one starts from an empty cache entry."""
+
+    def __init__(self, start: int = FRESH_USER_BASE) -> None:
+        self._next = start
+
+    def take(self, count: int) -> list[int]:
+        """`count` ids no earlier call returned."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        ids = list(range(self._next, self._next + count))
+        self._next += count
+        return ids
+
+
+def as_users(requests: list[RankingRequest], user_ids: list[int]) -> list[RankingRequest]:
+    """The same requests (history, contextual features, candidates) under other user ids."""
+    if len(requests) != len(user_ids):
+        raise ValueError(f"{len(requests)} requests but {len(user_ids)} user ids")
+    return [dataclasses.replace(r, user_id=u) for r, u in zip(requests, user_ids)]

@@ -50,6 +50,21 @@ _LABELLED_COUNTERS = (
     ("hstu_cache_prefetch", "Prefetches started and later found on the GPU", "result",
      (("started", "prefetches"), ("hit", "prefetch_hits"))),
 )
+# (metric, help, stats key): cache counters exported without a label.
+_COUNTERS = (
+    ("hstu_cache_recomputes", "Users recomputed after a failed onload", "recomputes"),
+    ("hstu_cache_offload_skipped", "Offloads skipped (host tier full of pinned users)", "offload_skipped"),
+)
+
+
+def cache_counter_samples() -> dict[tuple[str, str | None], str]:
+    """(Prometheus sample name, label value or None) -> CacheStats key, for every cache counter this
+    module exports: how a /metrics reader (hstu replay --server) maps samples back to the stats."""
+    samples: dict[tuple[str, str | None], str] = {}
+    for name, _, _, values in _LABELLED_COUNTERS:
+        samples.update({(f"{name}_total", value): key for value, key in values})
+    samples.update({(f"{name}_total", None): key for name, _, key in _COUNTERS})
+    return samples
 
 
 class ServingMetrics:
@@ -129,10 +144,7 @@ class CacheCollector(Collector):
                 m.add_metric([value], s[key])
             yield m
 
-        for name, doc, key in (
-            ("hstu_cache_recomputes", "Users recomputed after a failed onload", "recomputes"),
-            ("hstu_cache_offload_skipped", "Offloads skipped (host tier full of pinned users)", "offload_skipped"),
-        ):
+        for name, doc, key in _COUNTERS:
             yield CounterMetricFamily(name, doc, value=s[key])
         cost = manager.cost_model
         if cost is not None:

@@ -97,3 +97,13 @@ def test_cuda_graphs_flags_need_a_cuda_device(tmp_path, flag):
     args = parser.parse_args(["bench", "--tiny", "--device", "cpu", flag, "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="need a CUDA device"):
         args.func(args)
+
+
+def test_the_bench_runs_under_the_attention_backend_it_was_given(tmp_path, monkeypatch):
+    from hstu.ops.attention import attention_backend
+
+    seen = []
+    monkeypatch.setattr(bench, "_run_bench", lambda *args: seen.append(attention_backend()) or {})
+    bench.run_bench(bench.TINY_SHAPE, torch.device("cpu"), 0, 1, tmp_path, attention="torch")
+    assert seen == ["torch"]
+    assert attention_backend() == "auto", "restored after the run"

@@ -13,6 +13,7 @@ from hstu.model.config import HSTUConfig
 from hstu.model.identity import model_identity
 from hstu.model.ranking import InferenceRankingGR
 from hstu.scripts import replay as rp
+from hstu.scripts import replay_server
 from hstu.scripts.workload import Workload, WorkloadConfig, count_restarts
 
 MODEL = HSTUConfig(
@@ -90,7 +91,7 @@ def test_payload_is_accepted_by_the_server_schema():
     schemas = pytest.importorskip("hstu.serving.schemas", reason="hstu.serving is not importable")
     request = next(iter(Workload(WORKLOAD, MODEL)))
     model = schemas.build_rank_request_model(schemas.RequestLimits.for_model(MODEL, max_candidates=64))
-    body = model.model_validate(rp.request_payload(request))
+    body = model.model_validate(replay_server.request_payload(request))
     assert body.user_id == request.user_id
     assert [e.item_id for e in body.history] == request.item_ids.tolist()
     assert body.contextual == request.contextual.tolist()
@@ -113,7 +114,7 @@ def test_parse_server_metrics_reads_the_cache_counters():
             "",
         ]
     )
-    stats = rp.parse_server_metrics(text)
+    stats = replay_server.parse_server_metrics(text)
     assert stats == {"gpu_hits": 5, "host_hits": 2, "misses": 1, "recomputes": 3, "batches": 4, "batched_requests": 8}
 
 

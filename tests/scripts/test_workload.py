@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 
 from hstu.model.config import HSTUConfig
-from hstu.scripts.workload import Workload, WorkloadConfig, count_restarts, distinct_user_batches, is_extension
+from hstu.scripts.workload import (
+    FRESH_USER_BASE,
+    FreshUserIds,
+    Workload,
+    WorkloadConfig,
+    as_users,
+    count_restarts,
+    distinct_user_batches,
+    is_extension,
+)
 
 MODEL = HSTUConfig(
     num_items=500, num_contextual_features=100, embedding_dim=32, num_layers=1, num_heads=2,
@@ -106,3 +115,21 @@ def test_batches_hold_distinct_users_and_keep_each_users_order():
     flat = [r for b in batches for r in b]
     for user in {r.user_id for r in requests}:
         assert [id(r) for r in requests if r.user_id == user] == [id(r) for r in flat if r.user_id == user]
+
+
+def test_fresh_user_ids_are_never_reused_and_above_every_workload_user():
+    ids = FreshUserIds()
+    first, second = ids.take(3), ids.take(2)
+    assert len(set(first + second)) == 5
+    assert min(first) >= FRESH_USER_BASE > CONFIG.num_users
+    assert ids.take(0) == []
+
+
+def test_as_users_keeps_the_request_and_changes_only_the_user():
+    requests = list(Workload(CONFIG, MODEL))[:2]
+    moved = as_users(requests, [101, 102])
+    assert [r.user_id for r in moved] == [101, 102]
+    for a, b in zip(requests, moved):
+        assert all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("item_ids", "actions", "timestamps", "candidates"))
+    with pytest.raises(ValueError, match="2 requests but 1 user ids"):
+        as_users(requests, [1])

@@ -1,0 +1,212 @@
+"""End-to-end section of `hstu bench`: the cached and uncached engines (same seeded weights) and
+the timed uncached / cached_gpu / cached_host / cached_rerank passes with their self-checks."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable
+
+import torch
+
+from hstu.engine import RankingEngine, RankOutput
+from hstu.model.ranking import InferenceRankingGR
+from hstu.ops.kvcache.manager import AsyncKVCacheManager
+from hstu.scripts.bench_shapes import BenchShape, make_requests
+from hstu.scripts.compare import compare_logits
+from hstu.scripts.timing import Timer, summarize
+from hstu.scripts.workload import FreshUserIds, as_users
+
+
+class CacheWaitProbe:
+    """Host time the model thread spent blocked on the cache in each timed forward, from the
+    engine's own per-forward timings (prepare join and per-layer onload waits). On CUDA an onload
+    wait blocks only until a layer's copies are enqueued, so the device-side wait shows in the
+    cached_host - cached_gpu difference instead."""
+
+    def __init__(self, engine: RankingEngine) -> None:
+        self.engine = engine
+        self.entries: list[dict[str, float]] = []
+
+    def timed(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            out = fn()
+            last = self.engine.timings[-1]
+            self.entries.append({"prepare_s": last.prepare_wait_s, "onload_s": last.onload_wait_s})
+            return out
+
+        return run
+
+    def per_forward_ms(self, last: int) -> dict[str, float]:
+        """Medians over the last `last` recorded calls (the timed repeats, after the warm-ups)."""
+        entries = self.entries[-last:]
+        return {
+            "prepare_wait_ms": statistics.median(e["prepare_s"] for e in entries) * 1e3,
+            "onload_wait_ms": statistics.median(e["onload_s"] for e in entries) * 1e3,
+        }
+
+
+def _check_outputs(name: str, outputs: list[RankOutput], cached: int, expected: int) -> list[str]:
+    """Failure messages (empty when fine): output count and every request's cached length."""
+    failures = []
+    if len(outputs) != expected:
+        failures.append(f"{name}: expected {expected} outputs, got {len(outputs)}")
+    got = [o.cached_tokens for o in outputs]
+    if any(c != cached for c in got):
+        failures.append(f"{name}: expected every request to reuse {cached} cached tokens, got {got}")
+    return failures
+
+
+def _compare(name: str, outputs: list[RankOutput], reference: list[torch.Tensor], dtype: str, failures: list[str]) -> float:
+    """Max abs logit difference over the batch; appends a failure per request out of tolerance."""
+    worst = 0.0
+    for i, (o, ref) in enumerate(zip(outputs, reference)):
+        check = compare_logits(o.logits, ref, dtype)
+        worst = max(worst, check.max_abs_diff)
+        if not check.ok:
+            failures.append(
+                f"{name}: request {i} logits differ by {check.max_abs_diff:.3g} "
+                f"(tolerance {check.tolerance:.3g}, logit scale {check.scale:.3g})"
+            )
+    return worst
+
+
+class EndToEnd:
+    """The cached and uncached models (same seeded weights) and their managers, shared by sections."""
+
+    def __init__(
+        self,
+        shape: BenchShape,
+        device: torch.device,
+        cuda_graphs: bool = False,
+        compile_layers: bool = False,
+        planner: bool = True,
+    ) -> None:
+        self.shape = shape
+        self.device = device
+        self.model_config = shape.model_config()
+        self.cached_mgr = AsyncKVCacheManager(shape.cache_config(self.model_config, host_batches=3), device)
+        # HostStorage needs at least one slot; one chunk keeps the uncached pass's offloads negligible.
+        self.uncached_mgr = AsyncKVCacheManager(shape.cache_config(self.model_config, host_batches=0), device)
+        self.cached = RankingEngine(InferenceRankingGR(self.model_config, device), self.cached_mgr)
+        self.uncached = RankingEngine(InferenceRankingGR(self.model_config, device), self.uncached_mgr)
+        self.ids = FreshUserIds()
+        # The planner's cost model, measured once here (None: planner off, or unmeasurable).
+        self.cost = self.cached.calibrate() if planner else None
+        self.cached_mgr.cost_model = None
+        self.cuda_graphs = cuda_graphs
+        if cuda_graphs:
+            # One bucket per measured row count: cached (new + candidates) and full (history + candidates) rows.
+            rows = {b * (shape.new_tokens + shape.num_candidates) for b in shape.batch_sizes}
+            rows |= {b * (shape.history_tokens + shape.num_candidates) for b in shape.batch_sizes}
+            for model in (self.cached, self.uncached):
+                model.enable_cuda_graphs(
+                    max_batch=max(shape.batch_sizes), buckets=tuple(sorted(rows)), compile=compile_layers
+                )
+
+    def _replays(self, model: RankingEngine) -> int:
+        return model.graphs.replays if model.graphs is not None else 0
+
+    def close(self) -> None:
+        self.cached_mgr.close()
+        self.uncached_mgr.close()
+
+    def run(self, batch: int, timer: Timer, warmup: int, repeats: int) -> dict[str, Any]:
+        shape, mgr = self.shape, self.cached_mgr
+        prefix, full = make_requests(shape, self.model_config, batch)
+        state: dict[str, Any] = {}
+        out: dict[str, Any] = {}
+
+        def fresh_full() -> None:
+            state["requests"] = as_users(full, self.ids.take(len(full)))
+            self.uncached_mgr.drain()
+
+        def prefilled(drop_gpu: bool) -> Callable[[], None]:
+            def setup() -> None:
+                ids = self.ids.take(len(full))
+                self.cached.rank(as_users(prefix, ids))
+                mgr.drain()
+                if drop_gpu:
+                    mgr.evict_gpu(ids)
+                state["requests"] = as_users(full, ids)
+                state["before"] = mgr.stats.snapshot()
+
+            return setup
+
+        def prefilled_whole() -> None:  # the whole history cached: the re-rank computes candidates only
+            ids = self.ids.take(len(full))
+            self.cached.rank(as_users(full, ids))
+            mgr.drain()
+            state["requests"] = as_users(full, ids)
+
+        def rank_with(model: RankingEngine) -> Callable[[], list[RankOutput]]:
+            return lambda: model.rank(state["requests"])
+
+        failures: list[str] = []
+        dtype = self.model_config.dtype
+
+        def check_graphs(name: str, model: RankingEngine, before: int) -> int:
+            replays = self._replays(model) - before
+            if self.cuda_graphs and replays < repeats:
+                failures.append(f"e2e/{name}: CUDA graphs enabled but only {replays} graph replays in {repeats} timed forwards")
+            return replays
+
+        before = self._replays(self.uncached)
+        times, uncached_out = timer.measure(rank_with(self.uncached), fresh_full, warmup, repeats)
+        failures += _check_outputs("e2e/uncached", uncached_out, 0, batch)
+        out["uncached"] = {**summarize(times), "cuda_graph_replays": check_graphs("uncached", self.uncached, before)}
+
+        passes = [("cached_gpu", False, "gpu_hits", None), ("cached_host", True, "host_hits", None)]
+        if self.cost is not None:  # the host tier again, the planner choosing onload vs recompute
+            passes.append(("cached_host_planned", True, "host_hits", self.cost))
+        for name, drop_gpu, tier, cost in passes:
+            replays = self._replays(self.cached)
+            probe = CacheWaitProbe(self.cached)
+            mgr.cost_model = cost
+            try:
+                times, cached_out = timer.measure(
+                    probe.timed(rank_with(self.cached)), prefilled(drop_gpu), warmup, repeats
+                )
+            finally:
+                mgr.cost_model = None
+            replays = check_graphs(name, self.cached, replays)
+            mgr.drain()
+            delta = {k: v - state["before"][k] for k, v in mgr.stats.snapshot().items()}
+            if cost is None:  # the planner may reuse less than the whole cached prefix
+                failures += _check_outputs(f"e2e/{name}", cached_out, shape.cached_tokens, batch)
+            if delta[tier] != batch:
+                failures.append(f"e2e/{name}: expected {batch} {tier} in the last timed forward, stats delta {delta}")
+            out[name] = {
+                **summarize(times),
+                **probe.per_forward_ms(repeats),
+                "cuda_graph_replays": replays,
+                "bytes_onloaded_per_forward": delta["bytes_onloaded"],
+                "onloaded_tokens_per_forward": delta["tokens_onloaded"],
+                "recomputed_tokens_per_forward": delta["tokens_recomputed"],
+                "max_abs_diff_vs_uncached": _compare(
+                    f"e2e/{name} vs uncached", cached_out, [o.logits for o in uncached_out], dtype, failures
+                ),
+            }
+        times, rerank_out = timer.measure(rank_with(self.cached), prefilled_whole, warmup, repeats)
+        failures += _check_outputs("e2e/cached_rerank", rerank_out, shape.history_tokens, batch)
+        out["cached_rerank"] = {
+            **summarize(times),
+            "max_abs_diff_vs_uncached": _compare(
+                "e2e/cached_rerank vs uncached", rerank_out, [o.logits for o in uncached_out], dtype, failures
+            ),
+        }
+        if batch == 1:
+            reference = [self.uncached.forward_no_cache(full)]
+            out["max_abs_diff_uncached_vs_dense"] = _compare("e2e/uncached vs forward_no_cache", uncached_out, reference, dtype, failures)
+        out["logit_scale"] = float(uncached_out[0].logits.float().abs().max())
+
+        gpu_ms, host_ms = out["cached_gpu"]["median_ms"], out["cached_host"]["median_ms"]
+        out["speedup"] = out["uncached"]["median_ms"] / gpu_ms
+        out["speedup_host_tier"] = out["uncached"]["median_ms"] / host_ms
+        if "cached_host_planned" in out:
+            out["speedup_host_tier_planned"] = out["uncached"]["median_ms"] / out["cached_host_planned"]["median_ms"]
+            out["cost_model"] = self.cost.as_dict()
+        out["speedup_rerank"] = out["uncached"]["median_ms"] / out["cached_rerank"]["median_ms"]
+        out["exposed_cache_ms"] = host_ms - gpu_ms
+        out["exposed_cache_share"] = (host_ms - gpu_ms) / host_ms
+        out["check_failures"] = failures
+        return out

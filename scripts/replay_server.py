@@ -1,0 +1,228 @@
+"""Server mode of `hstu replay`: the workload over HTTP to a running `hstu serve` on loopback,
+`concurrency` requests in flight and each user's requests in order; the server's cache counters
+from its /metrics (read through serving/metrics.py's own counter table); --verify of the answers
+against a local no-cache model whose weights fingerprint equals the server's."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+from tqdm import tqdm
+
+from hstu.model.batch import RankingRequest
+from hstu.model.config import HSTUConfig
+from hstu.model.identity import model_identity
+from hstu.model.ranking import InferenceRankingGR
+from hstu.scripts.compare import VerifyTally
+from hstu.scripts.replay_passes import PassResult, RequestRecord
+
+logger = logging.getLogger(__name__)
+
+
+def request_payload(request: RankingRequest) -> dict[str, Any]:
+    """JSON body of POST /v1/rank for one request."""
+    return {
+        "user_id": request.user_id,
+        "history": [
+            {"item_id": int(i), "action": int(a), "timestamp": int(t)}
+            for i, a, t in zip(request.item_ids, request.actions, request.timestamps)
+        ],
+        "candidates": [int(c) for c in request.candidates],
+        "contextual": [int(c) for c in request.contextual],
+    }
+
+
+def check_loopback(url: str) -> None:
+    """Raise ValueError unless `url` is http(s) on a loopback host."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or parsed.hostname not in ("127.0.0.1", "localhost", "::1"):
+        raise ValueError(f"--server must be an http URL on a loopback host (127.0.0.1, localhost, ::1), got {url!r}")
+
+
+# (metric sample name, label value or None) -> CacheStats key, as exported by hstu.serving.metrics;
+# samples mapped to one key are summed.
+
+
+_FOLDED_STATS = {"invalidated_shorter": "invalidations", "invalidated_diverged": "invalidations"}
+"""Stats keys the replay reports summed under one key (both invalidation reasons)."""
+
+_BATCH_SAMPLES = {("hstu_batch_size_count", None): "batches", ("hstu_batch_size_sum", None): "batched_requests"}
+
+
+def server_metric_keys() -> dict[tuple[str, str | None], str]:
+    """(sample name, label value or None) -> the replay's stats key; samples mapped to one key are summed."""
+    from hstu.serving.metrics import cache_counter_samples
+
+    keys = {sample: _FOLDED_STATS.get(key, key) for sample, key in cache_counter_samples().items()}
+    return {**keys, **_BATCH_SAMPLES}
+
+
+def parse_server_metrics(text: str) -> dict[str, int]:
+    """Cache counters and batch counts from the server's Prometheus /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    keys = server_metric_keys()
+    stats: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            label = next(iter(sample.labels.values()), None)
+            key = keys.get((sample.name, label))
+            if key is not None:
+                stats[key] = stats.get(key, 0) + int(sample.value)
+    return stats
+
+
+async def _scrape(client, url: str) -> dict[str, int]:
+    import httpx
+
+    try:
+        response = await client.get("/metrics")
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        logger.warning("could not read %s/metrics (%s); cache counters are left out", url, exc)
+        return {}
+    return parse_server_metrics(response.text)
+
+
+async def _send_all(
+    url: str,
+    requests: list[RankingRequest],
+    model_config: HSTUConfig,
+    concurrency: int,
+    timeout_s: float,
+    progress: bool,
+    answers: list | None,
+) -> PassResult:
+    import httpx
+
+    limit = asyncio.Semaphore(concurrency)
+    previous: dict[int, asyncio.Task] = {}
+    records: list[RequestRecord | None] = [None] * len(requests)
+    errors = conflicts = 0
+    bar = tqdm(total=len(requests), desc="server", unit="req", disable=not progress, leave=False)
+
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
+
+        async def one(index: int, request: RankingRequest, before: asyncio.Task | None) -> None:
+            nonlocal errors, conflicts
+            if before is not None:
+                await asyncio.wait([before])
+            async with limit:
+                t0 = time.perf_counter()
+                try:
+                    response = await client.post("/v1/rank", json=request_payload(request))
+                    if response.status_code == 409:
+                        conflicts += 1
+                        logger.info("request %d (user %d): history conflict: %s", index, request.user_id, response.text)
+                        return
+                    response.raise_for_status()
+                    body = response.json()
+                except (httpx.HTTPError, ValueError) as exc:
+                    errors += 1
+                    logger.warning("request %d (user %d) failed: %s", index, request.user_id, exc)
+                    return
+                finally:
+                    bar.update(1)
+                ms = (time.perf_counter() - t0) * 1e3
+            if answers is not None:
+                answers.append((request, body["scores"]))
+            records[index] = RequestRecord(
+                request.user_id,
+                request.history_tokens(model_config),
+                request.candidates.shape[0],
+                int(body["cached_tokens"]),
+                index,
+                1,
+                ms,
+            )
+
+        before = await _scrape(client, url)
+        t0 = time.perf_counter()
+        tasks = []
+        for i, r in enumerate(requests):
+            task = asyncio.create_task(one(i, r, previous.get(r.user_id)))
+            previous[r.user_id] = task
+            tasks.append(task)
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+        after = await _scrape(client, url)
+    bar.close()
+    stats = {k: after[k] - before[k] for k in after if k in before}
+    return PassResult(
+        "server", [r for r in records if r is not None], wall, stats, errors=errors, conflicts=conflicts, client_observed=True
+    )
+
+
+def run_server(
+    url: str,
+    requests: list[RankingRequest],
+    model_config: HSTUConfig,
+    concurrency: int = 8,
+    timeout_s: float = 60.0,
+    progress: bool = True,
+    answers: list | None = None,
+) -> PassResult:
+    """Send `requests` to a running server, `concurrency` in flight, each user's requests in order.
+
+    A 409 (the history is shorter than the server's cached one: a workload restart, which the
+    server rejects by policy) is counted in `conflicts`, any other failure in `errors`. When
+    `answers` is a list, (request, response scores) of every 200 is appended to it.
+    """
+    check_loopback(url)
+    if concurrency <= 0:
+        raise ValueError(f"concurrency must be positive, got {concurrency}")
+    return asyncio.run(_send_all(url, requests, model_config, concurrency, timeout_s, progress, answers))
+
+
+class VerifyRefused(Exception):
+    """--verify cannot check this server: its model is not the one the client can build."""
+
+
+def fetch_server_model(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The server's model metadata (GET /v2/models/hstu)."""
+    import httpx
+
+    check_loopback(url)
+    response = httpx.get(f"{url.rstrip('/')}/v2/models/hstu", timeout=timeout_s)
+    response.raise_for_status()
+    return response.json()
+
+
+def server_reference(meta: dict[str, Any], url: str, device: torch.device) -> InferenceRankingGR:
+    """The local no-cache model of the server's config and seed; VerifyRefused unless its weights
+    fingerprint equals the server's."""
+    config = HSTUConfig(**meta["config"])
+    served = meta.get("weights_fingerprint")
+    if served is None:
+        raise VerifyRefused(f"--verify: the server at {url} has not loaded its model yet (no weights fingerprint)")
+    model = InferenceRankingGR(config, device)
+    local = model_identity(model, config).hex()
+    if local != served:
+        raise VerifyRefused(
+            f"--verify: the server at {url} serves weights {served}, but the model built here from its config "
+            f"(seed {config.seed}) has {local}; it may serve a checkpoint this client does not have"
+        )
+    return model
+
+
+def verify_answers(
+    reference: InferenceRankingGR, answers: list, task_names: list[str], batch_size: int = 8
+) -> tuple[int, float]:
+    """(mismatched requests, max abs logit difference) of the server's scores against `reference`.
+
+    The server answers probabilities; they are compared as logits (log p - log(1 - p), float64),
+    the scale compare_logits' per-dtype tolerance is defined on."""
+    tally = VerifyTally(reference.config.dtype, "server scores (as logits)")
+    for start in range(0, len(answers), batch_size):
+        chunk = answers[start : start + batch_size]
+        requests = [request for request, _ in chunk]
+        expected = torch.split(reference.forward_no_cache(requests), [r.candidates.shape[0] for r in requests])
+        for (request, scores), want in zip(chunk, expected):
+            probs = torch.tensor([[c["scores"][t] for t in task_names] for c in scores], dtype=torch.float64)
+            tally.check(request.user_id, torch.log(probs) - torch.log1p(-probs), want.double().cpu())
+    return tally.mismatches, tally.max_abs_diff
