@@ -1,4 +1,4 @@
-"""`hstu` console command: serve, replay, bench. Each subcommand lives with the code it runs."""
+"""`hstu` console command: serve, replay, bench, import-checkpoint. Each subcommand lives with the code it runs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ _SUBCOMMANDS = {
     "serve": "hstu.serving.cli",
     "replay": "hstu.scripts.replay",
     "bench": "hstu.scripts.bench",
+    "import-checkpoint": "hstu.model.checkpoint_cli",
 }
 
 
