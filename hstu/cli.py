@@ -1,4 +1,4 @@
-"""`hstu` console command: serve, replay, bench. Each subcommand lives with the code it runs."""
+"""`hstu` console command: serve, replay, bench, import-checkpoint. Each subcommand lives with the code it runs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ _SUBCOMMANDS = {
     "bench": "hstu.scripts.bench",
     "profile": "hstu.scripts.profile_forward",
     "loadgen": "hstu.scripts.loadgen",
+    "import-checkpoint": "hstu.model.checkpoint_cli",
 }
 
 
