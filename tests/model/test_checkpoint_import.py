@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hstu.cli import main as hstu_main
+from hstu.engine import RankingEngine
 from hstu.model.checkpoint_import import CheckpointImportError, ImportOptions, import_state_dict
 from hstu.model.config import HSTUConfig
 from hstu.model.ranking import InferenceRankingGR
@@ -184,12 +185,13 @@ def test_imported_files_serve_with_the_cache(tiny_config, tmp_path):
     served = settings.resolve_model_config()
     assert served == config
     mgr = AsyncKVCacheManager(KVCacheConfig.for_model(served, page_size=4, num_pages=32, chunk_tokens=8))
-    model = InferenceRankingGR(served, kv_cache=mgr)
-    model.load_state_dict(torch.load(settings.checkpoint, weights_only=True))
+    loaded = InferenceRankingGR(served)
+    loaded.load_state_dict(torch.load(settings.checkpoint, weights_only=True))
+    engine = RankingEngine(loaded, mgr)
     book = HistoryBook(served, seed=6)
     for step in range(3):
         reqs = [book.request(u, 2 + step) for u in (1, 2)]
-        outputs = model.rank(reqs)
+        outputs = engine.rank(reqs)
         logits = torch.cat([o.logits for o in outputs])
         assert rel_err(logits, native.forward_no_cache(reqs)) < 1e-5
         assert np.all((outputs[0].scores > 0) & (outputs[0].scores < 1))
