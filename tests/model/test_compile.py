@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
 from hstu.engine import RankingEngine
@@ -16,8 +19,17 @@ def _model(config):
     return RankingEngine(InferenceRankingGR(config), mgr), mgr
 
 
+# Each model option that changes what the layers compute (issue 13), compiled with the custom ops.
+_OPTIONS = {
+    "default": {},
+    "meta_stu": {"layer_variant": "meta_stu", "output_bias": False, "attn_scaling_seqlen": 64, "layer_norm_eps": 1e-5},
+}
+
+
+@pytest.mark.parametrize("options", list(_OPTIONS.values()), ids=list(_OPTIONS))
 @torch.inference_mode()
-def test_compiled_paged_block_matches_eager(tiny_config, book):
+def test_compiled_paged_block_matches_eager(tiny_config, book, options):
+    tiny_config = dataclasses.replace(tiny_config, **options)
     model, mgr = _model(tiny_config)
     model.rank([book.request(1, 7), book.request(2, 3)])
     reqs = [book.request(1, 2), book.request(2, 4), book.request(3, 5)]
