@@ -20,8 +20,12 @@ _SUBCOMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hstu", description="HSTU ranking runtime with a tiered KV cache")
-    parser.add_argument("--version", action="version", version=f"hstu {__version__}")
+    early = argparse.ArgumentParser(prog="hstu", add_help=False)
+    early.add_argument("--version", action="version", version=f"hstu {__version__}")
+    early.parse_known_args(argv)  # answers --version before the subcommands import torch
+    parser = argparse.ArgumentParser(
+        prog="hstu", parents=[early], description="HSTU ranking runtime with a tiered KV cache"
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in _SUBCOMMANDS.items():
