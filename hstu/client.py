@@ -140,18 +140,24 @@ def decoded(response: httpx.Response) -> dict:
     raise HSTUClientError(response.status_code, str(body["error"]), str(body.get("detail", "")), body.get("request_id"))
 
 
-class Client:
-    """Blocking client; one connection pool, closed by close() or leaving a `with` block."""
+class _Connection:
+    """The settings both clients share; `transport` replaces the network (httpx.MockTransport in tests)."""
+
+    _pool: type = httpx.Client
 
     def __init__(
         self,
         base_url: str = DEFAULT_URL,
         timeout_s: float = 30.0,
         retry: RetryPolicy = RetryPolicy(),
-        transport: httpx.BaseTransport | None = None,
+        transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.retry = retry
-        self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport)
+        self._http = self._pool(base_url=base_url, timeout=timeout_s, transport=transport)
+
+
+class Client(_Connection):
+    """Blocking client; one connection pool, closed by close() or leaving a `with` block."""
 
     def _call(self, method: str, path: str, body: dict | None = None, retry: RetryPolicy | None = None) -> dict:
         policy, started, attempt = retry or self.retry, time.monotonic(), 1
@@ -190,18 +196,10 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """The same client for asyncio; close with `await aclose()` or `async with`."""
 
-    def __init__(
-        self,
-        base_url: str = DEFAULT_URL,
-        timeout_s: float = 30.0,
-        retry: RetryPolicy = RetryPolicy(),
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        self.retry = retry
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, transport=transport)
+    _pool = httpx.AsyncClient
 
     async def _call(self, method: str, path: str, body: dict | None = None, retry: RetryPolicy | None = None) -> dict:
         policy, started, attempt = retry or self.retry, time.monotonic(), 1
