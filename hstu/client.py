@@ -5,8 +5,8 @@
     health() / ready()                  GET /v2/health/live and /v2/health/ready
 
 Every non-2xx answer becomes HSTUClientError with the server's {error, detail, request_id} body.
-A 503 (overloaded, not ready, shutting down) is retried after its Retry-After, within
-RetryPolicy's attempts and total wait; other statuses are not retried. Transport failures
+A 503 with Retry-After (overloaded, not ready, shutting down) is sent again after that wait, within
+RetryPolicy's attempts and total wait; other answers, a 503 `capacity` among them, are not retried. Transport failures
 (connection refused, timeouts) surface as httpx's own exceptions. No torch here: a client
 process needs only httpx.
 """
@@ -55,13 +55,14 @@ class RetryPolicy:
     max_attempts: int = 3
     max_wait_s: float = 5.0
     default_delay_s: float = 1.0
-    """The wait when a 503 has no usable Retry-After."""
+    """The wait when a 503's Retry-After is neither seconds nor a date."""
 
     def delay(self, response: httpx.Response, attempt: int, waited_s: float) -> float | None:
         """Seconds to sleep before attempt `attempt + 1`, or None to give `response` back as it is."""
-        if response.status_code != 503 or attempt >= self.max_attempts:
-            return None
-        wait = retry_after_s(response.headers.get("Retry-After"), self.default_delay_s)
+        header = response.headers.get("Retry-After")
+        if response.status_code != 503 or header is None or attempt >= self.max_attempts:
+            return None  # the server marks the 503s that pass with Retry-After; `capacity` does not
+        wait = retry_after_s(header, self.default_delay_s)
         return wait if waited_s + wait <= self.max_wait_s else None
 
 

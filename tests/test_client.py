@@ -129,6 +129,13 @@ def test_503_retries_stop_after_max_attempts_with_the_last_error():
     assert flaky.calls == 4 and (failed.value.status, failed.value.error) == (503, "overloaded")
 
 
+def test_a_503_without_retry_after_is_not_retried():
+    flaky = Flaky(failures=1, retry_after=None)
+    with Client(transport=httpx.MockTransport(flaky)) as client, pytest.raises(HSTUClientError) as failed:
+        client.rank(1, HISTORY, [7, 8])
+    assert flaky.calls == 1 and failed.value.status == 503
+
+
 def test_a_retry_after_past_the_total_wait_budget_is_not_waited_for():
     flaky = Flaky(failures=1, retry_after="30")
     started = time.monotonic()
