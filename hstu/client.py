@@ -6,9 +6,9 @@
 
 Every non-2xx answer becomes HSTUClientError with the server's {error, detail, request_id} body.
 A 503 with Retry-After (overloaded, not ready, shutting down) is sent again after that wait, within
-RetryPolicy's attempts and total wait; other answers, a 503 `capacity` among them, are not retried. Transport failures
-(connection refused, timeouts) surface as httpx's own exceptions. No torch here: a client
-process needs only httpx.
+RetryPolicy's attempts and time; other answers, a 503 `capacity` among them, are not retried.
+Transport failures (connection refused, timeouts) surface as httpx's own exceptions. No torch
+here: a client process needs only httpx.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class RankResult:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """When to send a request again after a 503: at most `max_attempts` sends, `max_wait_s` asleep."""
+    """When to send a request again after a 503: at most `max_attempts` sends, and a retry only
+    while its wait ends within `max_wait_s` of the first send (so a long Retry-After fails fast)."""
 
     max_attempts: int = 3
     max_wait_s: float = 5.0
