@@ -93,7 +93,8 @@ def test_a_history_that_is_not_three_columns_is_refused_before_sending():
 
 def rank_answer(candidates: list[int]) -> dict:
     scores = [{"item_id": c, "scores": {"click": 0.5}} for c in candidates]
-    return {"request_id": "r", "user_id": 1, "scores": scores, "cached_tokens": 0, "computed_tokens": 3, "latency_ms": 1.0}
+    counts = {"cached_tokens": 0, "computed_tokens": 3, "latency_ms": 1.0}
+    return {"request_id": "r", "user_id": 1, "scores": scores, **counts}
 
 
 class Flaky:
