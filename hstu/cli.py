@@ -1,4 +1,5 @@
-"""`hstu` console command: serve, replay, bench, import-checkpoint. Each subcommand lives with the code it runs."""
+"""`hstu` console command (also `python -m hstu`): serve, replay, bench, profile, loadgen,
+import-checkpoint, --version. Each subcommand lives with the code it runs."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import importlib
 import logging
 import sys
+
+from hstu import __version__
 
 _SUBCOMMANDS = {
     "serve": "hstu.serving.cli",
@@ -18,7 +21,12 @@ _SUBCOMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hstu", description="HSTU ranking runtime with a tiered KV cache")
+    early = argparse.ArgumentParser(prog="hstu", add_help=False)
+    early.add_argument("--version", action="version", version=f"hstu {__version__}")
+    early.parse_known_args(argv)  # answers --version before the subcommands import torch
+    parser = argparse.ArgumentParser(
+        prog="hstu", parents=[early], description="HSTU ranking runtime with a tiered KV cache"
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in _SUBCOMMANDS.items():
