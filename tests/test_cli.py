@@ -1,4 +1,4 @@
-"""The `hstu` command itself: --version, and `python -m hstu` as the same command."""
+"""The `hstu` command itself: --version, --log-level anywhere, and `python -m hstu` as the same command."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from hstu import __version__
-from hstu.cli import main
+from hstu.cli import build_parser, main
 
 
 def test_version_prints_the_package_version_and_exits_0(capsys):
@@ -22,3 +22,15 @@ def test_python_dash_m_hstu_is_the_hstu_command():
     done = subprocess.run([sys.executable, "-m", "hstu", "--version"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"hstu {__version__}"
+
+
+_REQUIRED = {"loadgen": ["--server", "http://127.0.0.1:1"], "import-checkpoint": ["src", "dst", "--format", "nvidia", "--num-heads", "2"]}
+
+
+@pytest.mark.parametrize("command", ["serve", "replay", "bench", "loadgen", "profile", "import-checkpoint"])
+def test_log_level_is_accepted_before_and_after_each_subcommand(command):
+    parser = build_parser()
+    rest = _REQUIRED.get(command, [])
+    assert parser.parse_args([command, *rest, "--log-level", "DEBUG"]).log_level == "DEBUG"
+    assert parser.parse_args(["--log-level", "WARNING", command, *rest]).log_level == "WARNING"
+    assert parser.parse_args([command, *rest]).log_level == "INFO"
