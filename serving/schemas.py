@@ -120,8 +120,33 @@ def json_parser(model: type[BaseModel]) -> Callable[[bytes], BaseModel]:
 _STRICT = ConfigDict(strict=True, extra="forbid")
 
 
+def _example_columns(limits: RequestLimits) -> dict:
+    """A valid body for these limits, so the docs' "Try it out" sends a request that ranks."""
+    ids = [i % limits.num_items for i in (12, 7, 31)]
+    return {
+        "user_id": 42,
+        "item_ids": ids,
+        "actions": [i % limits.num_actions for i in (0, 1, 0)],
+        "timestamps": [1_700_000_000, 1_700_000_060, 1_700_000_300],
+        "candidates": [i % limits.num_items for i in (5, 9, 17)],
+    }
+
+
+def _with_example(example: dict) -> ConfigDict:
+    return ConfigDict(strict=True, extra="forbid", json_schema_extra={"examples": [example]})
+
+
 def build_rank_request_model(limits: RequestLimits) -> type[BaseModel]:
     """The POST /v1/rank body model for these limits (class names are stable for OpenAPI)."""
+    cols = _example_columns(limits)
+    example = {
+        "user_id": cols["user_id"],
+        "history": [
+            {"item_id": i, "action": a, "timestamp": t}
+            for i, a, t in zip(cols["item_ids"], cols["actions"], cols["timestamps"])
+        ],
+        "candidates": cols["candidates"],
+    }
     item_id = Annotated[int, Field(ge=0, lt=limits.num_items, description=f"item id in [0, {limits.num_items})")]
     history_event = create_model(
         "HistoryEvent",
@@ -147,7 +172,7 @@ def build_rank_request_model(limits: RequestLimits) -> type[BaseModel]:
     ]
     return create_model(
         "RankRequest",
-        __config__=_STRICT,
+        __config__=_with_example(example),
         __doc__="Score `candidates` for `user_id` given the user's full history (oldest first).",
         __validators__={"_timestamps": field_validator("history")(timestamps_non_decreasing)},
         user_id=(int, Field(ge=0, le=MAX_USER_ID, description="user id; keys the user's KV cache")),
@@ -214,7 +239,7 @@ def build_rank_columns_model(limits: RequestLimits) -> type[BaseModel]:
     ctx = Annotated[int, Field(ge=0, lt=limits.num_contextual_features)]
     return create_model(
         "RankRequestColumns",
-        __config__=_STRICT,
+        __config__=_with_example(_example_columns(limits)),
         __doc__="The same request with the history as columns: event i is (item_ids[i], actions[i], timestamps[i]).",
         __validators__={"_columns": model_validator(mode="after")(columns_agree)},
         user_id=(int, Field(ge=0, le=MAX_USER_ID, description="user id; keys the user's KV cache")),
@@ -236,6 +261,21 @@ class CandidateScore(BaseModel):
 
 
 class RankResponse(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "request_id": "3f2b9c1e",
+                    "user_id": 42,
+                    "scores": [{"item_id": 5, "scores": {"click": 0.61, "like": 0.12}}],
+                    "cached_tokens": 0,
+                    "computed_tokens": 6,
+                    "latency_ms": 3.2,
+                }
+            ]
+        }
+    )
+
     request_id: str
     user_id: int
     scores: list[CandidateScore] = Field(description="one entry per candidate, in request order")

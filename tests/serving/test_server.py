@@ -24,6 +24,7 @@ from .conftest import (
     eviction_workload,
     matches_reference,
     post_per_user_in_order,
+    response_scores,
     serving,
     tiny_settings,
     wait_ready,
@@ -329,6 +330,18 @@ async def test_openapi_docs_describe_the_rank_endpoint_with_the_model_limits():
     assert schemas["RankRequest"]["properties"]["history"]["maxItems"] == 126
     assert schemas["RankRequest"]["properties"]["candidates"]["maxItems"] == 64
     assert schemas["HistoryEvent"]["properties"]["item_id"]["exclusiveMaximum"] == 1000
+
+
+@anyio
+async def test_openapi_examples_are_requests_that_rank(reference):
+    """The docs' "Try it out" sends the schema's example: both forms must rank, with equal scores."""
+    async with serving() as (_, client):
+        schemas = (await client.get("/openapi.json")).json()["components"]["schemas"]
+        bodies = [schemas[name]["examples"][0] for name in ("RankRequest", "RankRequestColumns")]
+        answers = [await client.post("/v1/rank", json=body) for body in bodies]
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert response_scores(answers[0].json()).tolist() == response_scores(answers[1].json()).tolist()
+    assert set(schemas["RankResponse"]["examples"][0]) == set(answers[0].json())
 
 
 async def post_concurrently(base_url: str, payloads: list[dict]) -> list[httpx.Response]:
