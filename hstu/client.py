@@ -142,6 +142,13 @@ def decoded(response: httpx.Response) -> dict:
     raise HSTUClientError(response.status_code, str(body["error"]), str(body.get("detail", "")), body.get("request_id"))
 
 
+def _text(response: httpx.Response) -> str:
+    """The text body of a 2xx answer; HSTUClientError from the error body otherwise."""
+    if not response.is_success:
+        decoded(response)
+    return response.text
+
+
 class _Connection:
     """The settings both clients share; `transport` replaces the network (httpx.MockTransport in tests)."""
 
@@ -188,6 +195,10 @@ class Client(_Connection):
         """Whether the server takes rank requests now (model loaded and warmed up)."""
         return self._http.get("/v2/health/ready").status_code == 200
 
+    def metrics(self) -> str:
+        """The server's Prometheus exposition text (GET /metrics)."""
+        return _text(self._http.get("/metrics"))
+
     def close(self) -> None:
         self._http.close()
 
@@ -229,6 +240,10 @@ class AsyncClient(_Connection):
     async def ready(self) -> bool:
         """Whether the server takes rank requests now (model loaded and warmed up)."""
         return (await self._http.get("/v2/health/ready")).status_code == 200
+
+    async def metrics(self) -> str:
+        """The server's Prometheus exposition text (GET /metrics)."""
+        return _text(await self._http.get("/metrics"))
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -24,19 +24,6 @@ from hstu.scripts.replay_passes import PassResult, RequestRecord
 logger = logging.getLogger(__name__)
 
 
-def request_payload(request: RankingRequest) -> dict[str, Any]:
-    """JSON body of POST /v1/rank for one request."""
-    return {
-        "user_id": request.user_id,
-        "history": [
-            {"item_id": int(i), "action": int(a), "timestamp": int(t)}
-            for i, a, t in zip(request.item_ids, request.actions, request.timestamps)
-        ],
-        "candidates": [int(c) for c in request.candidates],
-        "contextual": [int(c) for c in request.contextual],
-    }
-
-
 def check_loopback(url: str) -> None:
     """Raise ValueError unless `url` is http(s) on a loopback host."""
     parsed = urlparse(url)
@@ -80,13 +67,14 @@ def parse_server_metrics(text: str) -> dict[str, int]:
 async def _scrape(client, url: str) -> dict[str, int]:
     import httpx
 
+    from hstu.client import HSTUClientError
+
     try:
-        response = await client.get("/metrics")
-        response.raise_for_status()
-    except httpx.HTTPError as exc:
+        text = await client.metrics()
+    except (httpx.HTTPError, HSTUClientError) as exc:
         logger.warning("could not read %s/metrics (%s); cache counters are left out", url, exc)
         return {}
-    return parse_server_metrics(response.text)
+    return parse_server_metrics(text)
 
 
 async def _send_all(
@@ -100,13 +88,15 @@ async def _send_all(
 ) -> PassResult:
     import httpx
 
+    from hstu.client import AsyncClient, HSTUClientError
+
     limit = asyncio.Semaphore(concurrency)
     previous: dict[int, asyncio.Task] = {}
     records: list[RequestRecord | None] = [None] * len(requests)
     errors = conflicts = 0
     bar = tqdm(total=len(requests), desc="server", unit="req", disable=not progress, leave=False)
 
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
+    async with AsyncClient(url, timeout_s=timeout_s) as client:
 
         async def one(index: int, request: RankingRequest, before: asyncio.Task | None) -> None:
             nonlocal errors, conflicts
@@ -115,13 +105,20 @@ async def _send_all(
             async with limit:
                 t0 = time.perf_counter()
                 try:
-                    response = await client.post("/v1/rank", json=request_payload(request))
-                    if response.status_code == 409:
+                    result = await client.rank(
+                        request.user_id,
+                        (request.item_ids, request.actions, request.timestamps),
+                        request.candidates,
+                        contextual=request.contextual,
+                    )
+                except HSTUClientError as exc:
+                    if exc.status == 409:
                         conflicts += 1
-                        logger.info("request %d (user %d): history conflict: %s", index, request.user_id, response.text)
-                        return
-                    response.raise_for_status()
-                    body = response.json()
+                        logger.info("request %d (user %d): history conflict: %s", index, request.user_id, exc)
+                    else:
+                        errors += 1
+                        logger.warning("request %d (user %d) failed: %s", index, request.user_id, exc)
+                    return
                 except (httpx.HTTPError, ValueError) as exc:
                     errors += 1
                     logger.warning("request %d (user %d) failed: %s", index, request.user_id, exc)
@@ -130,12 +127,12 @@ async def _send_all(
                     bar.update(1)
                 ms = (time.perf_counter() - t0) * 1e3
             if answers is not None:
-                answers.append((request, body["scores"]))
+                answers.append((request, result))
             records[index] = RequestRecord(
                 request.user_id,
                 request.history_tokens(model_config),
                 request.candidates.shape[0],
-                int(body["cached_tokens"]),
+                result.cached_tokens,
                 index,
                 1,
                 ms,
@@ -171,7 +168,7 @@ def run_server(
 
     A 409 (the history is shorter than the server's cached one: a workload restart, which the
     server rejects by policy) is counted in `conflicts`, any other failure in `errors`. When
-    `answers` is a list, (request, response scores) of every 200 is appended to it.
+    `answers` is a list, (request, hstu.client.RankResult) of every 200 is appended to it.
     """
     check_loopback(url)
     if concurrency <= 0:
@@ -185,12 +182,11 @@ class VerifyRefused(Exception):
 
 def fetch_server_model(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
     """The server's model metadata (GET /v2/models/hstu)."""
-    import httpx
+    from hstu.client import Client
 
     check_loopback(url)
-    response = httpx.get(f"{url.rstrip('/')}/v2/models/hstu", timeout=timeout_s)
-    response.raise_for_status()
-    return response.json()
+    with Client(url, timeout_s=timeout_s) as client:
+        return client.model_info()
 
 
 def server_reference(meta: dict[str, Any], url: str, device: torch.device) -> InferenceRankingGR:
@@ -222,7 +218,7 @@ def verify_answers(
         chunk = answers[start : start + batch_size]
         requests = [request for request, _ in chunk]
         expected = torch.split(reference.forward_no_cache(requests), [r.candidates.shape[0] for r in requests])
-        for (request, scores), want in zip(chunk, expected):
-            probs = torch.tensor([[c["scores"][t] for t in task_names] for c in scores], dtype=torch.float64)
+        for (request, result), want in zip(chunk, expected):
+            probs = torch.tensor([result.scores[t] for t in task_names], dtype=torch.float64).T
             tally.check(request.user_id, torch.log(probs) - torch.log1p(-probs), want.double().cpu())
     return tally.mismatches, tally.max_abs_diff

@@ -87,13 +87,16 @@ def test_server_mode_refuses_non_loopback_hosts():
     rp.check_loopback("http://localhost:1")
 
 
-def test_payload_is_accepted_by_the_server_schema():
+def test_replay_body_from_the_client_is_accepted_by_the_server_schema():
     schemas = pytest.importorskip("hstu.serving.schemas", reason="hstu.serving is not importable")
+    from hstu.client import rank_body
+
     request = next(iter(Workload(WORKLOAD, MODEL)))
-    model = schemas.build_rank_request_model(schemas.RequestLimits.for_model(MODEL, max_candidates=64))
-    body = model.model_validate(replay_server.request_payload(request))
+    model = schemas.build_rank_columns_model(schemas.RequestLimits.for_model(MODEL, max_candidates=64))
+    history = (request.item_ids, request.actions, request.timestamps)
+    body = model.model_validate(rank_body(request.user_id, history, request.candidates, contextual=request.contextual))
     assert body.user_id == request.user_id
-    assert [e.item_id for e in body.history] == request.item_ids.tolist()
+    assert body.item_ids == request.item_ids.tolist()
     assert body.contextual == request.contextual.tolist()
 
 
