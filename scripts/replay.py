@@ -190,9 +190,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--preset", choices=["cpu", "seed"], default="cpu", help="model + cache sizes (default cpu: small model)")
-    p.add_argument("--model-config", type=Path, help="HSTUConfig JSON (overrides the preset's model)")
+    p.add_argument("--config", "--model-config", dest="model_config", type=Path, help="HSTUConfig JSON, as hstu serve --config (overrides the preset's model)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="max distinct users per batch")
+    p.add_argument("--max-batch-size", "--batch-size", dest="batch_size", type=int, default=d.batch_size, help="max distinct users per batch")
     p.add_argument("--requests", type=int, default=w.num_requests)
     p.add_argument("--users", type=int, default=w.num_users)
     p.add_argument("--zipf-alpha", type=float, default=w.zipf_alpha)
@@ -208,7 +208,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--page-size", type=int, help="tokens per page (default: the preset's)")
     p.add_argument("--num-pages", type=int, help="GPU pages (default: two batches at the history limit)")
     p.add_argument("--chunk-tokens", type=int, help="tokens per host chunk (default: the preset's)")
-    p.add_argument("--host-capacity-mb", type=float, help="host tier size (default: the preset's)")
+    p.add_argument("--host-cache-mb", "--host-capacity-mb", dest="host_capacity_mb", type=float, help="host tier size (default: the preset's)")
     p.add_argument("--no-uncached", action="store_true", help="skip the uncached comparison pass")
     p.add_argument(
         "--verify",

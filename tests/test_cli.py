@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -34,3 +35,14 @@ def test_log_level_is_accepted_before_and_after_each_subcommand(command):
     assert parser.parse_args([command, *rest, "--log-level", "DEBUG"]).log_level == "DEBUG"
     assert parser.parse_args(["--log-level", "WARNING", command, *rest]).log_level == "WARNING"
     assert parser.parse_args([command, *rest]).log_level == "INFO"
+
+
+def test_serve_and_replay_share_option_names_for_shared_settings():
+    """One name per setting across entry points (the replay's old names stay as aliases)."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    names = {cmd: {o for a in sub.choices[cmd]._actions for o in a.option_strings} for cmd in ("serve", "replay", "bench")}
+    shared = {"--config", "--max-batch-size", "--host-cache-mb", "--page-size", "--num-pages", "--chunk-tokens",
+              "--cuda-graphs", "--compile", "--device"}
+    assert shared <= names["serve"] and shared <= names["replay"]
+    assert {"--page-size", "--chunk-tokens", "--cuda-graphs", "--compile", "--device", "--dtype"} <= names["bench"]
