@@ -26,12 +26,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from hstu.model.batch import RankingRequest
+from hstu.model.config import HSTUConfig
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.manager import AsyncKVCacheManager, PreparedBatch
 from hstu.ops.kvcache.planner import CostModel
@@ -48,10 +49,18 @@ class RankOutput:
     logits: torch.Tensor
     cached_tokens: int
     computed_tokens: int
+    task_names: tuple[str, ...] = ()
 
     @property
     def scores(self) -> np.ndarray:
+        """Probabilities [M candidates, num_tasks] (sigmoid of the logits)."""
         return torch.sigmoid(self.logits.float()).cpu().numpy()
+
+    def scores_by_task(self) -> dict[str, np.ndarray]:
+        """{task name: probability of each candidate}; tasks are task_0.. when the engine has no names."""
+        probs = self.scores
+        names = self.task_names or tuple(f"task_{i}" for i in range(probs.shape[1]))
+        return {name: probs[:, i] for i, name in enumerate(names)}
 
 
 @dataclass
@@ -65,7 +74,13 @@ class ForwardTiming:
 class RankingEngine:
     """Runs ranking batches through `model`, reusing K/V from `cache` when one is given."""
 
-    def __init__(self, model: InferenceRankingGR, cache: AsyncKVCacheManager | None = None) -> None:
+    def __init__(
+        self, model: InferenceRankingGR, cache: AsyncKVCacheManager | None = None, task_names: Sequence[str] | None = None
+    ) -> None:
+        names = tuple(task_names or ())
+        if names and (len(names) != model.config.num_tasks or len(set(names)) != len(names)):
+            raise ValueError(f"need {model.config.num_tasks} distinct task names, got {list(names)}")
+        self.task_names = names
         self.model = model
         self.cache = cache
         self.config = model.config
@@ -73,6 +88,23 @@ class RankingEngine:
         self.layer_fns: list[Callable] | None = None
         self.timings: deque[ForwardTiming] = deque(maxlen=4096)
         self._lock = threading.Lock()
+
+    @classmethod
+    def create(
+        cls,
+        config: HSTUConfig | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        task_names: Sequence[str] | None = None,
+        **cache_options,
+    ) -> "RankingEngine":
+        """A model (random weights; load_state_dict on `engine.model` for trained ones) with a KV
+        cache sized by `cache_options` (KVCacheConfig fields), ready to rank."""
+        from hstu.ops.kvcache.config import KVCacheConfig
+
+        config = config or HSTUConfig()
+        cache = AsyncKVCacheManager(KVCacheConfig.for_model(config, **cache_options), device=device)
+        return cls(InferenceRankingGR(config, device=device), cache, task_names)
 
     # ------------------------------------------------------------- public API
     @torch.inference_mode()
@@ -215,7 +247,7 @@ class RankingEngine:
     def _split(self, requests: list[RankingRequest], logits: torch.Tensor, cached: list[int]) -> list[RankOutput]:
         parts = torch.split(logits, [r.candidates.shape[0] for r in requests])
         return [
-            RankOutput(r.user_id, p, c, r.history_tokens(self.config) - c + r.candidates.shape[0])
+            RankOutput(r.user_id, p, c, r.history_tokens(self.config) - c + r.candidates.shape[0], self.task_names)
             for r, p, c in zip(requests, parts, cached)
         ]
 

@@ -1,0 +1,36 @@
+"""The engine's short in-process API: `hstu.RankingEngine.create` and scores labelled by task."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import hstu
+from tests.conftest import rel_err
+
+
+def test_top_level_names_rank_with_labelled_scores(tiny_config, book):
+    engine = hstu.RankingEngine.create(tiny_config, task_names=["click", "like", "share"], page_size=4, num_pages=64, chunk_tokens=8)
+    for step in range(2):
+        request = book.request(3, 4 + step)
+        out = engine.rank([request])[0]
+    by_task = out.scores_by_task()
+    assert list(by_task) == ["click", "like", "share"]
+    np.testing.assert_array_equal(np.stack(list(by_task.values()), axis=1), out.scores)
+    assert out.cached_tokens > 0
+    assert rel_err(out.logits, engine.forward_no_cache([request])) < 1e-5
+    engine.cache.close()
+
+
+def test_task_names_must_match_the_heads(tiny_config):
+    with pytest.raises(ValueError, match=r"need 3 distinct task names, got \['a', 'a', 'b'\]"):
+        hstu.RankingEngine.create(tiny_config, task_names=["a", "a", "b"])
+
+
+def test_import_hstu_does_not_import_torch():
+    code = "import sys, hstu; assert 'torch' not in sys.modules; hstu.HSTUConfig; assert 'torch' in sys.modules"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
