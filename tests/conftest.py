@@ -8,6 +8,7 @@ import torch
 
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
+from tests.configs import TINY
 
 
 def pytest_collection_modifyitems(config, items):
@@ -21,10 +22,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def tiny_config() -> HSTUConfig:
-    return HSTUConfig(
-        num_items=500, num_actions=4, num_contextual=2, num_contextual_features=50, embedding_dim=32,
-        num_layers=2, num_heads=2, head_dim_qk=16, head_dim_v=16, max_seq_len=256, mlp_hidden=32,
-    )
+    return TINY
 
 
 class HistoryBook:
