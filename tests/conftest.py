@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -41,6 +43,16 @@ class HistoryBook:
             times.append((times[-1] if times else 1_000) + int(self.rng.integers(0, 5_000)))
         cands = self.rng.integers(0, self.config.num_items, size=num_candidates)
         return RankingRequest.create(user, items, actions, times, cands, config=self.config)
+
+    def random_batches(
+        self, seed: int, rounds: int, num_users: int, max_users: int, new_events: tuple[int, int], candidates: tuple[int, int]
+    ) -> Iterator[list[RankingRequest]]:
+        """`rounds` batches of 1..max_users distinct users out of `num_users`, each growing by
+        [low, high) new events and ranking [low, high) candidates; a seeded mix of returning users."""
+        rng = np.random.default_rng(seed)
+        for _ in range(rounds):
+            users = rng.choice(num_users, size=int(rng.integers(1, max_users + 1)), replace=False)
+            yield [self.request(int(u), int(rng.integers(*new_events)), int(rng.integers(*candidates))) for u in users]
 
 
 @pytest.fixture

@@ -38,14 +38,11 @@ def test_bf16_oracle_on_cuda_with_eviction():
     model = RankingEngine(InferenceRankingGR(cfg, device="cuda"), mgr)
     ref64 = _fp64_twin(model.model)
     book = HistoryBook(cfg, seed=3)
-    rng = np.random.default_rng(4)
     worst_ratio, batches = 0.0, 0
-    for _ in range(60):
-        users = rng.choice(40, size=int(rng.integers(1, 6)), replace=False)
-        reqs = [book.request(int(u), int(rng.integers(4, 40)), int(rng.integers(8, 64))) for u in users]
-        for u in users:
-            if len(book.histories[int(u)][0]) > 400:
-                book.histories.pop(int(u))
+    for reqs in book.random_batches(seed=4, rounds=60, num_users=40, max_users=5, new_events=(4, 40), candidates=(8, 64)):
+        for r in reqs:
+            if len(book.histories[r.user_id][0]) > 400:
+                book.histories.pop(r.user_id)
         out = model.forward(reqs)
         plain = model.forward_no_cache(reqs)
         exact = ref64.forward_no_cache(reqs)
