@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 import pytest
 import torch
 
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
+from tests.configs import TINY
 
 
 def pytest_collection_modifyitems(config, items):
@@ -21,10 +24,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def tiny_config() -> HSTUConfig:
-    return HSTUConfig(
-        num_items=500, num_actions=4, num_contextual=2, num_contextual_features=50, embedding_dim=32,
-        num_layers=2, num_heads=2, head_dim_qk=16, head_dim_v=16, max_seq_len=256, mlp_hidden=32,
-    )
+    return TINY
 
 
 class HistoryBook:
@@ -43,6 +43,16 @@ class HistoryBook:
             times.append((times[-1] if times else 1_000) + int(self.rng.integers(0, 5_000)))
         cands = self.rng.integers(0, self.config.num_items, size=num_candidates)
         return RankingRequest.create(user, items, actions, times, cands, config=self.config)
+
+    def random_batches(
+        self, seed: int, rounds: int, num_users: int, max_users: int, new_events: tuple[int, int], candidates: tuple[int, int]
+    ) -> Iterator[list[RankingRequest]]:
+        """`rounds` batches of 1..max_users distinct users out of `num_users`, each growing by
+        [low, high) new events and ranking [low, high) candidates; a seeded mix of returning users."""
+        rng = np.random.default_rng(seed)
+        for _ in range(rounds):
+            users = rng.choice(num_users, size=int(rng.integers(1, max_users + 1)), replace=False)
+            yield [self.request(int(u), int(rng.integers(*new_events)), int(rng.integers(*candidates))) for u in users]
 
 
 @pytest.fixture

@@ -42,21 +42,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
 from hstu.model.identity import HistoryIdentity
 from hstu.ops._build import load_extension
+from hstu.ops.kvcache.admission import FrequencyAdmission
+from hstu.ops.kvcache.batch import BatchPlan, PreparedBatch
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.handle import OnloadHandle
-from hstu.ops.kvcache.admission import FrequencyAdmission
+from hstu.ops.kvcache.host_tier import Prefetcher, admitted, split_host_prefixes
 from hstu.ops.kvcache.layout import JaggedLayout
 from hstu.ops.kvcache.metadata import KVCacheMetadata, PadSpec
-from hstu.ops.kvcache.planner import CostModel, UserShape
-from hstu.ops.kvcache.planner import plan as plan_split
+from hstu.ops.kvcache.planner import CostModel
 from hstu.ops.kvcache.stats import CacheStats
 from hstu.ops.kvcache.transfers import OffloadJob, TierTransfers
 
@@ -68,39 +68,6 @@ CacheCapacityError = _ext.CacheCapacityError
 
 class HistoryConflictError(ValueError):
     """A request's history does not extend the user's cached history (policy says raise)."""
-
-
-@dataclass
-class PreparedBatch:
-    """A batch whose pages are reserved: what the block needs, and what finish() commits."""
-
-    pages: list[list[int]]
-    metadata: KVCacheMetadata
-    handle: OnloadHandle
-    kv_pages: torch.Tensor
-    onload_users: list[int]
-    # Digest of each user's whole history, for the commit: finished on the prepare worker.
-    digests: list[bytes]
-
-    def ready(self, layer: int) -> None:
-        """Block hook: order the compute stream after layer's onload (raises on timeout)."""
-        self.handle.wait(layer)
-
-
-@dataclass
-class BatchPlan:
-    """One batch from plan() to finish()/abort(): how much each user reuses, and its row layout."""
-
-    user_ids: list[int]
-    history_lens: list[int]
-    identities: list[HistoryIdentity]
-    cached_lens: list[int]
-    sources: list[str]
-    layout: JaggedLayout | None = None
-    pad: PadSpec | None = None
-    onload_slots: dict[int, list[int]] = field(default_factory=dict)
-    _future: Future | None = field(default=None, repr=False)
-    _prepared: PreparedBatch | None = field(default=None, repr=False)
 
 
 class AsyncKVCacheManager:
@@ -138,7 +105,7 @@ class AsyncKVCacheManager:
         self.admission = FrequencyAdmission(config.offload_min_seen)
         # Compute-or-load split of host-tier prefixes (ops/kvcache/planner.py); None: pure onload.
         self.cost_model: CostModel | None = None
-        self._prefetched: dict[int, None] = {}  # users onloaded by prefetch, not yet looked up
+        self._prefetcher = Prefetcher(c, self.gpu, self.host, self.transfers, self.stats, self._index_lock)
         self._closed = False
 
     # ------------------------------------------------------------------- plan
@@ -155,7 +122,10 @@ class AsyncKVCacheManager:
         pad_for(rows, users): the CUDA-graph bucket padding of the metadata, if any."""
         plan = self._lookup(user_ids, history_lens, identities)
         try:
-            self._split_host_prefixes(plan, num_candidates)
+            unpin = split_host_prefixes(plan, num_candidates, self.config, self.cost_model, self.stats)
+            if unpin:
+                with self._index_lock:
+                    self.host.unpin(unpin)
             plan.layout = JaggedLayout.build(plan.history_lens, plan.cached_lens, num_candidates)
             plan.pad = pad_for(plan.layout.num_rows, len(user_ids)) if pad_for is not None else None
             after = None
@@ -203,39 +173,6 @@ class AsyncKVCacheManager:
         )
         return plan
 
-    def _split_host_prefixes(self, plan: BatchPlan, num_candidates: list[int]) -> None:
-        """Onload only the planner's share of each host-tier prefix; the rest is recomputed."""
-        host = [b for b, s in enumerate(plan.sources) if s == "host"]
-        if not host:
-            return
-        onload = [plan.cached_lens[b] for b in host]
-        if self.cost_model is not None:
-            shapes = [
-                UserShape(
-                    plan.cached_lens[b] if s == "host" else 0,
-                    plan.cached_lens[b] if s == "gpu" else 0,
-                    plan.history_lens[b],
-                    num_candidates[b],
-                )
-                for b, s in enumerate(plan.sources)
-            ]
-            chosen = plan_split(shapes, self.cost_model, self.config.num_layers, self.config.chunk_tokens)
-            onload = [min(chosen.onload_tokens[b], plan.cached_lens[b]) for b in host]
-        chunk, unpin = self.config.chunk_tokens, []
-        for b, p in zip(host, onload):
-            u, cached = plan.user_ids[b], plan.cached_lens[b]
-            self.stats.add(tokens_onloaded=p, tokens_recomputed=cached - p)
-            plan.cached_lens[b] = p
-            if p == 0:
-                del plan.onload_slots[u]
-                plan.sources[b] = "miss"
-                unpin.append(u)
-            else:
-                plan.onload_slots[u] = plan.onload_slots[u][: -(-p // chunk)]
-        if unpin:
-            with self._index_lock:
-                self.host.unpin(unpin)
-
     def _gpu_extension(self, user: int, n: int, ident: HistoryIdentity) -> int:
         """Cached length when the request plainly extends the user's GPU entry, else 0."""
         gpu_len, gpu_digest = self.gpu.lookup(user)
@@ -245,8 +182,7 @@ class AsyncKVCacheManager:
 
     def _lookup_one(self, user: int, n: int, ident: HistoryIdentity, plan: BatchPlan) -> tuple[int, str]:
         cached, source = self._lookup_tiers(user, n, ident, plan)
-        if self._prefetched.pop(user, 1) is None and source == "gpu":
-            self.stats.add(prefetch_hits=1)
+        self._prefetcher.looked_up(user, source)
         return cached, source
 
     def _lookup_tiers(self, user: int, n: int, ident: HistoryIdentity, plan: BatchPlan) -> tuple[int, str]:
@@ -371,7 +307,7 @@ class AsyncKVCacheManager:
                 for u in failed:
                     self.invalidate(u)
                 self.stats.add(recomputes=len(failed))
-            offload = self._admitted(plan, jobs)
+            offload = admitted(plan, jobs, self.config, self.admission, self.host, self.stats)
             done = [u for u, b in jobs if (u, b) not in offload]
             if done:
                 self.gpu.release(done)
@@ -381,49 +317,11 @@ class AsyncKVCacheManager:
             )
         return failed
 
-    def _admitted(self, plan: BatchPlan, jobs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The (user, row) jobs whose new full chunks go to the host tier (admission policy)."""
-        chunk, out = self.config.chunk_tokens, []
-        if self.config.host_slots == 0:
-            return out
-        for u, b in jobs:
-            n = plan.history_lens[b]
-            if n < chunk:
-                continue
-            if self.admission.admits(u):
-                out.append((u, b))
-                continue
-            new_chunks = n // chunk - len(self.host.lookup(u)[0])
-            if new_chunks > 0:
-                self.stats.add(offload_rejected_users=1, offload_rejected_bytes=new_chunks * self.config.chunk_bytes)
-        return out
-
     def prefetch(self, user_ids: list[int], max_users: int = 256) -> int:
         """Start onloading host-tier users expected to rank soon into free GPU pages (never evicting
         anyone); idempotent (users on the GPU or in flight are skipped). Returns the number started."""
         self._check_open()
-        ppc, started = self.config.pages_per_chunk, 0
-        for u in list(dict.fromkeys(user_ids))[:max_users]:
-            self.transfers.join([u])
-            with self._index_lock:
-                slots, digest = self.host.lookup(u)
-                n = len(slots) * self.config.chunk_tokens
-                need = -(-n // self.config.page_size)
-                if not slots or self.gpu.lookup(u)[0] > 0 or self.gpu.pin_count(u) or need > self.gpu.num_free_pages():
-                    continue
-                self.gpu.invalidate(u)  # an empty (uncommitted) GPU entry, if any
-                (pages,) = self.gpu.reserve([u], [0], [n])
-                self.host.pin([u])
-                self.host.touch(u)
-            page_ids = torch.tensor(pages, dtype=torch.int32).reshape(-1, ppc)
-            self.transfers.prefetch_async(u, torch.tensor(slots, dtype=torch.int32), page_ids, n, digest)
-            self._prefetched[u] = None
-            started += 1
-        if len(self._prefetched) > 4 * max_users:  # bounded: forget the oldest
-            for u in list(self._prefetched)[: len(self._prefetched) - 4 * max_users]:
-                del self._prefetched[u]
-        self.stats.add(prefetches=started)
-        return started
+        return self._prefetcher.start(user_ids, max_users)
 
     def abort(self, plan: BatchPlan) -> None:
         """The forward failed: release the batch; the new tokens were never committed."""

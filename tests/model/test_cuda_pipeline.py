@@ -17,14 +17,10 @@ from hstu.model.config import HSTUConfig
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
+from tests.configs import cuda_pipeline_model
 from tests.conftest import HistoryBook, rel_err
 
 pytestmark = pytest.mark.cuda
-
-
-def _config(dtype: str) -> HSTUConfig:
-    return HSTUConfig(num_items=5_000, num_contextual_features=100, embedding_dim=128, num_layers=3, num_heads=2,
-                      head_dim_qk=64, head_dim_v=64, max_seq_len=1024, mlp_hidden=64, dtype=dtype)
 
 
 def _fp64_twin(model: InferenceRankingGR) -> InferenceRankingGR:
@@ -34,7 +30,7 @@ def _fp64_twin(model: InferenceRankingGR) -> InferenceRankingGR:
 
 
 def test_bf16_oracle_on_cuda_with_eviction():
-    cfg = _config("bfloat16")
+    cfg = cuda_pipeline_model("bfloat16")
     kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=160, chunk_tokens=32)
     kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=160, chunk_tokens=32, host_capacity_bytes=120 * kv.chunk_bytes)
     mgr = AsyncKVCacheManager(kv, device="cuda")
@@ -42,14 +38,11 @@ def test_bf16_oracle_on_cuda_with_eviction():
     model = RankingEngine(InferenceRankingGR(cfg, device="cuda"), mgr)
     ref64 = _fp64_twin(model.model)
     book = HistoryBook(cfg, seed=3)
-    rng = np.random.default_rng(4)
     worst_ratio, batches = 0.0, 0
-    for _ in range(60):
-        users = rng.choice(40, size=int(rng.integers(1, 6)), replace=False)
-        reqs = [book.request(int(u), int(rng.integers(4, 40)), int(rng.integers(8, 64))) for u in users]
-        for u in users:
-            if len(book.histories[int(u)][0]) > 400:
-                book.histories.pop(int(u))
+    for reqs in book.random_batches(seed=4, rounds=60, num_users=40, max_users=5, new_events=(4, 40), candidates=(8, 64)):
+        for r in reqs:
+            if len(book.histories[r.user_id][0]) > 400:
+                book.histories.pop(r.user_id)
         out = model.forward(reqs)
         plain = model.forward_no_cache(reqs)
         exact = ref64.forward_no_cache(reqs)
@@ -63,7 +56,7 @@ def test_bf16_oracle_on_cuda_with_eviction():
 
 
 def test_fp32_oracle_on_cuda_matches_no_cache():
-    cfg = _config("float32")
+    cfg = cuda_pipeline_model("float32")
     mgr = AsyncKVCacheManager(KVCacheConfig.for_model(cfg, page_size=16, num_pages=96, chunk_tokens=32,
                                                       host_capacity_bytes=64 << 20), device="cuda")
     model = RankingEngine(InferenceRankingGR(cfg, device="cuda"), mgr)
@@ -78,7 +71,7 @@ def test_fp32_oracle_on_cuda_matches_no_cache():
 
 @pytest.mark.parametrize("compile_layers", [False, True], ids=["eager_layers", "compiled_layers"])
 def test_cuda_graph_replay_matches_eager_and_reference(compile_layers):
-    cfg = _config("float32")
+    cfg = cuda_pipeline_model("float32")
     torch.backends.cuda.matmul.allow_tf32 = False
     buckets = (128, 256, 512)  # 3 layers x 3 buckets = 9 compiles: past Dynamo's default limit of 8
 
@@ -110,7 +103,7 @@ def test_cuda_graph_replay_matches_eager_and_reference(compile_layers):
 
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "cuda_graphs"])
 def test_rerank_of_unchanged_histories_on_cuda_computes_only_candidates(cuda_graphs):
-    cfg = _config("float32")
+    cfg = cuda_pipeline_model("float32")
     torch.backends.cuda.matmul.allow_tf32 = False
     kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=128, chunk_tokens=32, host_capacity_bytes=32 << 20,
                                  on_no_new_tokens="candidates")

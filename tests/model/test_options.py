@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,11 +36,8 @@ def test_cached_logits_equal_uncached_with_option(tiny_config, name):
     mgr = AsyncKVCacheManager(KVCacheConfig.for_model(config, page_size=4, num_pages=48, chunk_tokens=8))
     model = RankingEngine(InferenceRankingGR(config), mgr)
     book = HistoryBook(config, seed=3)
-    rng = np.random.default_rng(4)
     worst, cached = 0.0, 0
-    for _ in range(6):
-        users = rng.choice(8, size=int(rng.integers(1, 4)), replace=False)
-        reqs = [book.request(int(u), int(rng.integers(1, 7)), int(rng.integers(1, 4))) for u in users]
+    for reqs in book.random_batches(seed=4, rounds=6, num_users=8, max_users=3, new_events=(1, 7), candidates=(1, 4)):
         outputs = model.rank(reqs)
         cached += sum(o.cached_tokens for o in outputs)
         worst = max(worst, rel_err(torch.cat([o.logits for o in outputs]), model.forward_no_cache(reqs)))

@@ -15,11 +15,9 @@ from hstu.model.ranking import InferenceRankingGR
 from hstu.scripts import replay as rp
 from hstu.scripts import replay_server
 from hstu.scripts.workload import Workload, WorkloadConfig, count_restarts
+from tests.configs import REPLAY_MODEL
 
-MODEL = HSTUConfig(
-    num_items=500, num_contextual_features=100, embedding_dim=32, num_layers=2, num_heads=2,
-    head_dim_qk=16, head_dim_v=16, max_seq_len=256, mlp_hidden=32,
-)
+MODEL = REPLAY_MODEL
 WORKLOAD = WorkloadConfig(
     num_requests=40, num_users=12, new_tokens=(8, 64), initial_tokens=(8, 128),
     max_history_tokens=255, candidates=(4, 24), seed=1,

@@ -18,11 +18,9 @@ from hstu.scripts.workload import (
     distinct_user_batches,
     is_extension,
 )
+from tests.configs import WORKLOAD_MODEL
 
-MODEL = HSTUConfig(
-    num_items=500, num_contextual_features=100, embedding_dim=32, num_layers=1, num_heads=2,
-    head_dim_qk=16, head_dim_v=16, max_seq_len=512, mlp_hidden=32,
-)
+MODEL = WORKLOAD_MODEL
 CONFIG = WorkloadConfig(
     num_requests=300, num_users=20, new_tokens=(8, 64), initial_tokens=(8, 128),
     max_history_tokens=400, candidates=(4, 40), seed=3,

@@ -16,29 +16,14 @@ import numpy as np
 import pytest
 
 from hstu.model.batch import RankingRequest
-from hstu.model.config import HSTUConfig
 from hstu.model.ranking import InferenceRankingGR
 from hstu.serving.app import create_app
 from hstu.serving.runtime import ServingRuntime
 from hstu.serving.server import DrainingServer, draining_server
 from hstu.serving.settings import ServerSettings
+from tests.configs import SERVING_TINY
 
-TINY = HSTUConfig(
-    num_items=1000,
-    num_actions=4,
-    num_contextual=2,
-    num_contextual_features=50,
-    embedding_dim=32,
-    num_layers=2,
-    num_heads=2,
-    head_dim_qk=16,
-    head_dim_v=16,
-    max_seq_len=256,
-    num_time_buckets=16,
-    num_tasks=3,
-    mlp_hidden=32,
-    seed=3,
-)
+TINY = SERVING_TINY
 TASKS = ("click", "like", "share")
 TIMELINE_EVENTS = 126  # the most a TINY history can hold: (256 - 1 - 2) // 2
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hstu.ops.kvcache.manager as manager_module
+import hstu.ops.kvcache.host_tier as host_tier_module
 from hstu.engine import RankingEngine
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
@@ -71,7 +71,7 @@ def test_every_split_point_matches_the_no_cache_model(tiny_config, book, monkeyp
     engine.rank([book.request(1, 11)])  # 24 tokens: three full 8-token chunks in the host tier
     mgr.evict_gpu([1])
     forced = lambda users, cost, layers, chunk: Plan([onload_chunks * 8] * len(users), 0.0, 0.0, 0.0)  # noqa: E731
-    monkeypatch.setattr(manager_module, "plan_split", forced)
+    monkeypatch.setattr(host_tier_module, "plan_split", forced)
     mgr.cost_model = _cost(55)
     req = book.request(1, 2)
     (out,) = engine.rank([req])

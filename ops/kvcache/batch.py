@@ -1,0 +1,48 @@
+"""The two records a batch carries through the manager: BatchPlan (plan() to finish()/abort())
+and PreparedBatch (what the prepare worker reserved). Kept apart from manager.py so the host-tier
+policy (host_tier.py) can read a plan without importing the manager."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from hstu.model.identity import HistoryIdentity
+from hstu.ops.kvcache.handle import OnloadHandle
+from hstu.ops.kvcache.layout import JaggedLayout
+from hstu.ops.kvcache.metadata import KVCacheMetadata, PadSpec
+
+
+@dataclass
+class PreparedBatch:
+    """A batch whose pages are reserved: what the block needs, and what finish() commits."""
+
+    pages: list[list[int]]
+    metadata: KVCacheMetadata
+    handle: OnloadHandle
+    kv_pages: torch.Tensor
+    onload_users: list[int]
+    # Digest of each user's whole history, for the commit: finished on the prepare worker.
+    digests: list[bytes]
+
+    def ready(self, layer: int) -> None:
+        """Block hook: order the compute stream after layer's onload (raises on timeout)."""
+        self.handle.wait(layer)
+
+
+@dataclass
+class BatchPlan:
+    """One batch from plan() to finish()/abort(): how much each user reuses, and its row layout."""
+
+    user_ids: list[int]
+    history_lens: list[int]
+    identities: list[HistoryIdentity]
+    cached_lens: list[int]
+    sources: list[str]
+    layout: JaggedLayout | None = None
+    pad: PadSpec | None = None
+    onload_slots: dict[int, list[int]] = field(default_factory=dict)
+    _future: Future | None = field(default=None, repr=False)
+    _prepared: PreparedBatch | None = field(default=None, repr=False)
