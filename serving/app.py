@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 from hstu import __version__
 from hstu.model.batch import RankingRequest
 from hstu.serving.errors import RETRY_AFTER_S, RankError, error_body, error_response, rank_error_response
+from hstu.serving.docs import install_docs
 from hstu.serving.metadata import MODEL_NAME, ModelMetadata, ModelReady, model_metadata
 from hstu.serving.metrics import ServingMetrics
 from hstu.serving.parsing import ParsedRank, RankBodyParser
@@ -102,7 +103,10 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
             f"(GPU pages + host) cache. Tasks: {', '.join(task_names)}."
         ),
         lifespan=lifespan,
+        docs_url=None,  # serving/docs.py: local assets
+        redoc_url=None,
     )
+    install_docs(app)
     app.state.runtime = runtime
     app.state.metrics = metrics
 

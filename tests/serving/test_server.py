@@ -333,6 +333,17 @@ async def test_openapi_docs_describe_the_rank_endpoint_with_the_model_limits():
 
 
 @anyio
+async def test_docs_page_uses_local_assets_only():
+    """/docs works offline: every script and stylesheet it loads is served by this server."""
+    async with serving() as (_, client):
+        page = (await client.get("/docs")).text
+        assets = [(await client.get(f"/docs-assets/{name}")).status_code for name in ("swagger-ui-bundle.js", "swagger-ui.css")]
+    assert "/docs-assets/swagger-ui-bundle.js" in page and "/docs-assets/swagger-ui.css" in page
+    assert "cdn." not in page and "https://" not in page.split("<body>")[0], page[:400]
+    assert assets == [200, 200]
+
+
+@anyio
 async def test_openapi_examples_are_requests_that_rank(reference):
     """The docs' "Try it out" sends the schema's example: both forms must rank, with equal scores."""
     async with serving() as (_, client):
