@@ -10,29 +10,34 @@ import sys
 
 from hstu import __version__
 
+# name -> (module with add_parser(subparsers) and the run function, one-line help for `hstu --help`)
 _SUBCOMMANDS = {
-    "serve": "hstu.serving.cli",
-    "replay": "hstu.scripts.replay",
-    "bench": "hstu.scripts.bench",
-    "profile": "hstu.scripts.profile_forward",
-    "loadgen": "hstu.scripts.loadgen",
-    "import-checkpoint": "hstu.model.checkpoint_cli",
+    "serve": ("hstu.serving.cli", "run the ranking HTTP server"),
+    "replay": ("hstu.scripts.replay", "replay a synthetic workload: cached vs uncached (or against a running server)"),
+    "bench": ("hstu.scripts.bench", "cached vs uncached HSTU block and end-to-end benchmark"),
+    "profile": ("hstu.scripts.profile_forward", "host and device profile of cached forwards"),
+    "loadgen": ("hstu.scripts.loadgen", "open-loop load against a running server"),
+    "import-checkpoint": ("hstu.model.checkpoint_cli", "convert an NVIDIA or Meta checkpoint"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full parser; importing each subcommand's module (only its parser, torch loads on run)."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with `command`'s full options; other subcommands are listed by name only, so
+    only the module of the command being run is imported (`hstu --help` imports no torch)."""
     early = _version_parser()
     parser = argparse.ArgumentParser(
         prog="hstu", parents=[early], description="HSTU ranking runtime with a tiered KV cache"
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in _SUBCOMMANDS.values():
-        command = importlib.import_module(module).add_parser(sub)
-        if not any("--log-level" in a.option_strings for a in command._actions):
+    for name, (module, summary) in _SUBCOMMANDS.items():
+        if name != command:
+            sub.add_parser(name, help=summary)
+            continue
+        parsed = importlib.import_module(module).add_parser(sub)
+        if not any("--log-level" in a.option_strings for a in parsed._actions):
             # `hstu serve --log-level DEBUG` as well as `hstu --log-level DEBUG serve`
-            command.add_argument("--log-level", default=argparse.SUPPRESS, help="logging level (default INFO)")
+            parsed.add_argument("--log-level", default=argparse.SUPPRESS, help="logging level (default INFO)")
     return parser
 
 
@@ -44,7 +49,9 @@ def _version_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     _version_parser().parse_known_args(argv)  # answers --version before the subcommands import torch
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    command = next((w for w in words if w in _SUBCOMMANDS), None)
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(args.func(args) or 0)
 

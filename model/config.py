@@ -6,10 +6,12 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names; torch loads only for torch_dtype
 LAYER_VARIANTS = ("nvidia", "meta_stu")
 HEAD_ACTIVATIONS = ("silu", "relu")
 
@@ -73,8 +75,10 @@ class HSTUConfig:
             raise ValueError(f"layer_norm_eps must be positive, got {self.layer_norm_eps}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def attention_scale_len(self) -> int:

@@ -17,11 +17,13 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from hstu.model.config import HSTUConfig
-from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.serving.config_sources import MODEL_SECTION, check_keys, merge, read_env, read_file
+
+if TYPE_CHECKING:
+    from hstu.ops.kvcache.config import KVCacheConfig
 
 
 _POSITIVE = (
@@ -153,7 +155,9 @@ class ServerSettings:
         if self.device.startswith("cuda"):
             check_cuda_device(self.device)
 
-    def kv_config(self, cfg: HSTUConfig) -> KVCacheConfig:
+    def kv_config(self, cfg: HSTUConfig) -> "KVCacheConfig":
+        from hstu.ops.kvcache.config import KVCacheConfig
+
         return KVCacheConfig.for_model(
             cfg,
             page_size=self.page_size,
