@@ -60,3 +60,9 @@ def test_help_does_not_import_torch(argv):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "usage: hstu" in done.stdout
+
+
+def test_build_ext_builds_or_finds_the_extension(caplog):
+    caplog.set_level("INFO")
+    assert main(["build-ext"]) == 0
+    assert "hstu ops ready" in caplog.text
