@@ -49,7 +49,7 @@ class RankOutput:
     logits: torch.Tensor
     cached_tokens: int
     computed_tokens: int
-    task_names: tuple[str, ...] = ()
+    task_names: tuple[str, ...]
 
     @property
     def scores(self) -> np.ndarray:
@@ -57,10 +57,9 @@ class RankOutput:
         return torch.sigmoid(self.logits.float()).cpu().numpy()
 
     def scores_by_task(self) -> dict[str, np.ndarray]:
-        """{task name: probability of each candidate}; tasks are task_0.. when the engine has no names."""
+        """{task name: probability of each candidate}, names as the engine was given (task_0.. by default)."""
         probs = self.scores
-        names = self.task_names or tuple(f"task_{i}" for i in range(probs.shape[1]))
-        return {name: probs[:, i] for i, name in enumerate(names)}
+        return {name: probs[:, i] for i, name in enumerate(self.task_names)}
 
 
 @dataclass
@@ -77,10 +76,7 @@ class RankingEngine:
     def __init__(
         self, model: InferenceRankingGR, cache: AsyncKVCacheManager | None = None, task_names: Sequence[str] | None = None
     ) -> None:
-        names = tuple(task_names or ())
-        if names and (len(names) != model.config.num_tasks or len(set(names)) != len(names)):
-            raise ValueError(f"need {model.config.num_tasks} distinct task names, got {list(names)}")
-        self.task_names = names
+        self.task_names = model.config.resolve_task_names(task_names)
         self.model = model
         self.cache = cache
         self.config = model.config

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
 _DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names; torch loads only for torch_dtype
@@ -73,6 +75,15 @@ class HSTUConfig:
             raise ValueError(f"head_activation must be one of {HEAD_ACTIVATIONS}, got {self.head_activation!r}")
         if self.layer_norm_eps <= 0:
             raise ValueError(f"layer_norm_eps must be positive, got {self.layer_norm_eps}")
+
+    def resolve_task_names(self, names: "Sequence[str] | None" = None) -> tuple[str, ...]:
+        """One unique name per task head: `names`, else task_0 .. task_{T-1}; ValueError naming them."""
+        if names is None:
+            return tuple(f"task_{i}" for i in range(self.num_tasks))
+        names = tuple(names)
+        if len(names) != self.num_tasks or len(set(names)) != self.num_tasks:
+            raise ValueError(f"need {self.num_tasks} distinct task names, got {list(names)}")
+        return names
 
     @property
     def torch_dtype(self) -> "torch.dtype":

@@ -135,12 +135,8 @@ class ServerSettings:
         return cfg
 
     def resolve_task_names(self, cfg: HSTUConfig) -> tuple[str, ...]:
-        """One unique name per task head: the configured names, else task_0 .. task_{T-1}."""
-        if self.task_names is None:
-            return tuple(f"task_{i}" for i in range(cfg.num_tasks))
-        if len(self.task_names) != cfg.num_tasks or len(set(self.task_names)) != cfg.num_tasks:
-            raise ValueError(f"need {cfg.num_tasks} distinct task names, got {list(self.task_names)}")
-        return self.task_names
+        """The configured task names checked against the model's heads (HSTUConfig.resolve_task_names)."""
+        return cfg.resolve_task_names(self.task_names)
 
     def check(self) -> None:
         """Raise ValueError naming the problem if this configuration cannot serve on this machine."""

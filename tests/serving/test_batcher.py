@@ -14,7 +14,7 @@ from hstu.ops.kvcache.manager import CacheCapacityError, HistoryConflictError
 from hstu.serving.batcher import Batcher
 from hstu.serving.errors import RankError
 
-from .conftest import TINY
+from .conftest import TASKS, TINY
 
 pytestmark = pytest.mark.anyio
 
@@ -41,7 +41,7 @@ class FakeModel:
             self.fail(batch)
         if self.delay_s:
             threading.Event().wait(self.delay_s)
-        return [RankOutput(r.user_id, torch.full((1, 3), float(r.candidates[0])), 0, 1) for r in requests]
+        return [RankOutput(r.user_id, torch.full((1, 3), float(r.candidates[0])), 0, 1, TASKS) for r in requests]
 
 
 async def submit_all(batcher: Batcher, requests: list[RankingRequest]) -> list:
