@@ -129,10 +129,10 @@ def rank_result(body: dict) -> RankResult:
     )
 
 
-def decoded(response: httpx.Response) -> dict:
-    """The JSON body of a 2xx answer; HSTUClientError from the error body otherwise."""
+def raise_for_error(response: httpx.Response) -> None:
+    """HSTUClientError from a non-2xx answer's {error, detail, request_id} body; nothing for a 2xx."""
     if response.is_success:
-        return response.json()
+        return
     try:
         body = response.json()
     except ValueError:
@@ -142,10 +142,15 @@ def decoded(response: httpx.Response) -> dict:
     raise HSTUClientError(response.status_code, str(body["error"]), str(body.get("detail", "")), body.get("request_id"))
 
 
+def decoded(response: httpx.Response) -> dict:
+    """The JSON body of a 2xx answer; HSTUClientError from the error body otherwise."""
+    raise_for_error(response)
+    return response.json()
+
+
 def _text(response: httpx.Response) -> str:
     """The text body of a 2xx answer; HSTUClientError from the error body otherwise."""
-    if not response.is_success:
-        decoded(response)
+    raise_for_error(response)
     return response.text
 
 
