@@ -17,7 +17,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from hstu.model.config import HSTUConfig
 from hstu.scripts.replay_passes import format_table
@@ -70,14 +70,16 @@ def tiny_server_settings(model: HSTUConfig = TINY_MODEL, **overrides):
     return ServerSettings(**base)
 
 
-def _wait_ready(url: str, thread: threading.Thread, timeout_s: float) -> None:
+def wait_until_ready(url: str, alive: Callable[[], bool], timeout_s: float) -> None:
+    """Poll {url}/v2/health/ready until 200; RuntimeError when `alive()` turns false (the server's
+    thread or process ended) or the server reports a failed load, TimeoutError after `timeout_s`."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
     while time.monotonic() < deadline:
-        if not thread.is_alive():
-            raise RuntimeError(f"the server thread exited before {url} was ready ({last})")
+        if not alive():
+            raise RuntimeError(f"the server exited before {url} was ready ({last})")
         try:
             response = httpx.get(f"{url}/v2/health/ready", timeout=2.0)
             if response.status_code == 200:
@@ -108,7 +110,7 @@ def local_server(settings=None, ready_timeout_s: float = 120.0) -> Iterator[str]
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, thread, ready_timeout_s)
+        wait_until_ready(url, thread.is_alive, ready_timeout_s)
         yield url
     finally:
         server.should_exit = True

@@ -17,6 +17,7 @@ import pytest
 
 from hstu.model.batch import RankingRequest
 from hstu.model.ranking import InferenceRankingGR
+from hstu.scripts.loadtest import wait_until_ready
 from hstu.serving.app import create_app
 from hstu.serving.runtime import ServingRuntime
 from hstu.serving.server import DrainingServer, draining_server
@@ -171,16 +172,7 @@ def live_server(settings: ServerSettings | None = None) -> Iterator[tuple[object
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
-        deadline = time.monotonic() + 60
-        with httpx.Client(base_url=url, timeout=5) as client:
-            while True:
-                assert thread.is_alive() and time.monotonic() < deadline, "server did not become ready"
-                try:
-                    if client.get("/v2/health/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.02)
+        wait_until_ready(url, thread.is_alive, timeout_s=60)
         yield app, server, url
     finally:
         server.should_exit = True

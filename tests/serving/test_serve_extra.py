@@ -7,11 +7,11 @@ import json
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
+from hstu.scripts.loadtest import wait_until_ready
 from tests.configs import SERVING_TINY
 
 # Packages of the bench/test/client extras; the serve process must run without any of them.
@@ -58,22 +58,17 @@ def test_serve_ranks_with_only_the_serve_extra(tmp_path):
          "--chunk-tokens", "8"]
     )
     base = f"http://127.0.0.1:{port}"
+    failure, answer = None, None
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None, server.stdout.read()
-            try:
-                if urllib.request.urlopen(f"{base}/v2/health/ready", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.2)
+        wait_until_ready(base, lambda: server.poll() is None, timeout_s=240)
         body = {"user_id": 5, "item_ids": [1, 2, 3], "actions": [0, 1, 0], "timestamps": [10, 20, 30], "candidates": [4, 7]}
         request = urllib.request.Request(f"{base}/v1/rank", data=json.dumps(body).encode(), headers={"content-type": "application/json"})
         answer = json.loads(urllib.request.urlopen(request, timeout=30).read())
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        failure = exc
     finally:
         server.terminate()
-        server.communicate(timeout=60)
+        output = server.communicate(timeout=60)[0]
+    assert failure is None, f"{failure}\n{output}"
     assert [c["item_id"] for c in answer["scores"]] == [4, 7]
     assert all(0 < p < 1 for c in answer["scores"] for p in c["scores"].values())
