@@ -5,14 +5,18 @@ Invariants:
     batch being formed waits in `_carry`; carried requests go first into the next batch, so each
     user's requests run in arrival order, one batch after another.
   - Batches run one at a time, in formation order, on one model thread (`_executor`); the event
-    loop only forms batches and resolves futures. Batch N+1 is formed while batch N runs.
-  - A batch is closed when it holds `max_batch_size` requests or `max_wait_s` after its oldest
-    request arrived, whichever is first.
+    loop only forms batches and resolves futures. Batch N+1 is formed while batch N runs and
+    keeps growing until N ends (or it is full, then it queues behind N), so a busy model thread
+    always starts on the largest batch the arrivals allow.
+  - With the model thread idle, a batch is closed when it holds `max_batch_size` requests or
+    `max_wait_s` after its oldest request arrived; the wait is skipped while requests arrive
+    further apart than max_wait_s (it would add latency without adding requests).
+  - Of two requests of one user in the queue, the shorter history runs first.
   - Every submitted request gets exactly one outcome (scores or a RankError); no exception from
     a batch stops the loop. A batch that needs more KV pages than exist unpinned is split in
     halves; a batch that raises anything else is retried one request at a time, so each request
     gets its own error and the healthy ones get scores.
-  - A request reaches the model thread only if, when its batch is dispatched, its client still
+  - A request is ranked only if, when its batch starts on the model thread, its client still
     waits (submit() was not cancelled), its deadline has not passed and it has waited in the
     queue at most `max_queue_wait_s`. Otherwise it is dropped there: answered 504 (deadline) or
     503 overloaded (queue wait), or not at all (the client went away).
@@ -27,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -45,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 RankFn = Callable[[list[RankingRequest]], Sequence[RankOutput]]
 _CLOSE = object()
+_MAX_IN_FLIGHT = 2  # batches with the model thread: one running, one formed behind it
+_GAP_WEIGHT = 0.2  # weight of the latest inter-arrival gap in the running mean
 
 
 @dataclass(eq=False)
@@ -55,8 +62,18 @@ class _Item:
     deadline: float
     queue_deadline: float
     started: bool = False  # its batch went to the model thread
-    refused: bool = False  # answered 503/504 before that (by its timer or at dispatch)
+    refused: bool = False  # answered 503/504 before that (by its timer or when its batch started)
     timer: asyncio.TimerHandle | None = None
+
+
+@dataclass
+class _Ran:
+    """What the model thread did with one batch, for _deliver to apply on the loop."""
+
+    outcomes: list[tuple[_Item, RankOutput | RankError]]
+    dropped: list[_Item]  # not run: its future was already done when the batch started
+    started: float
+    seconds: float | None  # model time; None when nothing ran
 
 
 class Batcher:
@@ -89,6 +106,9 @@ class Batcher:
         self._input_done = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hstu-model")
         self._task: asyncio.Task | None = None
+        self._getter: asyncio.Task | None = None
+        self._last_arrival: float | None = None
+        self._arrival_gap_s = 0.0  # starts as 'busy': wait max_wait_s until arrivals prove sparse
 
     @property
     def pending(self) -> int:
@@ -184,73 +204,104 @@ class Batcher:
 
     # ------------------------------------------------------------------ loop
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            batch = await self._collect()
-            if not batch:
-                return
-            started = time.monotonic()
-            batch = [item for item in batch if self._admit(item, started)]
-            if not batch:
-                continue
-            if self.metrics is not None:
-                self.metrics.batch_size.observe(len(batch))
-                for item in batch:
-                    self.metrics.queue_wait.observe(started - item.enqueued)
-            try:
-                outcomes = await loop.run_in_executor(self._executor, self._execute, [i.request for i in batch])
-            except Exception as exc:  # _execute maps errors itself; this is a last line of defence
-                logger.exception("batch of %d requests failed outside the model call", len(batch))
-                outcomes = [RankError(500, "internal", f"batch failed: {type(exc).__name__}: {exc}") for _ in batch]
-            if self.metrics is not None:
-                self.metrics.batch_latency.observe(time.monotonic() - started)
-            for item, outcome in zip(batch, outcomes):
-                if item.future.done():  # answered meanwhile: 504 while running, 503 at the shutdown deadline
-                    continue
-                if isinstance(outcome, RankError):
-                    item.future.set_exception(outcome)
-                else:
-                    item.future.set_result(outcome)
+        """Form a batch, hand it to the model thread, form the next while it runs.
 
-    async def _collect(self) -> list[_Item]:
-        """The next batch: carried requests first, then the queue, until full or the wait expires."""
+        At most `_MAX_IN_FLIGHT` batches are with the model thread (one running, one queued
+        behind it), so a full batch starts the moment the previous one ends, with no event-loop
+        round trip in between, and the queue of formed batches stays bounded."""
+        loop = asyncio.get_running_loop()
+        in_flight: deque[asyncio.Future] = deque()
+        while True:
+            batch = await self._collect(in_flight)
+            while len(in_flight) >= _MAX_IN_FLIGHT or (in_flight and not batch):
+                await asyncio.wait((in_flight[0],))
+                in_flight.popleft()
+            if not batch:
+                if self._input_done:
+                    return
+                continue
+            done = loop.run_in_executor(self._executor, self._run_batch, batch)
+            done.add_done_callback(functools.partial(self._deliver, batch))
+            in_flight.append(done)
+            while in_flight and in_flight[0].done():
+                in_flight.popleft()
+
+    def _deliver(self, batch: list[_Item], done: asyncio.Future) -> None:
+        """On the loop: answer a finished batch's requests (unless a timer already did), the
+        refusals the model thread decided, and the metrics."""
+        try:
+            ran = done.result()
+        except Exception as exc:  # _run_batch maps errors itself; this is a last line of defence
+            logger.exception("batch of %d requests failed outside the model call", len(batch))
+            error = RankError(500, "internal", f"batch failed: {type(exc).__name__}: {exc}")
+            ran = _Ran([(item, error) for item in batch], [], time.monotonic(), None)
+        for item in ran.dropped:
+            if not item.refused:
+                self._count_drop("abandoned")
+        if self.metrics is not None and ran.seconds is not None:
+            self.metrics.batch_size.observe(sum(1 for item in batch if item.started))
+            self.metrics.batch_latency.observe(ran.seconds)
+            for item in batch:
+                if item.started:
+                    self.metrics.queue_wait.observe(ran.started - item.enqueued)
+        for item, outcome in ran.outcomes:
+            if item.future.done():  # answered meanwhile: 504 while running, 503 at the shutdown deadline
+                continue
+            if isinstance(outcome, RankError):
+                if not item.started:
+                    item.refused = True
+                    self._count_drop(outcome.kind)
+                item.future.set_exception(outcome)
+            else:
+                item.future.set_result(outcome)
+
+    async def _collect(self, in_flight: deque[asyncio.Future]) -> list[_Item]:
+        """The next batch: carried requests first, then the queue. It closes when full, or when
+        the model thread is idle and the batch's wait is over (see `_wait_s`); while the model
+        thread is busy it keeps filling, since waiting then costs nothing."""
         batch: list[_Item] = []
-        users: set[int] = set()
+        users: dict[int, int] = {}
         carried, self._carry = self._carry, deque()
         while carried and len(batch) < self.max_batch_size:
             self._offer(carried.popleft(), batch, users)
         self._carry.extend(carried)
         while len(batch) < self.max_batch_size and not self._input_done:
-            if not self._queue.empty():
+            busy = next((f for f in in_flight if not f.done()), None)
+            if not self._queue.empty() and self._getter is None:
                 item = self._queue.get_nowait()
-            elif batch:
-                remaining = batch[0].enqueued + self.max_wait_s - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    item = await asyncio.wait_for(self._queue.get(), remaining)
-                except TimeoutError:
-                    break
             else:
-                item = await self._queue.get()
+                # One get() outlives a timed-out wait (kept for the next call), so no item is
+                # taken off the queue and then dropped or requeued out of order.
+                self._getter = self._getter or asyncio.ensure_future(self._queue.get())
+                timeout = None
+                if busy is None and batch:
+                    timeout = batch[0].enqueued + self._wait_s() - time.monotonic()
+                    if timeout <= 0 and not self._getter.done():
+                        break
+                waits = (self._getter,) if busy is None else (self._getter, busy)
+                await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if not self._getter.done():
+                    continue
+                item, self._getter = self._getter.result(), None
             if item is _CLOSE:
                 self._input_done = True
                 break
+            self._note_arrival(item.enqueued)
             self._offer(item, batch, users)
         return batch
 
-    def _admit(self, item: _Item, now: float) -> bool:
-        """Whether `item` still goes to the model thread; answers it here when it does not."""
-        if self._abandoned(item):
-            return False
-        refusal = self._refusal(item, now)
-        if refusal is not None:
-            item.refused = True
-            self._count_drop(refusal.kind)
-            item.future.set_exception(refusal)
-            return False
-        item.started = True
-        return True
+    def _note_arrival(self, at: float) -> None:
+        """Track the mean gap between arrivals (exponentially weighted) for `_wait_s`."""
+        if self._last_arrival is not None:
+            gap = max(0.0, at - self._last_arrival)
+            self._arrival_gap_s += _GAP_WEIGHT * (gap - self._arrival_gap_s)
+        self._last_arrival = at
+
+    def _wait_s(self) -> float:
+        """How long an idle model thread waits for a batch to grow: max_wait_s while requests
+        arrive faster than that (the wait is likely to add one), else nothing (waiting would only
+        add latency)."""
+        return self.max_wait_s if self._arrival_gap_s <= self.max_wait_s else 0.0
 
     def _abandoned(self, item: _Item) -> bool:
         """Whether its caller stopped waiting (the client went away, or a timer refused it)."""
@@ -264,17 +315,46 @@ class Batcher:
         if self.metrics is not None:
             self.metrics.dropped.labels(reason).inc()
 
-    def _offer(self, item: _Item, batch: list[_Item], users: set[int]) -> None:
+    def _offer(self, item: _Item, batch: list[_Item], users: dict[int, int]) -> None:
+        """Add `item` unless its user is in the batch already; then the shorter history runs first
+        (an earlier request that arrived late, e.g. parsed after its successor) and the other is
+        carried to the next batch."""
         if self._abandoned(item):
             return
         user = item.request.user_id
-        if user in users:
-            self._carry.append(item)
-        else:
+        at = users.get(user)
+        if at is None:
+            users[user] = len(batch)
             batch.append(item)
-            users.add(user)
+        elif item.request.item_ids.shape[0] < batch[at].request.item_ids.shape[0]:
+            self._carry.appendleft(batch[at])
+            batch[at] = item
+        else:
+            self._carry.append(item)
 
     # ----------------------------------------------------------- model thread
+    def _run_batch(self, batch: list[_Item]) -> "_Ran":
+        """On the model thread, when the batch starts: admit each request (its client still
+        waits, its deadline and queue wait are not over), rank the admitted ones. Futures are
+        only read here; _deliver answers them on the loop. A timer that refuses a request in the
+        instant it is admitted only wastes its compute: its late result is dropped."""
+        started = time.monotonic()
+        admitted, outcomes, dropped = [], [], []
+        for item in batch:
+            if item.future.done():  # the client went away, or a timer refused it
+                dropped.append(item)
+                continue
+            refusal = self._refusal(item, started)
+            if refusal is None:
+                item.started = True
+                admitted.append(item)
+            else:
+                outcomes.append((item, refusal))
+        if admitted:
+            outcomes += zip(admitted, self._execute([item.request for item in admitted]))
+        seconds = time.monotonic() - started if admitted else None
+        return _Ran(outcomes, dropped, started, seconds)
+
     def _execute(self, requests: list[RankingRequest]) -> list[RankOutput | RankError]:
         """Outcome per request, in order; runs on the model thread."""
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -161,3 +162,56 @@ async def test_cancelled_request_is_dropped_without_stopping_the_batcher():
     assert [b for b in model.batches if b == [(2, 2)]] == [], "a request cancelled while queued never runs"
     assert batcher.pending == 0
     assert len(model.batches) == 2
+
+
+async def test_shorter_history_of_a_user_runs_first_when_both_are_queued():
+    """An earlier request that reaches the queue after its successor (parsed later) still runs first."""
+    model = FakeModel()
+    batcher = Batcher(model.rank, max_batch_size=4, max_wait_s=0.05, max_queue=100)
+    batcher.start()
+    longer = RankingRequest.create(1, [1, 2, 3, 4], [0, 1, 0, 1], [0, 1, 2, 3], [1], config=TINY)
+    shorter = RankingRequest.create(1, [1, 2], [0, 1], [0, 1], [2], config=TINY)
+    await submit_all(batcher, [longer, shorter, request(2, 3)])
+    await batcher.close()
+    assert model.batches == [[(1, 2), (2, 3)], [(1, 1)]]
+
+
+async def test_a_formed_batch_starts_when_the_running_one_ends_even_with_the_loop_busy():
+    """The next full batch queues behind the running one on the model thread: no event-loop turn between them."""
+    release = threading.Event()
+    started: list[float] = []
+
+    def rank(requests):
+        started.append(time.monotonic())
+        if len(started) == 1:
+            release.wait(5.0)
+        return FakeModel().rank(requests)
+
+    batcher = Batcher(rank, max_batch_size=2, max_wait_s=0.0, max_queue=100)
+    batcher.start()
+    first = asyncio.create_task(submit_all(batcher, [request(1, 1), request(2, 2)]))
+    await asyncio.sleep(0.05)
+    second = asyncio.create_task(submit_all(batcher, [request(3, 3), request(4, 4)]))
+    await asyncio.sleep(0.05)  # the batcher forms the second batch while the first runs
+    release.set()
+    blocked_from = time.monotonic()
+    time.sleep(0.3)  # the loop is busy: only the model thread can start the second batch
+    blocked_until = time.monotonic()
+    await asyncio.gather(first, second)
+    await batcher.close()
+    assert len(started) == 2 and blocked_from <= started[1] < blocked_until
+
+
+async def test_a_lone_request_skips_the_wait_once_arrivals_are_sparse():
+    model = FakeModel()
+    batcher = Batcher(model.rank, max_batch_size=4, max_wait_s=0.1, max_queue=100)
+    batcher.start()
+    waited = []
+    for user in range(3):
+        t0 = time.monotonic()
+        await batcher.submit(request(user, user))
+        waited.append(time.monotonic() - t0)
+        await asyncio.sleep(0.3)
+    await batcher.close()
+    assert waited[0] >= 0.08, f"with no arrival history a lone request waits max_wait_s: {waited}"
+    assert waited[-1] < 0.05, f"after gaps of 0.3s > max_wait_s it is dispatched at once: {waited}"
