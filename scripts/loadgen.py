@@ -3,8 +3,9 @@
 Requests come from the synthetic workload (scripts/workload.py) for the server's own model (read
 from GET /v2/models/hstu), pre-encoded as bodies before the clock starts (columnar form by
 default). Request i is due at a Poisson arrival time for --rate requests/s; it is sent at that
-time, or when the same user's previous request was answered (a user's history grows in order),
-over a pool of --connections keep-alive HTTP/1.1 connections (a minimal client on asyncio
+time, or when the same user's previous request was answered (--order answered: a user's session
+waits for its results) or sent (--order sent: only the arrival order is kept, the server's
+batcher runs a user's requests in that order), over a pool of --connections keep-alive HTTP/1.1 connections (a minimal client on asyncio
 streams: no per-request client objects). --processes splits the users over several client
 processes, each with its own loop and share of the rate. Reports achieved vs offered rate,
 p50/p99 latency, answers by status and the server's mean batch size (from /metrics), a short
@@ -49,7 +50,8 @@ class _Connection:
         self.host, self.port = host, port
         self.reader = self.writer = None
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+    async def post(self, path: str, body: bytes, sent: asyncio.Event | None = None) -> tuple[int, bytes]:
+        """The status and body of one POST; `sent` is set once the request is written."""
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         head = (
@@ -57,6 +59,9 @@ class _Connection:
             f"Content-Length: {len(body)}\r\n\r\n"
         ).encode()
         self.writer.write(head + body)
+        await self.writer.drain()
+        if sent is not None:
+            sent.set()
         status_line = await self.reader.readline()
         length, close = 0, False
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
@@ -72,44 +77,46 @@ class _Connection:
         return int(status_line.split(b" ", 2)[1]), payload
 
 
-async def _drive(url: str, bodies: list[tuple[int, bytes]], due: list[float], connections: int, timeout_s: float) -> dict:
+async def _drive(
+    url: str, bodies: list[tuple[int, bytes]], due: list[float], connections: int, timeout_s: float, order: str
+) -> dict:
     parsed = urlparse(url)
     pool: asyncio.Queue = asyncio.Queue()
     for _ in range(connections):
         pool.put_nowait(_Connection(parsed.hostname, parsed.port or 80))
     latencies, statuses = [None] * len(bodies), {}
-    last_of_user: dict[int, asyncio.Task] = {}
+    sent = [asyncio.Event() for _ in bodies]
     start = time.perf_counter()
 
-    async def one(i: int, before: asyncio.Task | None) -> None:
+    async def one(i: int, before: int | None) -> None:
         delay = start + due[i] - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         if before is not None:
-            await before
+            await (tasks[before] if order == "answered" else sent[before].wait())
         conn = await pool.get()
         t0 = time.perf_counter()
         try:
-            status, _ = await asyncio.wait_for(conn.post("/v1/rank", bodies[i][1]), timeout_s)
+            status, _ = await asyncio.wait_for(conn.post("/v1/rank", bodies[i][1], sent[i]), timeout_s)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
             status = f"error:{type(exc).__name__}"
             conn = _Connection(parsed.hostname, parsed.port or 80)
+        sent[i].set()
         latencies[i] = (time.perf_counter() - t0) * 1e3
         statuses[status] = statuses.get(status, 0) + 1
         pool.put_nowait(conn)
 
-    tasks = []
+    last_of_user: dict[int, int] = {}
+    tasks: list[asyncio.Future] = []
     for i, (user, _) in enumerate(bodies):
-        task = asyncio.ensure_future(one(i, last_of_user.get(user)))
-        last_of_user[user] = task
-        tasks.append(task)
+        tasks.append(asyncio.ensure_future(one(i, last_of_user.get(user))))
+        last_of_user[user] = i
     await asyncio.gather(*tasks)
     return {"wall_s": time.perf_counter() - start, "latencies_ms": latencies, "statuses": statuses}
 
 
 def _client(args: tuple) -> dict:
-    url, bodies, due, connections, timeout_s = args
-    return asyncio.run(_drive(url, bodies, due, connections, timeout_s))
+    return asyncio.run(_drive(*args))
 
 
 def _batch_counters(url: str) -> tuple[float, float]:
@@ -127,13 +134,23 @@ def _batch_counters(url: str) -> tuple[float, float]:
     return count, total
 
 
-def run(url: str, requests: list, rate: float, connections: int, processes: int, form: str, timeout_s: float, seed: int) -> dict:
+def run(
+    url: str,
+    requests: list,
+    rate: float,
+    connections: int,
+    processes: int,
+    form: str,
+    timeout_s: float,
+    seed: int,
+    order: str = "answered",
+) -> dict:
     """Send every request open-loop at `rate`; the report (see the module docstring)."""
     bodies = [(r.user_id, encode(r, form)) for r in requests]
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(bodies)) if rate > 0 else np.zeros(len(bodies))
     due = np.cumsum(gaps).tolist()
     shares = [[i for i, (u, _) in enumerate(bodies) if u % processes == p] for p in range(processes)]
-    jobs = [(url, [bodies[i] for i in s], [due[i] for i in s], max(1, connections // processes), timeout_s) for s in shares]
+    jobs = [(url, [bodies[i] for i in s], [due[i] for i in s], max(1, connections // processes), timeout_s, order) for s in shares]
     before = _batch_counters(url)
     if processes == 1:
         results = [_client(jobs[0])]
@@ -151,6 +168,7 @@ def run(url: str, requests: list, rate: float, connections: int, processes: int,
     return {
         "requests": len(bodies),
         "form": form,
+        "order": order,
         "offered_rate": rate,
         "achieved_rate": len(bodies) / wall if wall > 0 else float("nan"),
         "ok_rate": statuses.get("200", 0) / wall if wall > 0 else float("nan"),
@@ -174,16 +192,20 @@ def main(args: argparse.Namespace) -> int:
     model = HSTUConfig(**meta["config"])
     limit = min(4096, model.max_seq_len - 1) - model.num_contextual  # history tokens past the contextual ones
     even = lambda n: max(2, n // 2 * 2)  # noqa: E731
-    work = WorkloadConfig(
-        num_requests=args.requests,
-        num_users=args.users,
-        seed=args.seed,
-        new_tokens=(2, even(min(256, limit // 8))),
-        initial_tokens=(8, even(min(2048, limit // 2))),
-        candidates=(16, min(256, meta["limits"]["max_candidates"])),
-    )
+    if args.workload == "replay":  # the requests `hstu replay` sends (its default workload)
+        work = WorkloadConfig(num_requests=args.requests, num_users=args.users, seed=args.seed)
+    else:
+        work = WorkloadConfig(
+            num_requests=args.requests,
+            num_users=args.users,
+            seed=args.seed,
+            new_tokens=(2, even(min(256, limit // 8))),
+            initial_tokens=(8, even(min(2048, limit // 2))),
+            candidates=(16, min(256, meta["limits"]["max_candidates"])),
+        )
     requests = list(Workload(work, model))
-    doc = run(args.server, requests, args.rate, args.connections, args.processes, args.form, args.timeout_s, args.seed)
+    doc = run(args.server, requests, args.rate, args.connections, args.processes, args.form, args.timeout_s, args.seed,
+              args.order)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "loadgen.json").write_text(json.dumps(doc, indent=1))
     print(f"offered {doc['offered_rate']:.0f} req/s  achieved {doc['achieved_rate']:.1f} req/s  "
@@ -202,6 +224,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--connections", type=int, default=32)
     p.add_argument("--processes", type=int, default=1)
     p.add_argument("--form", choices=["columns", "events"], default="columns")
+    p.add_argument("--order", choices=["answered", "sent"], default="answered",
+                   help="a user's next request waits for the previous one's answer, or only for it to be sent")
+    p.add_argument("--workload", choices=["fit", "replay"], default="fit",
+                   help="fit: sessions sized to the server's limits; replay: the requests `hstu replay` sends")
     p.add_argument("--timeout-s", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/loadgen"))

@@ -11,13 +11,13 @@ from tests.serving.conftest import live_server, tiny_settings
 
 def test_loadgen_reports_rate_latency_and_batch_size_and_gets_only_200s(tmp_path):
     with live_server(tiny_settings()) as (_, _, url):
-        for form in ("columns", "events"):
+        for form, order, workload in (("columns", "sent", "fit"), ("events", "answered", "fit")):
             args = argparse.Namespace(
                 server=url, rate=200.0, requests=60, users=12, connections=8, processes=1, form=form,
-                timeout_s=20.0, seed=1, out=tmp_path / form,
+                timeout_s=20.0, seed=1, out=tmp_path / form, order=order, workload=workload,
             )
             assert loadgen.main(args) == 0
             doc = json.loads((tmp_path / form / "loadgen.json").read_text())
-            assert doc["statuses"] == {"200": 60} and doc["requests"] == 60
+            assert doc["statuses"] == {"200": 60} and doc["requests"] == 60 and doc["order"] == order
             assert doc["achieved_rate"] > 0 and doc["latency_p99_ms"] >= doc["latency_p50_ms"] > 0
             assert doc["mean_batch_size"] >= 1
