@@ -111,6 +111,14 @@ class RankingRequest:
             ident = self._identities[model_id] = HistoryIdentity(model_id, records)
         return ident
 
+    def adopt_identity(self, model_id: bytes, identity: HistoryIdentity) -> None:
+        """Use `identity` (built over exactly this history, e.g. HistoryIdentity.extended from a
+        stored prefix) as this request's identity under `model_id`, instead of hashing it again."""
+        tokens = self.contextual.shape[0] + 2 * self.num_events
+        if identity.num_tokens != tokens:
+            raise ValueError(f"user {self.user_id}: identity covers {identity.num_tokens} tokens, the history has {tokens}")
+        self._identities[model_id] = identity
+
 
 def _frozen(values) -> np.ndarray:
     arr = np.array(values, dtype=np.int64).reshape(-1)

@@ -19,7 +19,8 @@ BLOCK_TOKENS tokens. The digest of a prefix of L tokens is D_{L / B} when L is a
 else H_tail(D_{L // B} || records of the partial block). H is SHA-256 over a fixed-length role tag
 and the parts, so a tail digest never stands for a block digest (SHA-256 rather than blake2b:
 CPUs with SHA extensions hash it ~2.5x faster, and a 4k-event history costs ~0.1 ms). Chaining
-means a longer prefix extends a shorter one by hashing only the new blocks.
+means a longer prefix extends a shorter one by hashing only the new blocks (`extended`: a stored
+history plus a client's new events, serving/incremental.py).
 
 The model identity is a digest of the config and of every weight (computed once per model and
 again after a checkpoint load), so K/V never outlive the weights that produced them.
@@ -66,6 +67,25 @@ class HistoryIdentity:
         self._bytes = memoryview(np.ascontiguousarray(records, dtype="<i8")).cast("B")
         self.num_tokens = int(records.shape[0])
         self._chain = [_h(_ROOT, model_id)]
+
+    @property
+    def records(self) -> np.ndarray:
+        """The [num_tokens, 2] int64 token records this identity covers (a read-only view)."""
+        view = np.frombuffer(self._bytes, dtype="<i8").reshape(-1, 2)
+        view.setflags(write=False)
+        return view
+
+    def extended(self, length: int, records: np.ndarray) -> "HistoryIdentity":
+        """The identity of this history's first `length` tokens followed by `records` ([N, 2]):
+        the block digests already computed for that prefix are reused, only later blocks are hashed."""
+        if not 0 <= length <= self.num_tokens:
+            raise ValueError(f"prefix length {length} outside [0, {self.num_tokens}]")
+        joined = np.concatenate([self.records[:length], np.asarray(records, dtype="<i8").reshape(-1, 2)])
+        out = object.__new__(HistoryIdentity)
+        out._bytes = memoryview(joined).cast("B")
+        out.num_tokens = int(joined.shape[0])
+        out._chain = self._chain[: length // BLOCK_TOKENS + 1]
+        return out
 
     def _block(self, b: int) -> bytes:
         step = BLOCK_TOKENS * 16

@@ -60,6 +60,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help=f"host tier MiB, 0 for none (default {defaults.host_cache_bytes / 2**20:g})",
     )
     p.add_argument(
+        "--history-store-mb",
+        type=float,
+        default=None,
+        help="MiB of users' histories kept so a client may send only new events (incremental requests); "
+        f"0 for none (default {defaults.history_store_bytes / 2**20:g})",
+    )
+    p.add_argument(
         "--on-shorter-history",
         choices=["invalidate", "raise"],
         default=None,
@@ -84,13 +91,18 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
     flags = {field: getattr(args, field) for _, field, _, _ in _FLAGS}
     flags.update(
         dtype=args.dtype,
-        host_cache_bytes=None if args.host_cache_mb is None else int(args.host_cache_mb * 2**20),
+        host_cache_bytes=_mib_bytes(args.host_cache_mb),
+        history_store_bytes=_mib_bytes(args.history_store_mb),
         on_shorter_history=args.on_shorter_history,
         task_names=tuple(args.task_names.split(",")) if args.task_names else None,
         cuda_graphs=True if (args.cuda_graphs or args.compile) else None,
         compile_layers=True if args.compile else None,
     )
     return ServerSettings.load(args.config_file, env, **flags)
+
+
+def _mib_bytes(mib: float | None) -> int | None:
+    return None if mib is None else int(mib * 2**20)
 
 
 def checked_settings(args: argparse.Namespace):

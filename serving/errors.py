@@ -2,6 +2,7 @@
 
     ValueError (bad request content)                 -> 422 invalid_request
     HistoryConflictError (history shorter than cache) -> 409 history_conflict
+    incremental request, prefix not held              -> 412 history_incomplete (history_incomplete())
     CacheCapacityError for a single request           -> 503 capacity
     queue full, or queued longer than max_queue_wait  -> 503 overloaded (with Retry-After)
     not ready / shutting down                         -> 503 unavailable (with Retry-After)
@@ -53,6 +54,21 @@ def classify(exc: BaseException, user_id: int) -> RankError:
         return RankError(503, "capacity", f"user {user_id}: request does not fit in the KV cache: {exc}")
     logger.error("ranking user %s failed", user_id, exc_info=exc)
     return RankError(500, "internal", f"user {user_id}: ranking failed: {type(exc).__name__}: {exc}")
+
+
+HISTORY_INCOMPLETE_STATUS = 412
+"""An incremental request says "apply these events to the history whose digest is D" (a body-level
+If-Match); when the server does not hold that history the precondition failed, which is what 412
+Precondition Failed means. Not 409 (history_conflict: the history itself contradicts the cache),
+not 422 (the body is valid; it is the server's state that lacks the prefix), not 428 (that asks a
+client to add a condition it did not send). A distinct status lets proxies and dashboards tell
+"resend the full history" from "fix the request"."""
+
+
+def history_incomplete(user_id: int, why: str) -> RankError:
+    """The answer to an incremental request whose prefix the server does not hold: resend it all."""
+    detail = f"user {user_id}: {why}; send the full history (item_ids, actions, timestamps) without prefix_length"
+    return RankError(HISTORY_INCOMPLETE_STATUS, "history_incomplete", detail)
 
 
 def error_body(kind: str, detail: str, request_id: str | None = None) -> dict:

@@ -9,6 +9,11 @@ manager's own counters:
   hstu_cache_recomputes_total  hstu_cache_offload_skipped_total
   hstu_cache_failures_total{stage=onload|offload}           hstu_cache_tokens_total{kind=cached|computed}
   hstu_cache_gpu_free_pages  hstu_cache_host_free_slots
+Incremental requests (serving/incremental.py) are counted where they are rebuilt; the history
+store's occupancy is read at scrape time by HistoryStoreCollector:
+  hstu_incremental_requests_total{result}  hstu_history_incomplete_total{reason}
+  hstu_incremental_events_total{source=stored|sent}
+  hstu_history_store_bytes  hstu_history_store_users  hstu_history_store_evictions_total
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+INCREMENTAL_RESULTS = ("hit", "history_incomplete")
+INCOMPLETE_REASONS = ("disabled", "unknown_user", "shorter", "mismatch", "contextual")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -111,10 +118,52 @@ class ServingMetrics:
         )
         self.queue_depth = Gauge("hstu_queue_depth", "Requests queued or running in the batcher", registry=r)
         self.ready = Gauge("hstu_ready", "1 once the model is loaded and warmed up", registry=r)
+        self.incremental = Counter(
+            "hstu_incremental_requests",
+            "Incremental rank requests (prefix_length + prefix_digest): prefix held (hit) or 412 history_incomplete",
+            ["result"],
+            registry=r,
+        )
+        self.history_incomplete = Counter(
+            "hstu_history_incomplete",
+            "Incremental requests answered 412 history_incomplete, by why the prefix was not held",
+            ["reason"],
+            registry=r,
+        )
+        self.incremental_events = Counter(
+            "hstu_incremental_events",
+            "History events of incremental requests that were held: taken from the store (not resent) or sent",
+            ["source"],
+            registry=r,
+        )
+        for labels, counter in ((INCREMENTAL_RESULTS, self.incremental), (INCOMPLETE_REASONS, self.history_incomplete),
+                                (("stored", "sent"), self.incremental_events)):
+            for label in labels:
+                counter.labels(label)
 
     def watch_cache(self, manager_fn: Callable[[], object | None]) -> None:
         """Expose the cache metrics of whatever manager `manager_fn` returns (None: not loaded yet)."""
         self.registry.register(CacheCollector(manager_fn))
+
+    def watch_history_store(self, store) -> None:
+        """Expose the occupancy and evictions of a serving/history_store.HistoryStore."""
+        self.registry.register(HistoryStoreCollector(store))
+
+
+class HistoryStoreCollector(Collector):
+    """Reads a HistoryStore's bytes, users and evictions at scrape time."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._store
+        yield GaugeMetricFamily("hstu_history_store_bytes", "Bytes of the histories kept for incremental requests", value=s.nbytes)
+        yield GaugeMetricFamily("hstu_history_store_users", "Users whose history is kept", value=len(s))
+        yield CounterMetricFamily("hstu_history_store_evictions", "Users' histories evicted to make room", value=s.evictions)
 
 
 class CacheCollector(Collector):

@@ -3,7 +3,9 @@
 Two forms of one request, told apart by their keys:
   events   {"user_id", "history": [{"item_id", "action", "timestamp"}, ...], "candidates", ...}
   columns  {"user_id", "item_ids": [...], "actions": [...], "timestamps": [...], "candidates", ...}
-both with optional "contextual" and "request_id". msgspec checks JSON types exactly while it
+both with optional "contextual" and "request_id"; the columns form may be incremental
+("prefix_length", "prefix_digest": the columns are then only the events after that prefix, and
+`ParsedRank.prefix` says so: serving/incremental.py rebuilds the full history). msgspec checks JSON types exactly while it
 decodes (ints, not bools, floats or strings; no unknown fields), the sizes are checked against
 RequestLimits, then RankingRequest.create checks ranges, timestamp order and lengths vectorised.
 A body the fast path refuses is validated again by the form's pydantic model (schemas.py) only to
@@ -28,6 +30,7 @@ from hstu.serving.schemas import (
     MAX_USER_ID,
     RequestLimits,
     describe_validation_error,
+    prefix_problem,
     sniff_request_id,
 )
 
@@ -54,6 +57,8 @@ class _ColumnsBody(msgspec.Struct, forbid_unknown_fields=True):
     candidates: list[int]
     contextual: list[int] | None = None
     request_id: str | None = None
+    prefix_length: int | None = None
+    prefix_digest: str | None = None
 
 
 _DECODERS = {"events": msgspec.json.Decoder(_EventsBody), "columns": msgspec.json.Decoder(_ColumnsBody)}
@@ -63,11 +68,24 @@ class _Refused(Exception):
     """The fast path does not accept this body; the message is used if pydantic accepts it."""
 
 
+@dataclass(frozen=True)
+class PrefixRef:
+    """An incremental request's claim: the server holds this user's first `length` events, digest `digest`."""
+
+    length: int
+    digest: bytes
+
+
 @dataclass
 class ParsedRank:
+    """A parsed body. With `prefix`, `request` holds only the new events (serving/incremental.py
+    replaces it by the full history); `digest` is the full history's identity digest once known."""
+
     request: RankingRequest
     request_id: str | None
     candidates: list[int]
+    prefix: PrefixRef | None = None
+    digest: bytes | None = None
 
 
 class RankBodyParser:
@@ -103,6 +121,7 @@ class RankBodyParser:
             raise _Refused(f"user_id: {body.user_id} outside [0, {MAX_USER_ID}]")
         if body.request_id is not None and not 0 < len(body.request_id) <= MAX_REQUEST_ID_LEN:
             raise _Refused(f"request_id: 1 to {MAX_REQUEST_ID_LEN} characters")
+        prefix = None
         if form == "events":
             history = body.history
             items = [e.item_id for e in history]
@@ -110,6 +129,11 @@ class RankBodyParser:
             stamps = [e.timestamp for e in history]
         else:
             items, actions, stamps = body.item_ids, body.actions, body.timestamps
+            problem = prefix_problem(body.prefix_length, body.prefix_digest, len(items), lim.max_events)
+            if problem is not None:
+                raise _Refused(problem)
+            if body.prefix_length is not None:
+                prefix = PrefixRef(body.prefix_length, bytes.fromhex(body.prefix_digest))
         if len(items) > lim.max_events or len(actions) > lim.max_events or len(stamps) > lim.max_events:
             raise _Refused(f"history: at most {lim.max_events} events")
         if len(body.candidates) > lim.max_candidates:
@@ -119,4 +143,4 @@ class RankBodyParser:
         request = RankingRequest.create(
             body.user_id, items, actions, stamps, body.candidates, body.contextual, self.config
         )
-        return ParsedRank(request, body.request_id, body.candidates)
+        return ParsedRank(request, body.request_id, body.candidates, prefix)

@@ -30,6 +30,8 @@ EVENT_BODY_BYTES = 256
 """Room for one history event in a body: three ids of up to 20 digits with their keys, pretty-printed."""
 ITEM_BODY_BYTES = 32
 BODY_HEADROOM_BYTES = 64 << 10
+DIGEST_HEX_CHARS = 64
+_DIGEST_HEX = re.compile(r"[0-9a-fA-F]{%d}" % DIGEST_HEX_CHARS)
 _REQUEST_ID = re.compile(rb'"request_id"\s*:\s*("(?:[^"\\]|\\.){1,%d}")' % MAX_REQUEST_ID_LEN)
 
 
@@ -79,6 +81,27 @@ def describe_validation_error(exc: ValidationError) -> str:
         shown = f" (got {got!r})" if isinstance(got, (int, float, str, bool)) and len(repr(got)) <= 64 else ""
         problems.append(f"{loc}: {err.get('msg', 'invalid')}{shown}")
     return "; ".join(problems)
+
+
+def prefix_problem(prefix_length: int | None, prefix_digest: str | None, new_events: int, max_events: int) -> str | None:
+    """What is wrong with an incremental request's prefix fields (naming the value), or None.
+    Shared by the fast parser and the pydantic model so both word it the same."""
+    if (prefix_length is None) != (prefix_digest is None):
+        given, missing = ("prefix_length", "prefix_digest") if prefix_digest is None else ("prefix_digest", "prefix_length")
+        return f"{given} needs {missing}: an incremental request sends both (the length and digest a response returned)"
+    if prefix_length is None:
+        return None
+    if not 0 <= prefix_length <= max_events:
+        return f"prefix_length: {prefix_length} outside [0, {max_events}]"
+    if not _DIGEST_HEX.fullmatch(prefix_digest):
+        shown = prefix_digest if len(prefix_digest) <= 80 else prefix_digest[:80] + "..."
+        return f"prefix_digest: {shown!r} is not {DIGEST_HEX_CHARS} hex characters (a history_digest the server returned)"
+    if prefix_length + new_events > max_events:
+        return (
+            f"history: prefix_length {prefix_length} + {new_events} new events = {prefix_length + new_events} "
+            f"events, at most {max_events}"
+        )
+    return None
 
 
 def sniff_request_id(raw: bytes) -> str | None:
@@ -132,8 +155,23 @@ def _example_columns(limits: RequestLimits) -> dict:
     }
 
 
-def _with_example(example: dict) -> ConfigDict:
-    return ConfigDict(strict=True, extra="forbid", json_schema_extra={"examples": [example]})
+def _example_increment(limits: RequestLimits) -> dict:
+    """The incremental form of a next request after `_example_columns`: its 3 events sent before
+    (their history_length and history_digest, as a response returned them), then one new event."""
+    return {
+        "user_id": 42,
+        "prefix_length": 3,
+        "prefix_digest": "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+        "item_ids": [21 % limits.num_items],
+        "actions": [1 % limits.num_actions],
+        "timestamps": [1_700_000_420],
+        "candidates": [i % limits.num_items for i in (5, 9, 17)],
+    }
+
+
+def _with_example(*examples: dict) -> ConfigDict:
+    """Strict config with OpenAPI examples; the first is what the docs' "Try it out" sends."""
+    return ConfigDict(strict=True, extra="forbid", json_schema_extra={"examples": list(examples)})
 
 
 def build_rank_request_model(limits: RequestLimits) -> type[BaseModel]:
@@ -221,6 +259,9 @@ def build_rank_columns_model(limits: RequestLimits) -> type[BaseModel]:
     )
 
     def columns_agree(model):
+        problem = prefix_problem(model.prefix_length, model.prefix_digest, len(model.item_ids), n)
+        if problem is not None:
+            raise ValueError(problem)
         lengths = {len(model.item_ids), len(model.actions), len(model.timestamps)}
         if len(lengths) != 1:
             raise ValueError(
@@ -239,8 +280,14 @@ def build_rank_columns_model(limits: RequestLimits) -> type[BaseModel]:
     ctx = Annotated[int, Field(ge=0, lt=limits.num_contextual_features)]
     return create_model(
         "RankRequestColumns",
-        __config__=_with_example(_example_columns(limits)),
-        __doc__="The same request with the history as columns: event i is (item_ids[i], actions[i], timestamps[i]).",
+        __config__=_with_example(_example_columns(limits), _example_increment(limits)),
+        __doc__=(
+            "The same request with the history as columns: event i is (item_ids[i], actions[i], timestamps[i]). "
+            "Incremental form: with prefix_length k and prefix_digest D (the history_length and "
+            "history_digest of an earlier response), the columns hold only the events after the first k; "
+            "the server rebuilds the full history from the one it holds, or answers 412 history_incomplete "
+            "(then send the full history)."
+        ),
         __validators__={"_columns": model_validator(mode="after")(columns_agree)},
         user_id=(int, Field(ge=0, le=MAX_USER_ID, description="user id; keys the user's KV cache")),
         item_ids=column("id", limits.num_items, f"item id of each event, oldest first; at most {n} events"),
@@ -252,6 +299,23 @@ def build_rank_columns_model(limits: RequestLimits) -> type[BaseModel]:
             Field(default=None, min_length=limits.num_contextual, max_length=limits.num_contextual),
         ),
         request_id=(str | None, Field(default=None, min_length=1, max_length=MAX_REQUEST_ID_LEN)),
+        prefix_length=(
+            int | None,
+            Field(
+                default=None,
+                ge=0,
+                le=n,
+                description="incremental form: the columns are the events after the first prefix_length (a history_length the server returned)",
+            ),
+        ),
+        prefix_digest=(
+            str | None,
+            Field(
+                default=None,
+                pattern=f"^[0-9a-fA-F]{{{DIGEST_HEX_CHARS}}}$",
+                description="incremental form: the history_digest the server returned for those first prefix_length events",
+            ),
+        ),
     )
 
 
@@ -271,6 +335,8 @@ class RankResponse(BaseModel):
                     "cached_tokens": 0,
                     "computed_tokens": 6,
                     "latency_ms": 3.2,
+                    "history_digest": "5d41402abc4b2a76b9719d911017c5925d41402abc4b2a76b9719d911017c592",
+                    "history_length": 2,
                 }
             ]
         }
@@ -282,6 +348,14 @@ class RankResponse(BaseModel):
     cached_tokens: int = Field(description="history tokens whose K/V came from the cache")
     computed_tokens: int = Field(description="tokens computed for this request (new history + candidates)")
     latency_ms: float = Field(description="server time from arrival to the response (body, parsing, queue, model)")
+    history_digest: str | None = Field(
+        default=None,
+        description=(
+            "exact-identity digest (hex) of the whole history ranked; with history_length it lets the next "
+            "request send only newer events (prefix_length, prefix_digest); null when the server keeps no histories"
+        ),
+    )
+    history_length: int = Field(description="events in the history ranked (the prefix_length that history_digest covers)")
 
 
 MAX_PREFETCH_USERS = 1024
@@ -302,7 +376,7 @@ class PrefetchResponse(BaseModel):
 class ErrorResponse(BaseModel):
     error: str = Field(
         description=(
-            "error kind: invalid_json, invalid_request, history_conflict, payload_too_large, not_found, "
+            "error kind: invalid_json, invalid_request, history_conflict, history_incomplete, payload_too_large, not_found, "
             "method_not_allowed, capacity, overloaded, unavailable, timeout, internal"
         )
     )

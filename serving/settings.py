@@ -78,6 +78,7 @@ class ServerSettings:
     h2d_gb_per_s: float | None = None  # overrides the measured host->device bandwidth
     offload_min_seen: int = 2  # offload a user's chunks once it was seen this often
     offload_mb_per_s: float | None = None  # D2H pacing budget (None: unlimited)
+    history_store_bytes: int = 256 << 20  # histories kept for incremental requests (0: none, every request sends all)
 
     def __post_init__(self) -> None:
         for name in _POSITIVE:
@@ -86,8 +87,9 @@ class ServerSettings:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
-        if self.host_cache_bytes < 0:
-            raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
+        for name in ("host_cache_bytes", "history_store_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
