@@ -164,6 +164,8 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         except ClientGone as exc:
             logger.info("request %s: %s", request_id, exc)
             return _failed(_CLIENT_GONE, "client_gone", arrived, Response(status_code=_CLIENT_GONE))
+        if parsed.digest is None:  # parsed before the model had loaded
+            parsed.digest = parsed.request.identity(runtime.model.identity).prefix(parsed.request.history_tokens(config))
         histories.remember(parsed.request, runtime.model.identity)
         latency = time.perf_counter() - arrived
         metrics.request_latency.labels("200").observe(latency)
@@ -206,9 +208,12 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
 
     def _digested(parsed: ParsedRank) -> ParsedRank:
         """The full history (an incremental body rebuilt from the held one) with its identity digests
-        (model/identity.py), computed here, off the model thread. No model yet: not ready, 503."""
+        (model/identity.py), computed here, off the model thread. Before the model loads a full
+        request goes on (to its 503 in _rank_one); an incremental one cannot be rebuilt: 503 here."""
         if runtime.model is None:
-            raise _unavailable()
+            if parsed.prefix is not None:
+                raise _unavailable(parsed.request_id)
+            return parsed
         if parsed.prefix is not None:
             return histories.rebuild(parsed, runtime.model.identity)
         r = parsed.request
@@ -227,8 +232,9 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
             return _parse_and_digest(raw)
         return await asyncio.to_thread(_parse_and_digest, raw)
 
-    def _unavailable() -> RankError:
-        return RankError(503, "unavailable", f"server is {runtime.state}: {runtime.detail}", retry_after_s=RETRY_AFTER_S)
+    def _unavailable(request_id: str | None = None) -> RankError:
+        detail = f"server is {runtime.state}: {runtime.detail}"
+        return RankError(503, "unavailable", detail, retry_after_s=RETRY_AFTER_S, request_id=request_id)
 
     async def _rank_one(request: RankingRequest, deadline: float):
         if not runtime.ready:

@@ -65,10 +65,10 @@ client to add a condition it did not send). A distinct status lets proxies and d
 "resend the full history" from "fix the request"."""
 
 
-def history_incomplete(user_id: int, why: str) -> RankError:
+def history_incomplete(user_id: int, why: str, request_id: str | None = None) -> RankError:
     """The answer to an incremental request whose prefix the server does not hold: resend it all."""
     detail = f"user {user_id}: {why}; send the full history (item_ids, actions, timestamps) without prefix_length"
-    return RankError(HISTORY_INCOMPLETE_STATUS, "history_incomplete", detail)
+    return RankError(HISTORY_INCOMPLETE_STATUS, "history_incomplete", detail, request_id=request_id)
 
 
 def error_body(kind: str, detail: str, request_id: str | None = None) -> dict:

@@ -47,23 +47,24 @@ class IncrementalHistories:
         """The full request of an incremental `parsed` (its request holds the new events only);
         RankError 412 history_incomplete when the prefix is not held, 422 when the new events go
         back in time. ~0.1 ms for a 4k-event held history (one copy of its records, no full hash)."""
-        tail, prefix = parsed.request, parsed.prefix
+        tail, prefix, rid = parsed.request, parsed.prefix, parsed.request_id
         user, c = tail.user_id, self.config.num_contextual
         if not self.store.enabled:
-            raise self._incomplete("disabled", user, "this server keeps no histories (history_store_bytes is 0)")
+            raise self._incomplete(rid, "disabled", user, "this server keeps no histories (history_store_bytes is 0)")
         held = self.store.get(user)
         if held is None:
             raise self._incomplete(
-                "unknown_user", user, "the server holds no history of this user (never ranked here, evicted or restarted)"
+                rid, "unknown_user", user, "the server holds no history of this user (never ranked here, evicted or restarted)"
             )
         held_events = (held.num_tokens - c) // 2
         if prefix.length > held_events:
             raise self._incomplete(
-                "shorter", user, f"prefix_length {prefix.length} is more than the {held_events} events the server holds"
+                rid, "shorter", user, f"prefix_length {prefix.length} is more than the {held_events} events the server holds"
             )
         prefix_tokens = c + 2 * prefix.length
         if held.prefix(prefix_tokens) != prefix.digest:
             raise self._incomplete(
+                rid,
                 "mismatch",
                 user,
                 f"prefix_digest {prefix.digest.hex()} is not the digest of the first {prefix.length} events the "
@@ -72,7 +73,7 @@ class IncrementalHistories:
         records = held.records
         if not np.array_equal(records[:c, 0], tail.contextual):
             raise self._incomplete(
-                "contextual", user, f"contextual {tail.contextual.tolist()} differ from the held history's {records[:c, 0].tolist()}"
+                rid, "contextual", user, f"contextual {tail.contextual.tolist()} differ from the held history's {records[:c, 0].tolist()}"
             )
         if prefix.length and tail.num_events and tail.timestamps[0] < records[prefix_tokens - 1, 1]:
             raise RankError(
@@ -80,6 +81,7 @@ class IncrementalHistories:
                 "invalid_request",
                 f"user {user}: timestamps[0] = {int(tail.timestamps[0])} is before {int(records[prefix_tokens - 1, 1])}, "
                 f"the timestamp of event {prefix.length - 1} of the prefix; timestamps must be non-decreasing",
+                request_id=rid,
             )
         identity = held.extended(prefix_tokens, token_records(_NO_CONTEXTUAL, tail.item_ids, tail.actions, tail.timestamps))
         full_records = identity.records
@@ -103,7 +105,7 @@ class IncrementalHistories:
         if self.store.enabled:
             self.store.put(request.user_id, request.identity(model_id))
 
-    def _incomplete(self, reason: str, user_id: int, why: str) -> RankError:
+    def _incomplete(self, request_id: str | None, reason: str, user_id: int, why: str) -> RankError:
         self.metrics.incremental.labels("history_incomplete").inc()
         self.metrics.history_incomplete.labels(reason).inc()
-        return history_incomplete(user_id, why)
+        return history_incomplete(user_id, why, request_id)

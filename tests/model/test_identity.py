@@ -187,3 +187,19 @@ def test_request_arrays_are_read_only_copies(tiny_config):
     assert req.item_ids[0] == 1
     with pytest.raises(ValueError, match="read-only"):
         req.item_ids[0] = 5
+
+
+@pytest.mark.parametrize("kept", [0, 7, BLOCK_TOKENS, BLOCK_TOKENS + 3, 2 * BLOCK_TOKENS])
+def test_an_extended_identity_equals_the_identity_of_the_whole_history(kept):
+    rng = np.random.default_rng(kept)
+    records = rng.integers(0, 2**40, (2 * BLOCK_TOKENS + 50, 2))
+    held = HistoryIdentity(b"model", records[: 2 * BLOCK_TOKENS + 9])
+    held.prefix(held.num_tokens)
+    extended = held.extended(kept, records[kept:])
+    whole = HistoryIdentity(b"model", records)
+    assert extended.num_tokens == whole.num_tokens
+    assert np.array_equal(extended.records, records)
+    for length in (0, kept, BLOCK_TOKENS, whole.num_tokens - 1, whole.num_tokens):
+        assert extended.prefix(length) == whole.prefix(length), length
+    with pytest.raises(ValueError, match="prefix length"):
+        held.extended(held.num_tokens + 1, records[:1])
