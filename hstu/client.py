@@ -1,6 +1,9 @@
 """HTTP client of the ranking server (httpx): `Client` (sync) and `AsyncClient`, the same methods.
 
     rank(user_id, history, candidates)  POST /v1/rank in the columnar form (the fastest to parse)
+    rank(..., incremental=True)         the same, sending only the events after the user's last
+                                        answered history (hstu/client_history.py); when the server
+                                        answers 412 history_incomplete it sends the full history once
     model_info()                        GET /v2/models/hstu: config, limits, task names, fingerprint
     health() / ready()                  GET /v2/health/live and /v2/health/ready
 
@@ -22,8 +25,9 @@ from typing import Any, Union
 
 import httpx
 
+from hstu.client_history import DEFAULT_MAX_USERS, HISTORY_COLUMNS, HistoryMemory, PlannedRank
+
 DEFAULT_URL = "http://127.0.0.1:8000"
-HISTORY_COLUMNS = ("item_ids", "actions", "timestamps")
 History = Union[Mapping[str, Sequence[int]], Sequence[Sequence[int]]]
 """{"item_ids", "actions", "timestamps"} or the three columns in that order; lists or numpy arrays."""
 
@@ -46,6 +50,9 @@ class RankResult:
     cached_tokens: int
     computed_tokens: int
     latency_ms: float
+    history_digest: str | None = None
+    """The server's digest of the ranked history (None: it keeps no histories, or predates them)."""
+    history_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,8 @@ def rank_result(body: dict) -> RankResult:
         cached_tokens=body["cached_tokens"],
         computed_tokens=body["computed_tokens"],
         latency_ms=body["latency_ms"],
+        history_digest=body.get("history_digest"),
+        history_length=body.get("history_length"),
     )
 
 
@@ -154,8 +163,17 @@ def _text(response: httpx.Response) -> str:
     return response.text
 
 
+def full_history_body(plan: PlannedRank, exc: HSTUClientError) -> dict:
+    """The body to send after an incremental rank failed with `exc`: the full history when the
+    server lacks the prefix (412 history_incomplete); any other error is raised again."""
+    if not plan.incremental or exc.error != "history_incomplete":
+        raise exc
+    return plan.full_body
+
+
 class _Connection:
-    """The settings both clients share; `transport` replaces the network (httpx.MockTransport in tests)."""
+    """The settings both clients share; `transport` replaces the network (httpx.MockTransport in tests).
+    `history_users` bounds how many users' last histories incremental ranks remember."""
 
     _pool: type = httpx.Client
 
@@ -165,8 +183,10 @@ class _Connection:
         timeout_s: float = 30.0,
         retry: RetryPolicy = RetryPolicy(),
         transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
+        history_users: int = DEFAULT_MAX_USERS,
     ) -> None:
         self.retry = retry
+        self.histories = HistoryMemory(history_users)
         self._http = self._pool(base_url=base_url, timeout=timeout_s, transport=transport)
 
 
@@ -184,10 +204,19 @@ class Client(_Connection):
             attempt += 1
 
     def rank(self, user_id: int, history: History, candidates: Sequence[int], request_id: str | None = None,
-             contextual: Sequence[int] | None = None) -> RankResult:
-        """Scores of `candidates` for the user with this whole `history` (oldest event first)."""
+             contextual: Sequence[int] | None = None, incremental: bool = False) -> RankResult:
+        """Scores of `candidates` for the user with this whole `history` (oldest event first);
+        `incremental` sends only the events after the user's last answered history when this one
+        extends it (the scores are the same)."""
         body = rank_body(user_id, history, candidates, request_id, contextual)
-        return rank_result(self._call("POST", "/v1/rank", body))
+        if not incremental:
+            return rank_result(self._call("POST", "/v1/rank", body))
+        plan = self.histories.plan(body)
+        try:
+            answer = self._call("POST", "/v1/rank", plan.body)
+        except HSTUClientError as exc:
+            answer = self._call("POST", "/v1/rank", full_history_body(plan, exc))
+        return rank_result(self.histories.answered(plan, answer))
 
     def model_info(self) -> dict:
         return self._call("GET", "/v2/models/hstu")
@@ -230,10 +259,18 @@ class AsyncClient(_Connection):
             attempt += 1
 
     async def rank(self, user_id: int, history: History, candidates: Sequence[int], request_id: str | None = None,
-                   contextual: Sequence[int] | None = None) -> RankResult:
-        """Scores of `candidates` for the user with this whole `history` (oldest event first)."""
+                   contextual: Sequence[int] | None = None, incremental: bool = False) -> RankResult:
+        """Scores of `candidates` for the user with this whole `history` (oldest event first);
+        `incremental` as in Client.rank."""
         body = rank_body(user_id, history, candidates, request_id, contextual)
-        return rank_result(await self._call("POST", "/v1/rank", body))
+        if not incremental:
+            return rank_result(await self._call("POST", "/v1/rank", body))
+        plan = self.histories.plan(body)
+        try:
+            answer = await self._call("POST", "/v1/rank", plan.body)
+        except HSTUClientError as exc:
+            answer = await self._call("POST", "/v1/rank", full_history_body(plan, exc))
+        return rank_result(self.histories.answered(plan, answer))
 
     async def model_info(self) -> dict:
         return await self._call("GET", "/v2/models/hstu")

@@ -181,3 +181,66 @@ def test_a_non_json_error_body_still_becomes_hstu_client_error():
 def test_the_client_module_does_not_import_torch():
     code = "import sys, hstu.client; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def sent_events(client: Client) -> dict[str, float]:
+    """The server's hstu_incremental_events_total by source (stored: not resent; sent)."""
+    samples = {}
+    for line in client.metrics().splitlines():
+        if line.startswith("hstu_incremental_events_total{"):
+            samples[line.split('"')[1]] = float(line.split()[-1])
+    return samples
+
+
+def test_incremental_rank_sends_only_new_events_and_scores_like_a_full_rank(url, reference):
+    timeline = Timeline(14)
+    with Client(url) as client:
+        before = sent_events(client)
+        for events in (10, 30, 30, 75):
+            payload = timeline.payload(events, num_candidates=4)
+            result = client.rank(14, columns(payload), payload["candidates"], incremental=True)
+            assert_equals_reference(reference, payload, result.scores)
+            assert result.history_length == events and len(result.history_digest) == 64
+        after = sent_events(client)
+    assert after["stored"] - before["stored"] == 10 + 30 + 30, "the client resent no event the server held"
+    assert after["sent"] - before["sent"] == 20 + 0 + 45
+
+
+def test_incremental_rank_after_the_server_history_changed_resends_the_full_history_once(url, reference):
+    timeline = Timeline(15)
+    with Client(url) as client, Client(url) as other:
+        first = timeline.payload(20)
+        client.rank(15, columns(first), first["candidates"], incremental=True)
+        edited = timeline.payload(22)
+        edited["history"][0]["item_id"] = (edited["history"][0]["item_id"] + 1) % TINY.num_items
+        other.rank(15, columns(edited), edited["candidates"])  # the server now holds another history
+        grown = timeline.payload(25)
+        result = client.rank(15, columns(grown), grown["candidates"], incremental=True)
+        assert_equals_reference(reference, grown, result.scores)
+        mismatches = next(
+            float(line.split()[-1]) for line in client.metrics().splitlines()
+            if line.startswith('hstu_history_incomplete_total{reason="mismatch"}')
+        )
+    assert mismatches >= 1
+
+
+def test_async_incremental_rank_falls_back_when_the_server_evicted_the_history(reference):
+    store_bytes = 2 * ((2 * 41 + 2) * 16 + 256)  # room for two 41-event TINY histories in the server's store
+    a, b, c = Timeline(16), Timeline(17), Timeline(18)
+
+    async def scenario(base_url: str) -> list:
+        async with AsyncClient(base_url) as client:
+            for t in (a, b, c):  # c's history evicts a's
+                first = t.payload(40)
+                await client.rank(t.user_id, columns(first), first["candidates"], incremental=True)
+            grown = [a.payload(41), c.payload(41)]
+            results = [await client.rank(p["user_id"], columns(p), p["candidates"], incremental=True) for p in grown]
+            return list(zip(grown, results))
+
+    with live_server(tiny_settings(history_store_bytes=store_bytes)) as (_, _, base_url):
+        answers = asyncio.run(scenario(base_url))
+        metrics = httpx.get(f"{base_url}/metrics").text
+    for payload, result in answers:
+        assert_equals_reference(reference, payload, result.scores)
+    assert 'hstu_history_incomplete_total{reason="unknown_user"} 1.0' in metrics, "a: evicted, resent in full"
+    assert 'hstu_incremental_requests_total{result="hit"} 1.0' in metrics, "c: held, sent one event"
