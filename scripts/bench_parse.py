@@ -1,5 +1,7 @@
 """Parse time of one POST /v1/rank body: the fast parser (orjson + array checks) against the
-pydantic model it replaces, for both body forms, at the embedded model's limits.
+pydantic model it replaces, for both body forms, at the embedded model's limits; and an
+incremental body (one new event after the held --events - 1, serving/incremental.py) parsed and
+rebuilt into the full history with its digest, against the full columns body parsed and digested.
 
     python -m hstu.scripts.bench_parse --events 4000 --out out/bench_parse.json
 
@@ -18,6 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from hstu.model.config import HSTUConfig
+from hstu.serving.history_store import HistoryStore
+from hstu.serving.incremental import IncrementalHistories
+from hstu.serving.metrics import ServingMetrics
 from hstu.serving.parsing import RankBodyParser
 from hstu.serving.schemas import RequestLimits, build_rank_columns_model, build_rank_request_model
 
@@ -57,7 +62,32 @@ def run(events: int, candidates: int, repeats: int) -> dict:
             "fast_ms": _median_ms(lambda: parser(raw), repeats),
             "pydantic_ms": _median_ms(lambda: model.model_validate_json(raw), repeats),
         }
+    out["incremental"] = _incremental(config, parser, json.loads(bodies(config, events, candidates)["columns"]), repeats)
     return out
+
+
+def _incremental(config: HSTUConfig, parser: RankBodyParser, full: dict, repeats: int) -> dict:
+    """ms to parse + rebuild an incremental body of one new event, and to parse + digest the full one."""
+    model_id = b"bench-model"
+    held = {**full, **{k: full[k][:-1] for k in ("item_ids", "actions", "timestamps")}}
+    request = parser(json.dumps(held).encode()).request
+    histories = IncrementalHistories(HistoryStore(1 << 30), config, ServingMetrics(1))
+    digest = request.identity(model_id).prefix(request.history_tokens(config))
+    histories.remember(request, model_id)
+    prefix = {"prefix_length": request.num_events, "prefix_digest": digest.hex()}
+    raw = json.dumps({**full, **{k: full[k][-1:] for k in ("item_ids", "actions", "timestamps")}, **prefix}).encode()
+    full_raw = json.dumps(full).encode()
+
+    def parse_and_digest() -> bytes:
+        r = parser(full_raw).request
+        return r.identity(model_id).prefix(r.history_tokens(config))
+
+    return {
+        "body_bytes": len(raw),
+        "full_body_bytes": len(full_raw),
+        "incremental_ms": _median_ms(lambda: histories.rebuild(parser(raw), model_id), repeats),
+        "full_ms": _median_ms(parse_and_digest, repeats),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     for form, r in doc["forms"].items():
         print(f"{form:8} {r['body_bytes'] / 1024:8.0f} {r['fast_ms']:8.2f} {r['pydantic_ms']:12.2f} "
               f"{r['pydantic_ms'] / r['fast_ms']:7.1f}x")
+    inc = doc["incremental"]
+    print(f"{'incr.':8} {inc['body_bytes'] / 1024:8.0f} {inc['incremental_ms']:8.2f} {'':12} "
+          f"{inc['full_ms'] / inc['incremental_ms']:7.1f}x  (vs the full columns body parsed + digested: {inc['full_ms']:.2f} ms)")
     print(f"{args.events} events, {args.candidates} candidates, median of {args.repeats}")
     return 0
 

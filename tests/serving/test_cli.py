@@ -30,6 +30,7 @@ def test_serve_defaults_bind_loopback_port_8000_on_cpu_with_the_embedded_config(
     assert (args.host, args.port, settings.device) == ("127.0.0.1", 8000, "cpu")
     assert settings.resolve_model_config().num_items == 100_000
     assert settings.host_cache_bytes == 1 << 30 and settings.num_pages == 1024
+    assert settings.history_store_bytes == 256 << 20
     assert callable(args.func)
 
 
@@ -38,13 +39,14 @@ def test_serve_flags_map_to_settings_and_the_config_file(tmp_path):
     path.write_text(json.dumps(TINY.to_dict()))
     args = parse(
         "serve --port 0 --device cuda:1 --checkpoint w.pt --num-pages 50 --page-size 8 --chunk-tokens 16 "
-        "--host-cache-mb 1.5 --max-batch-size 4 --max-wait-ms 0.5 --dtype bfloat16 "
+        "--host-cache-mb 1.5 --history-store-mb 0 --max-batch-size 4 --max-wait-ms 0.5 --dtype bfloat16 "
         "--task-names click,like,share".split()
         + ["--config", str(path)]
     )
     s = settings_from_args(args)
     assert (s.device, s.checkpoint, s.num_pages, s.page_size, s.chunk_tokens) == ("cuda:1", "w.pt", 50, 8, 16)
     assert (s.host_cache_bytes, s.max_batch_size, s.max_wait_ms) == (int(1.5 * 2**20), 4, 0.5)
+    assert s.history_store_bytes == 0, "0 turns incremental requests off"
     cfg = s.resolve_model_config()
     assert cfg.num_items == TINY.num_items and cfg.dtype == "bfloat16"
     assert s.resolve_task_names(cfg) == ("click", "like", "share")
