@@ -69,9 +69,7 @@ class HistoryStore:
             self.discard(user_id)
             return
         with self._lock:
-            old = self._entries.pop(user_id, None)
-            if old is not None:
-                self._bytes -= self.entry_bytes(old)
+            self._pop(user_id)
             while self._entries and self._bytes + size > self.capacity_bytes:
                 _, evicted = self._entries.popitem(last=False)
                 self._bytes -= self.entry_bytes(evicted)
@@ -82,6 +80,10 @@ class HistoryStore:
     def discard(self, user_id: int) -> None:
         """Forget the user's history, if any."""
         with self._lock:
-            old = self._entries.pop(user_id, None)
-            if old is not None:
-                self._bytes -= self.entry_bytes(old)
+            self._pop(user_id)
+
+    def _pop(self, user_id: int) -> None:
+        """Drop the user's entry and its bytes; the caller holds the lock."""
+        old = self._entries.pop(user_id, None)
+        if old is not None:
+            self._bytes -= self.entry_bytes(old)

@@ -150,14 +150,18 @@ class ServingMetrics:
         self.registry.register(HistoryStoreCollector(store))
 
 
-class HistoryStoreCollector(Collector):
+class _ScrapeTimeCollector(Collector):
+    """A collector whose samples are read when /metrics is scraped (nothing to describe up front)."""
+
+    def describe(self) -> list[Metric]:
+        return []
+
+
+class HistoryStoreCollector(_ScrapeTimeCollector):
     """Reads a HistoryStore's bytes, users and evictions at scrape time."""
 
     def __init__(self, store) -> None:
         self._store = store
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         s = self._store
@@ -166,14 +170,11 @@ class HistoryStoreCollector(Collector):
         yield CounterMetricFamily("hstu_history_store_evictions", "Users' histories evicted to make room", value=s.evictions)
 
 
-class CacheCollector(Collector):
+class CacheCollector(_ScrapeTimeCollector):
     """Reads AsyncKVCacheManager.stats and pool occupancy at scrape time."""
 
     def __init__(self, manager_fn: Callable[[], object | None]) -> None:
         self._manager_fn = manager_fn
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         manager = self._manager_fn()

@@ -26,9 +26,9 @@ class Server:
     """A mock /v1/rank: records every body; answers 412 history_incomplete to the first
     `incomplete` incremental ones, and a digest of the history length to the rest."""
 
-    def __init__(self, incomplete: int = 0, error: tuple[int, str] | None = None) -> None:
+    def __init__(self, incomplete: int = 0, error: tuple[int, str] | None = None, digest: str | None = DIGEST) -> None:
         self.bodies: list[dict] = []
-        self.incomplete, self.error = incomplete, error
+        self.incomplete, self.error, self.digest = incomplete, error, digest
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
@@ -41,7 +41,7 @@ class Server:
         scores = [{"item_id": c, "scores": {"click": 0.5}} for c in body["candidates"]]
         return httpx.Response(200, json={
             "request_id": "r", "user_id": body["user_id"], "scores": scores, "cached_tokens": 0,
-            "computed_tokens": 1, "latency_ms": 1.0, "history_digest": DIGEST, "history_length": length,
+            "computed_tokens": 1, "latency_ms": 1.0, "history_digest": self.digest, "history_length": length,
         })
 
 
@@ -103,11 +103,12 @@ def test_async_client_ranks_incrementally_and_falls_back_the_same():
     assert [b.get("prefix_length") for b in server.bodies] == [None, 3, None, 4]
 
 
-def test_without_incremental_or_a_server_digest_nothing_is_remembered():
-    server = Server()
+@pytest.mark.parametrize("incremental, digest", [(False, DIGEST), (True, None)])
+def test_without_incremental_or_a_server_digest_nothing_is_remembered(incremental, digest):
+    server = Server(digest=digest)
     with Client(transport=httpx.MockTransport(server)) as client:
-        client.rank(1, HISTORY, [5])
-        client.rank(1, grown(1), [5])
+        client.rank(1, HISTORY, [5], incremental=incremental)
+        client.rank(1, grown(1), [5], incremental=incremental)
         assert len(client.histories) == 0 and all("prefix_length" not in b for b in server.bodies)
 
 
