@@ -163,11 +163,13 @@ def _text(response: httpx.Response) -> str:
     return response.text
 
 
-def full_history_body(plan: PlannedRank, exc: HSTUClientError) -> dict:
+def full_history_body(memory: HistoryMemory, plan: PlannedRank, exc: HSTUClientError) -> dict:
     """The body to send after an incremental rank failed with `exc`: the full history when the
-    server lacks the prefix (412 history_incomplete); any other error is raised again."""
+    server lacks the prefix (412 history_incomplete; the user's remembered history is forgotten);
+    any other error is raised again."""
     if not plan.incremental or exc.error != "history_incomplete":
         raise exc
+    memory.forget(plan.user_id)
     return plan.full_body
 
 
@@ -215,7 +217,7 @@ class Client(_Connection):
         try:
             answer = self._call("POST", "/v1/rank", plan.body)
         except HSTUClientError as exc:
-            answer = self._call("POST", "/v1/rank", full_history_body(plan, exc))
+            answer = self._call("POST", "/v1/rank", full_history_body(self.histories, plan, exc))
         return rank_result(self.histories.answered(plan, answer))
 
     def model_info(self) -> dict:
@@ -269,7 +271,7 @@ class AsyncClient(_Connection):
         try:
             answer = await self._call("POST", "/v1/rank", plan.body)
         except HSTUClientError as exc:
-            answer = await self._call("POST", "/v1/rank", full_history_body(plan, exc))
+            answer = await self._call("POST", "/v1/rank", full_history_body(self.histories, plan, exc))
         return rank_result(self.histories.answered(plan, answer))
 
     async def model_info(self) -> dict:

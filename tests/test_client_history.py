@@ -124,3 +124,21 @@ def test_the_memory_keeps_at_most_max_users_least_recent_forgotten_first():
     assert "prefix_length" not in server.bodies[-1], "user 2 was the least recent: forgotten"
     with pytest.raises(ValueError, match="0"):
         HistoryMemory(0)
+
+
+def test_a_failed_full_resend_leaves_the_user_forgotten_so_the_next_rank_sends_it_all():
+    server, answers = Server(), iter([None, (412, "history_incomplete"), (503, "capacity"), None])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        error = next(answers)
+        if error is None:
+            return server(request)
+        server.bodies.append(json.loads(request.content))
+        return httpx.Response(error[0], json={"error": error[1], "detail": "no", "request_id": None})
+
+    with Client(transport=httpx.MockTransport(handler)) as client:
+        client.rank(1, HISTORY, [5], incremental=True)
+        with pytest.raises(HSTUClientError, match="capacity"):
+            client.rank(1, grown(1), [6], incremental=True)
+        client.rank(1, grown(1), [6], incremental=True)
+    assert [b.get("prefix_length") for b in server.bodies] == [None, 3, None, None]
