@@ -41,7 +41,7 @@ stage bench_graphs 90 python3 -m hstu.cli bench --device cuda --cuda-graphs --se
 stage replay_graphs 120 python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress \
   --out "$OUT/replay_graphs"
 stage profile 120 python3 -m hstu.cli profile --device cuda --cuda-graphs --batch 1 8 --forwards 10 --out "$OUT/profile"
-stage rest 240 bash scripts/gpu_rest.sh "$OUT/rest"
+stage rest 300 bash scripts/gpu_rest.sh "$OUT/rest"
 stage bench_compiled 200 python3 -m hstu.cli bench --device cuda --compile --sections e2e --batch-sizes 8 --out "$OUT/bench_compiled"
 rm -f "$OUT/bench_graphs/bench.md" "$OUT/bench_compiled/bench.md"
 

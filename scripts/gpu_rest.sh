@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
-# The REST path on the GPU: `hstu serve` at the seed preset with CUDA graphs in the background,
-# then the seed replay over HTTP with --verify and the open-loop load generator against it.
+# The REST path on the GPU against its in-process reference, in one call: the seed replay in
+# process (cached, CUDA graphs), then `hstu serve` at the same preset in the background with the
+# seed replay over HTTP (--verify; full histories, then incremental requests) and the open-loop load generator sending the same requests,
+# a user's next request waiting for the previous answer and then only for the previous send.
 #   bash scripts/gpu_rest.sh OUT_DIR      (called by gpu_pipeline.sh's "rest" stage)
+# REFERENCE=0 skips the in-process replay and SERVER_REPLAY=0 the replay over HTTP (for a second
+# server variant measured in the same call).
 set -uo pipefail
 out=$1
 port=${PORT:-8123}
 url=http://127.0.0.1:$port
 mkdir -p "$out"
+rc=0
+if [ "${REFERENCE:-1}" = 1 ]; then
+  python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --no-uncached --no-progress \
+    --out "$out/in_process" || rc=1
+fi
 python3 -c "import json; from hstu.scripts.bench import BenchShape; print(json.dumps(BenchShape().model_config().to_dict()))" \
   > "$out/seed_model.json"
 python3 -m hstu.cli serve --device cuda --cuda-graphs --config "$out/seed_model.json" --port "$port" \
@@ -19,9 +28,17 @@ for _ in $(seq 240); do
   kill -0 $server 2>/dev/null || { echo "server exited"; tail -20 "$out/serve.log"; exit 1; }
   sleep 0.5
 done
-rc=0
-python3 -m hstu.cli replay --server "$url" --preset seed --verify --no-progress --concurrency 16 --out "$out/replay_server" || rc=1
+if [ "${SERVER_REPLAY:-1}" = 1 ]; then
+  for mode in full incremental; do
+    python3 -m hstu.cli replay --server "$url" --preset seed --verify --no-progress --concurrency 16 \
+      $([ $mode = incremental ] && echo --incremental) --out "$out/replay_server_$mode" || rc=1
+  done
+fi
+for order in answered sent; do  # 32 connections in each of 4 processes: more than the users in flight
+  python3 -m hstu.cli loadgen --server "$url" --workload replay --order "$order" --rate 3000 --requests 200 --users 64 \
+    --connections 128 --processes 4 --out "$out/loadgen_$order" || rc=1
+done
 python3 -m hstu.cli loadgen --server "$url" --rate 3000 --requests 400 --users 64 --connections 32 --processes 4 \
-  --out "$out/loadgen" || rc=1
+  --out "$out/loadgen_fit" || rc=1
 tail -5 "$out/serve.log"
 exit $rc

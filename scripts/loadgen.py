@@ -119,19 +119,21 @@ def _client(args: tuple) -> dict:
     return asyncio.run(_drive(*args))
 
 
-def _batch_counters(url: str) -> tuple[float, float]:
+_BATCH_SAMPLES = ("hstu_batch_size_count", "hstu_batch_size_sum", "hstu_batch_latency_seconds_sum")
+
+
+def _batch_counters(url: str) -> dict[str, float]:
+    """The server's batch counters: batches, requests batched, model seconds (from /metrics)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    count = total = 0.0
+    found = dict.fromkeys(_BATCH_SAMPLES, 0.0)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "hstu_batch_size_count":
-                count = s.value
-            elif s.name == "hstu_batch_size_sum":
-                total = s.value
-    return count, total
+            if s.name in found:
+                found[s.name] = s.value
+    return found
 
 
 def run(
@@ -164,7 +166,7 @@ def run(
         for k, v in r["statuses"].items():
             statuses[str(k)] = statuses.get(str(k), 0) + v
     wall = max(r["wall_s"] for r in results)
-    batches, batched = after[0] - before[0], after[1] - before[1]
+    batches, batched, model_s = (after[k] - before[k] for k in _BATCH_SAMPLES)
     return {
         "requests": len(bodies),
         "form": form,
@@ -176,6 +178,8 @@ def run(
         "latency_p99_ms": float(np.percentile(latencies, 99)),
         "statuses": statuses,
         "mean_batch_size": batched / batches if batches else float("nan"),
+        "mean_batch_model_ms": 1e3 * model_s / batches if batches else float("nan"),
+        "model_busy_share": model_s / wall if wall > 0 else float("nan"),
         "connections": connections,
         "processes": processes,
         "wall_s": wall,
@@ -210,7 +214,8 @@ def main(args: argparse.Namespace) -> int:
     (args.out / "loadgen.json").write_text(json.dumps(doc, indent=1))
     print(f"offered {doc['offered_rate']:.0f} req/s  achieved {doc['achieved_rate']:.1f} req/s  "
           f"(200s {doc['ok_rate']:.1f}/s)  p50 {doc['latency_p50_ms']:.1f} ms  p99 {doc['latency_p99_ms']:.1f} ms  "
-          f"mean batch {doc['mean_batch_size']:.2f}  statuses {doc['statuses']}")
+          f"mean batch {doc['mean_batch_size']:.2f} ({doc['mean_batch_model_ms']:.1f} ms on the model thread, busy "
+          f"{doc['model_busy_share']:.0%})  statuses {doc['statuses']}")
     return 0 if set(doc["statuses"]) <= {"200"} else 1
 
 

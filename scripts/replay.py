@@ -90,6 +90,7 @@ class ReplaySettings:
     verify: bool = False
     server: str | None = None
     concurrency: int = 8
+    incremental: bool = False
     progress: bool = True
     cuda_graphs: bool = False
     compile_layers: bool = False
@@ -105,7 +106,8 @@ def _passes(
         reference = server_reference(meta, settings.server, device) if settings.verify else None
         answers = [] if reference is not None else None
         result = run_server(
-            settings.server, requests, model_cfg, settings.concurrency, progress=settings.progress, answers=answers
+            settings.server, requests, model_cfg, settings.concurrency, progress=settings.progress, answers=answers,
+            incremental=settings.incremental,
         )
         if reference is not None:
             result.mismatches, result.max_abs_diff = verify_answers(reference, answers, meta["task_names"])
@@ -151,6 +153,7 @@ def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
             "server": settings.server,
             "server_weights_fingerprint": None if meta is None else meta["weights_fingerprint"],
             "concurrency": settings.concurrency if settings.server else None,
+            "incremental": settings.incremental if settings.server else None,
             "uncached_method": None if settings.server or not settings.uncached else UNCACHED_METHOD,
         },
         "environment": report.environment(device),
@@ -217,6 +220,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--server", help="URL of a running `hstu serve` on loopback, e.g. http://127.0.0.1:8000")
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight in --server mode")
+    p.add_argument("--incremental", action="store_true",
+                   help="--server mode: send only the events after each user's last answered history (hstu.client incremental)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true", help="per-layer CUDA graphs for the paged layers (CUDA only)")
     p.add_argument("--compile", action="store_true", help="CUDA graphs of torch.compile'd layers (implies --cuda-graphs)")
@@ -257,6 +262,7 @@ def settings_from_args(args: argparse.Namespace) -> ReplaySettings:
         verify=args.verify,
         server=args.server,
         concurrency=args.concurrency,
+        incremental=args.incremental,
         progress=not args.no_progress,
         cuda_graphs=args.cuda_graphs or args.compile,
         compile_layers=args.compile,

@@ -85,6 +85,7 @@ async def _send_all(
     timeout_s: float,
     progress: bool,
     answers: list | None,
+    incremental: bool = False,
 ) -> PassResult:
     import httpx
 
@@ -110,6 +111,7 @@ async def _send_all(
                         (request.item_ids, request.actions, request.timestamps),
                         request.candidates,
                         contextual=request.contextual,
+                        incremental=incremental,
                     )
                 except HSTUClientError as exc:
                     if exc.status == 409:
@@ -163,8 +165,10 @@ def run_server(
     timeout_s: float = 60.0,
     progress: bool = True,
     answers: list | None = None,
+    incremental: bool = False,
 ) -> PassResult:
-    """Send `requests` to a running server, `concurrency` in flight, each user's requests in order.
+    """Send `requests` to a running server, `concurrency` in flight, each user's requests in order
+    (`incremental`: only the events after the user's last answered history, see hstu.client).
 
     A 409 (the history is shorter than the server's cached one: a workload restart, which the
     server rejects by policy) is counted in `conflicts`, any other failure in `errors`. When
@@ -173,7 +177,7 @@ def run_server(
     check_loopback(url)
     if concurrency <= 0:
         raise ValueError(f"concurrency must be positive, got {concurrency}")
-    return asyncio.run(_send_all(url, requests, model_config, concurrency, timeout_s, progress, answers))
+    return asyncio.run(_send_all(url, requests, model_config, concurrency, timeout_s, progress, answers, incremental))
 
 
 class VerifyRefused(Exception):

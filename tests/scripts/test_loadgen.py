@@ -20,4 +20,4 @@ def test_loadgen_reports_rate_latency_and_batch_size_and_gets_only_200s(tmp_path
             doc = json.loads((tmp_path / form / "loadgen.json").read_text())
             assert doc["statuses"] == {"200": 60} and doc["requests"] == 60 and doc["order"] == order
             assert doc["achieved_rate"] > 0 and doc["latency_p99_ms"] >= doc["latency_p50_ms"] > 0
-            assert doc["mean_batch_size"] >= 1
+            assert doc["mean_batch_size"] >= 1 and doc["mean_batch_model_ms"] > 0 and 0 < doc["model_busy_share"] <= 1.05

@@ -162,11 +162,14 @@ def replay_cli(url: str, out, *extra: str) -> int:
     return args.func(args)
 
 
-def test_server_replay_adopts_the_server_model_config_and_verifies_every_answer(tmp_path):
+@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+def test_server_replay_adopts_the_server_model_config_and_verifies_every_answer(tmp_path, incremental):
     from hstu.scripts.loadtest import local_server
 
     with local_server(served_settings()) as url:
-        settings = rp.ReplaySettings(workload=SERVER_WORKLOAD, server=url, verify=True, progress=False)
+        settings = rp.ReplaySettings(
+            workload=SERVER_WORKLOAD, server=url, verify=True, progress=False, incremental=incremental
+        )
         doc = rp.replay(settings, tmp_path)
     server = doc["summary"]["server"]
     assert HSTUConfig(**doc["settings"]["model"]) == SERVED, "the server's config replaces the local default"
