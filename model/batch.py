@@ -61,6 +61,12 @@ class RankingRequest:
         req.validate(cfg)
         return req
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled arrays are writable copies: freeze them again (the identity describes them)."""
+        self.__dict__.update(state)
+        for name in ("item_ids", "actions", "timestamps", "candidates", "contextual"):
+            getattr(self, name).setflags(write=False)
+
     @property
     def num_events(self) -> int:
         return int(self.item_ids.shape[0])

@@ -87,6 +87,11 @@ class HistoryIdentity:
         out._chain = self._chain[: length // BLOCK_TOKENS + 1]
         return out
 
+    def __reduce__(self):
+        """Pickled with its records and the block digests computed so far (a parse worker process
+        hashes a history once; the server process reuses the chain)."""
+        return _restored_identity, (bytes(self._bytes), list(self._chain), self.num_tokens)
+
     def _block(self, b: int) -> bytes:
         step = BLOCK_TOKENS * 16
         while len(self._chain) <= b:
@@ -104,6 +109,14 @@ class HistoryIdentity:
             return head
         start = b * BLOCK_TOKENS * 16
         return _h(_TAIL, head, self._bytes[start : start + rest * 16])
+
+
+def _restored_identity(data: bytes, chain: list[bytes], num_tokens: int) -> HistoryIdentity:
+    out = object.__new__(HistoryIdentity)
+    out._bytes = memoryview(data).cast("B")
+    out._chain = chain
+    out.num_tokens = num_tokens
+    return out
 
 
 def model_identity(model: torch.nn.Module, config) -> bytes:

@@ -5,7 +5,7 @@
 # a user's next request waiting for the previous answer and then only for the previous send.
 #   bash scripts/gpu_rest.sh OUT_DIR      (called by gpu_pipeline.sh's "rest" stage)
 # REFERENCE=0 skips the in-process replay and SERVER_REPLAY=0 the replay over HTTP (for a second
-# server variant measured in the same call).
+# server variant measured in the same call); SERVE_ARGS adds `hstu serve` flags (a variant).
 set -uo pipefail
 out=$1
 port=${PORT:-8123}
@@ -20,7 +20,7 @@ python3 -c "import json; from hstu.scripts.bench import BenchShape; print(json.d
   > "$out/seed_model.json"
 python3 -m hstu.cli serve --device cuda --cuda-graphs --config "$out/seed_model.json" --port "$port" \
   --page-size 32 --chunk-tokens 128 --num-pages 8192 --host-cache-mb 4096 --max-batch-size 8 \
-  > "$out/serve.log" 2>&1 &
+  ${SERVE_ARGS:-} > "$out/serve.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
 for _ in $(seq 240); do

@@ -38,6 +38,7 @@ from hstu.serving.incremental import IncrementalHistories
 from hstu.serving.docs import install_docs
 from hstu.serving.metadata import MODEL_NAME, ModelMetadata, ModelReady, model_metadata
 from hstu.serving.metrics import ServingMetrics
+from hstu.serving.parse_pool import ParsePool
 from hstu.serving.parsing import ParsedRank, RankBodyParser
 from hstu.serving.runtime import ServingRuntime
 from hstu.serving.schemas import (
@@ -94,14 +95,19 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     histories = IncrementalHistories(HistoryStore(settings.history_store_bytes), config, metrics)
     metrics.watch_history_store(histories.store)
     request_timeout_s = settings.request_timeout_ms / 1000.0
+    parse_pool = ParsePool(settings.parse_processes, limits, config) if settings.parse_processes else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         start_task = asyncio.create_task(runtime.start(), name="hstu-load")
         try:
+            if parse_pool is not None:
+                await asyncio.to_thread(parse_pool.start)
             yield
         finally:
             await runtime.close(start_task)
+            if parse_pool is not None:
+                await asyncio.to_thread(parse_pool.close)
 
     app = FastAPI(
         title="hstu-kvcache ranking server",
@@ -118,6 +124,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     app.state.runtime = runtime
     app.state.metrics = metrics
     app.state.histories = histories
+    app.state.parse_pool = parse_pool
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -216,6 +223,8 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
             return parsed
         if parsed.prefix is not None:
             return histories.rebuild(parsed, runtime.model.identity)
+        if parsed.digest is not None:  # a parse worker hashed it
+            return parsed
         r = parsed.request
         parsed.digest = r.identity(runtime.model.identity).prefix(r.history_tokens(config))
         return parsed
@@ -227,9 +236,15 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         """Small bodies parse on the loop (microseconds); large ones in a worker thread, so health
         checks and batching stay responsive while a 4k-event body is read. A small incremental body
         is rebuilt on the loop whatever its held prefix: ~0.1-0.15 ms for 1k to 4k held events here
-        (mostly fixed costs), below the ~0.5 ms a 32 KiB body already parses inline in."""
+        (mostly fixed costs), below the ~0.5 ms a 32 KiB body already parses inline in. With
+        settings.parse_processes, large bodies parse in worker processes instead (serving/parse_pool.py)."""
         if len(raw) < _INLINE_PARSE_BYTES:
             return _parse_and_digest(raw)
+        if parse_pool is not None:
+            model_id = runtime.model.identity if runtime.model is not None else None
+            parsed = await parse_pool.parse(raw, model_id)
+            if parsed is not None:
+                return _digested(parsed)
         return await asyncio.to_thread(_parse_and_digest, raw)
 
     def _unavailable(request_id: str | None = None) -> RankError:

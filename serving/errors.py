@@ -42,6 +42,10 @@ class RankError(Exception):
         self.retry_after_s = retry_after_s
         self.request_id = request_id  # the client's, when known before the body was parsed
 
+    def __reduce__(self):
+        """Picklable with every field (a parse worker process raises it)."""
+        return RankError, (self.status, self.kind, self.detail, self.retry_after_s, self.request_id)
+
 
 def classify(exc: BaseException, user_id: int) -> RankError:
     """The RankError of one request whose model call raised `exc`."""

@@ -78,6 +78,7 @@ class ServerSettings:
     h2d_gb_per_s: float | None = None  # overrides the measured host->device bandwidth
     offload_min_seen: int = 2  # offload a user's chunks once it was seen this often
     offload_mb_per_s: float | None = None  # D2H pacing budget (None: unlimited)
+    parse_processes: int = 0  # worker processes parsing large bodies off the GIL (0: a thread of this process)
     history_store_bytes: int = 256 << 20  # histories kept for incremental requests (0: none, every request sends all)
 
     def __post_init__(self) -> None:
@@ -87,7 +88,7 @@ class ServerSettings:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
-        for name in ("host_cache_bytes", "history_store_bytes"):
+        for name in ("host_cache_bytes", "history_store_bytes", "parse_processes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
