@@ -89,7 +89,7 @@ async def _send_all(
 ) -> PassResult:
     import httpx
 
-    from hstu.client import AsyncClient, HSTUClientError
+    from hstu.client import AsyncClient, HSTUClientError, RetryPolicy
 
     limit = asyncio.Semaphore(concurrency)
     previous: dict[int, asyncio.Task] = {}
@@ -97,7 +97,9 @@ async def _send_all(
     errors = conflicts = 0
     bar = tqdm(total=len(requests), desc="server", unit="req", disable=not progress, leave=False)
 
-    async with AsyncClient(url, timeout_s=timeout_s) as client:
+    # A replay measures the server, so it waits out overload (Retry-After) longer than a
+    # latency-bound caller would: a slow CPU server's queue must not turn into failed requests.
+    async with AsyncClient(url, timeout_s=timeout_s, retry=RetryPolicy(max_attempts=8, max_wait_s=60.0)) as client:
 
         async def one(index: int, request: RankingRequest, before: asyncio.Task | None) -> None:
             nonlocal errors, conflicts
