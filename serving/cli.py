@@ -28,8 +28,6 @@ _FLAGS = (
     ("--max-queue-wait-ms", "max_queue_wait_ms", float, "longest wait in the queue before 503 overloaded with Retry-After"),
     ("--request-timeout-ms", "request_timeout_ms", float, "deadline of a request from arrival; past it the answer is 504"),
     ("--max-body-bytes", "max_body_bytes", int, "largest request body, else 413 (default: sized for the longest valid request)"),
-    ("--gil-switch-interval-ms", "gil_switch_interval_ms", float,
-     "how soon a thread running Python hands the GIL to the model thread waiting for it (default: Python's 5 ms)"),
     ("--parse-processes", "parse_processes", int, "worker processes parsing large bodies off the model's GIL (0: a thread)"),
     ("--shutdown-timeout-s", "shutdown_timeout_s", float, "on SIGTERM/SIGINT, time for queued requests to finish; the rest get 503"),
 )

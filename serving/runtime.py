@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import sys
 import time
 
 import numpy as np
@@ -60,7 +59,6 @@ class ServingRuntime:
         self.batcher: Batcher | None = None
         self.fingerprint: str | None = None
         self._drain: asyncio.Task | None = None
-        self._switch_interval_s: float | None = None  # Python's, while ours is set
 
     @property
     def ready(self) -> bool:
@@ -87,19 +85,9 @@ class ServingRuntime:
             max_queue_wait_s=s.max_queue_wait_ms / 1000.0,
         )
         self.batcher.start()
-        self._set_switch_interval()
         self.state, self.detail = "ready", None
         self.metrics.ready.set(1)
         logger.info("ready after %.2fs (device %s, dtype %s)", time.monotonic() - started, s.device, self.config.dtype)
-
-    def _set_switch_interval(self) -> None:
-        """The model thread drops the GIL at every CUDA wait and must win it back from the event
-        loop's thread, which (running Python) keeps it up to the switch interval: 5 ms by default,
-        paid at each of the forward's waits (the convoy effect). A shorter interval bounds that."""
-        ms = self.settings.gil_switch_interval_ms
-        if ms is not None:
-            self._switch_interval_s = sys.getswitchinterval()
-            sys.setswitchinterval(ms / 1000.0)
 
     def _rank(self, requests: list[RankingRequest]) -> list[RankOutput]:
         """Runs on the model thread; logits come back on the CPU so the event loop never syncs a GPU.
@@ -208,7 +196,4 @@ class ServingRuntime:
         self.state, self.detail = "stopped", "shutting down"
         if self.manager is not None:
             await asyncio.to_thread(self.manager.close)
-        if self._switch_interval_s is not None:
-            sys.setswitchinterval(self._switch_interval_s)
-            self._switch_interval_s = None
         logger.info("stopped (was %s)", previous)

@@ -236,13 +236,3 @@ def test_a_second_signal_during_shutdown_exits_at_once(monkeypatch):
     assert server.should_exit and exits == []
     server.handle_exit(15, None)
     assert exits == [128 + 15]
-
-
-@pytest.mark.anyio
-async def test_the_gil_switch_interval_is_set_while_serving_and_restored_after():
-    import sys
-
-    before = sys.getswitchinterval()
-    async with serving(tiny_settings(gil_switch_interval_ms=0.25)):
-        assert sys.getswitchinterval() == pytest.approx(0.00025)
-    assert sys.getswitchinterval() == before
