@@ -41,6 +41,7 @@ class ModelMetadata(BaseModel):
     device: str
     cache: CacheSizes
     weights_fingerprint: str | None = Field(description="model_identity(model, config) in hex; null until loaded")
+    replicas: int = Field(description="ranking replicas serving the model (1 for `hstu serve`, N on Ray Serve)")
     ready: bool
 
 
@@ -64,5 +65,6 @@ def model_metadata(runtime: ServingRuntime, task_names: tuple[str, ...]) -> Mode
         device=s.device,
         cache=CacheSizes(**{name: getattr(s, name) for name in CacheSizes.model_fields}),
         weights_fingerprint=runtime.fingerprint,
+        replicas=runtime.replicas,
         ready=runtime.ready,
     )

@@ -23,9 +23,11 @@ import dataclasses
 import logging
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 import torch
+from prometheus_client import generate_latest
 
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
@@ -41,9 +43,16 @@ logger = logging.getLogger(__name__)
 
 WARMUP_USER = 0
 
+RuntimeFactory = Callable[[ServerSettings, HSTUConfig, RequestLimits, ServingMetrics], "ServingRuntime"]
+
 
 class ServingRuntime:
-    """Owns the model, the manager and the batcher; `state` is loading, ready, failed, stopping or stopped."""
+    """Owns the model, the manager and the batcher; `state` is loading, ready, failed, stopping or stopped.
+
+    The app (serving/app.py) ranks through submit / prefetch_users / exposition / pending / replicas,
+    which serving/ray_app.py's RemoteRuntime also provides (one app, two ways to rank)."""
+
+    replicas = 1
 
     def __init__(
         self, settings: ServerSettings, config: HSTUConfig, limits: RequestLimits, metrics: ServingMetrics
@@ -65,6 +74,23 @@ class ServingRuntime:
     @property
     def ready(self) -> bool:
         return self.state == "ready"
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted to the batcher and not yet answered."""
+        return self.batcher.pending if self.batcher is not None else 0
+
+    async def submit(self, request: RankingRequest, deadline: float) -> RankOutput:
+        """Rank one request through the batcher by `deadline` (time.monotonic()); RankError otherwise."""
+        return await self.batcher.submit(request, deadline)
+
+    async def prefetch_users(self, user_ids: list[int]) -> int:
+        """prefetch() on the model thread, between batches."""
+        return await self.batcher.run_on_model_thread(self.prefetch, user_ids)
+
+    async def exposition(self) -> bytes:
+        """The Prometheus text of this runtime's metrics (GET /metrics)."""
+        return generate_latest(self.metrics.registry)
 
     async def start(self) -> None:
         """Load and warm up off the loop, then start the batcher; a failure leaves state 'failed'."""
