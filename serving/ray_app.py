@@ -45,7 +45,7 @@ from hstu.model.config import HSTUConfig
 from hstu.serving.app import create_app
 from hstu.serving.errors import RETRY_AFTER_S, RankError
 from hstu.serving.metrics import ServingMetrics
-from hstu.serving.ray_router import DEFAULT_MAX_QUEUE, ROUTING_KEY, TARGET_KEY, UserAffinityRouter
+from hstu.serving.ray_router import DEFAULT_MAX_QUEUE, ROUTING_KEY, UserAffinityRouter
 from hstu.serving.router_stats import RouterCollector, router_stats
 from hstu.serving.runtime import ServingRuntime
 from hstu.serving.schemas import RequestLimits
@@ -101,9 +101,9 @@ class RankingReplica:
         """Who this replica is and what it serves: the ingress checks it serves the same model."""
         return {"replica": self.name, "config": self.runtime.config.to_dict(), "fingerprint": self.runtime.fingerprint}
 
-    async def exposition(self, replica: str) -> bytes:
-        """This replica's Prometheus text; `replica` is the routing target (this replica's name)."""
-        return await self.runtime.exposition()
+    async def scrape(self) -> tuple[str, bytes]:
+        """(this replica's name, its Prometheus text): what the ingress broadcasts for /metrics."""
+        return self.name, await self.runtime.exposition()
 
     def check_health(self) -> None:
         if not self.runtime.ready:
@@ -201,24 +201,30 @@ class RemoteRuntime:
             self.pending -= 1
 
     async def prefetch_users(self, user_ids: list[int]) -> int:
-        """One prefetch per user, each on the user's replica."""
-        started = await asyncio.gather(*(self._ranking.prefetch.remote([u], **{ROUTING_KEY: u}) for u in user_ids))
-        return sum(started)
+        """One prefetch per user, each on the user's replica, one after another: Serve gives the
+        calls made while serving one HTTP request one internal request id, and its router's
+        exact-id matching assigns only one of several such calls in flight at once."""
+        started = 0
+        for u in user_ids:
+            started += await self._ranking.prefetch.remote([u], **{ROUTING_KEY: u})
+        return started
 
     async def exposition(self) -> bytes:
-        """The ingress's metrics, then every live replica's with a `replica` label."""
-        names = self._stats.replicas
-        texts = await asyncio.gather(
-            *(asyncio.wait_for(self._ranking.exposition.remote(**{TARGET_KEY: n}), _SCRAPE_TIMEOUT_S) for n in names),
-            return_exceptions=True,
-        )
-        scraped = {}
-        for name, text in zip(names, texts):
-            if isinstance(text, BaseException):
-                logger.warning("metrics of replica %s: %s", name, type(text).__name__)
+        """The ingress's metrics, then every live replica's (one broadcast) with a `replica` label."""
+        try:
+            scraped = await self._ranking.broadcast("scrape").results_async(
+                timeout_s=_SCRAPE_TIMEOUT_S, return_exceptions=True
+            )
+        except TimeoutError:
+            logger.warning("replica metrics: no answer within %.1fs", _SCRAPE_TIMEOUT_S)
+            scraped = []
+        texts = {}
+        for outcome in scraped:
+            if isinstance(outcome, BaseException):
+                logger.warning("replica metrics: %s: %s", type(outcome).__name__, outcome)
             else:
-                scraped[name] = text.decode()
-        return merged_exposition(self.metrics.registry, scraped)
+                texts[outcome[0]] = outcome[1].decode()
+        return merged_exposition(self.metrics.registry, texts)
 
     def drain(self) -> None:
         self.state, self.detail = "stopping", "shutting down"

@@ -5,12 +5,12 @@ the user's owner on a consistent-hash ring of the live replicas (serving/user_ri
 returning user reaches the replica that holds their K/V. Bounded load: when the owner's queue is
 over `max_queue` the request goes to the next replica on the ring, then to the least loaded one; if
 Ray finds the chosen replica full (max_ongoing_requests) it falls back to the others, least loaded
-first. The ring follows the live replicas on every routing call, so a replica that joins or dies
+first. The ring follows the live replicas (Serve's updates, a replica seen dead, every routing
+call), so a replica that joins or dies
 moves only the users of the arcs that change owner (~1/N). Anchors: Ray Serve's
 PrefixCacheAffinityRouter (affinity with a load bound), NVIDIA Dynamo's KV-aware router.
 
-A request with the keyword `replica` (a replica's unique id) goes to that replica only: how the
-ingress reaches every replica for its metrics. Any other request goes to the least loaded replica.
+A request without the key goes to the least loaded replica.
 
 Decisions are counted once per routed request (on_request_routed) into the RouterStats of the
 deployment in this process (serving/router_stats.py), which the ingress exports on /metrics.
@@ -30,12 +30,12 @@ from hstu.serving.user_ring import AFFINITY, LEAST_LOADED, NEXT_ON_RING, UserRin
 logger = logging.getLogger(__name__)
 
 ROUTING_KEY = "user_id"
-TARGET_KEY = "replica"
 DEFAULT_MAX_QUEUE = 16
 
 
-def _key(pending_request: PendingRequest | None, name: str):
-    return None if pending_request is None else pending_request.kwargs.get(name)
+def _user_id(pending_request: PendingRequest | None) -> int | None:
+    user_id = None if pending_request is None else pending_request.kwargs.get(ROUTING_KEY)
+    return None if user_id is None else int(user_id)
 
 
 class UserAffinityRouter(RequestRouter):
@@ -55,6 +55,16 @@ class UserAffinityRouter(RequestRouter):
             self._stats.ring_changed(self._ring.replicas)
         return by_name
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's push of the live replicas: the ring (and the ingress's replica count) follows at
+        once, not only at the next routed request."""
+        super().update_replicas(replicas)
+        self._sync_ring(self._replicas_list)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._sync_ring(self._replicas_list)
+
     def _queue_len(self, replica: RunningReplica) -> int:
         return self._replica_queue_len_cache.get(replica.replica_id) or 0
 
@@ -62,22 +72,19 @@ class UserAffinityRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         by_name = self._sync_ring(candidate_replicas)
-        target = _key(pending_request, TARGET_KEY)
-        if target is not None:
-            return [[by_name[target]]] if target in by_name else []
-        user_id = _key(pending_request, ROUTING_KEY)
+        user_id = _user_id(pending_request)
         if user_id is None or not by_name:
             return [candidate_replicas]
         queues = {name: self._queue_len(r) for name, r in by_name.items()}
-        chosen = self._ring.route(int(user_id), queues, self._max_queue).replica
+        chosen = self._ring.route(user_id, queues, self._max_queue).replica
         rest = sorted((r for name, r in by_name.items() if name != chosen), key=self._queue_len)
         return [[by_name[chosen]], rest] if rest else [[by_name[chosen]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        user_id = _key(pending_request, ROUTING_KEY)
+        user_id = _user_id(pending_request)
         if user_id is None or not len(self._ring):
             return
         replica = replica_id.unique_id
-        owner, *second = self._ring.successors(int(user_id), 2)
+        owner, *second = self._ring.successors(user_id, 2)
         decision = AFFINITY if replica == owner else NEXT_ON_RING if replica in second else LEAST_LOADED
-        self._stats.routed(int(user_id), replica, decision)
+        self._stats.routed(user_id, replica, decision)
