@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from functools import partial
 from typing import Any, Iterable, Iterator
@@ -323,14 +324,19 @@ def app_builder(args: dict[str, Any]):
 
 def serve_locally(settings: ServerSettings, host: str, port: int, replicas: int, gpus_per_replica: float | None) -> None:
     """`hstu serve --replicas N`: start (or join, with RAY_ADDRESS) a Ray cluster, serve the app on
-    host:port and block until interrupted."""
+    host:port until SIGINT/SIGTERM, then delete the app (replicas drain their queues)."""
     import ray
 
     ray.init(include_dashboard=False)
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(
-        build_app(settings, replicas=replicas, gpus_per_replica=gpus_per_replica),
-        name=APP_NAME,
-        route_prefix="/",
-        blocking=True,
-    )
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # after ray.init, which installs its own
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        app = build_app(settings, replicas=replicas, gpus_per_replica=gpus_per_replica)
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        logger.info("serving %d ranking replicas on http://%s:%d (docs at /docs)", replicas, host, port)
+        signal.pause()
+    except KeyboardInterrupt:
+        logger.info("stopping: deleting the %s application", APP_NAME)
+        serve.delete(APP_NAME)
+    finally:
+        ray.shutdown()
