@@ -82,8 +82,8 @@ def _responses(*statuses: int) -> dict:
 def create_app(settings: ServerSettings | None = None, runtime_factory: RuntimeFactory = ServingRuntime) -> FastAPI:
     """A ranking app for `settings` (defaults: the embedded HSTUConfig on CPU).
 
-    `runtime_factory` builds what ranks the requests: the in-process ServingRuntime of `hstu serve`,
-    or the Ray Serve ingress's RemoteRuntime (serving/ray_app.py), behind the same endpoints."""
+    `runtime_factory` builds the Runtime that ranks the requests: the in-process ServingRuntime of
+    `hstu serve`, or the Ray Serve ingress's RemoteRuntime (serving/ray_app.py), behind the same endpoints."""
     settings = settings or ServerSettings()
     config = settings.resolve_model_config()
     task_names = settings.resolve_task_names(config)

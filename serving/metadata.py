@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from hstu import __version__
-from hstu.serving.runtime import ServingRuntime
+from hstu.serving.runtime import Runtime
 
 MODEL_NAME = "hstu"
 
@@ -50,7 +50,7 @@ class ModelReady(BaseModel):
     ready: bool
 
 
-def model_metadata(runtime: ServingRuntime, task_names: tuple[str, ...]) -> ModelMetadata:
+def model_metadata(runtime: Runtime, task_names: tuple[str, ...]) -> ModelMetadata:
     """The metadata document of `runtime`'s model as it is now."""
     s, cfg = runtime.settings, runtime.config
     return ModelMetadata(

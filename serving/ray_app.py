@@ -48,7 +48,7 @@ from hstu.serving.errors import RETRY_AFTER_S, RankError
 from hstu.serving.metrics import ServingMetrics
 from hstu.serving.ray_router import DEFAULT_MAX_QUEUE, ROUTING_KEY, UserAffinityRouter
 from hstu.serving.router_stats import RouterCollector, router_stats
-from hstu.serving.runtime import ServingRuntime
+from hstu.serving.runtime import Runtime, ServingRuntime
 from hstu.serving.schemas import RequestLimits
 from hstu.serving.settings import ServerSettings
 
@@ -114,12 +114,10 @@ class RankingReplica:
         await self.runtime.close()
 
 
-class RemoteRuntime:
-    """The ingress's stand-in for ServingRuntime (same interface as the app uses): ranks through a
-    handle to the ranking deployment, with the user id as the routing key."""
-
-    manager = None  # the cache lives in the replicas; their metrics come through exposition()
-    model = None  # the replicas compute the identity digests
+class RemoteRuntime(Runtime):
+    """The ingress's Runtime: ranks through a handle to the ranking deployment, with the user id as
+    the routing key. No model or cache here (`model`, `manager` stay None): the replicas compute the
+    identity digests, and their cache metrics come through exposition()."""
 
     def __init__(
         self,
@@ -129,14 +127,8 @@ class RemoteRuntime:
         metrics: ServingMetrics,
         ranking: DeploymentHandle,
     ) -> None:
-        self.settings = settings
-        self.config = config
-        self.limits = limits
-        self.metrics = metrics
-        self.state = "loading"
-        self.detail: str | None = "waiting for a ranking replica"
-        self.fingerprint: str | None = None
-        self.pending = 0
+        super().__init__(settings, config, limits, metrics, "waiting for a ranking replica")
+        self._in_flight = 0
         self._ranking = ranking
         self._stats = router_stats(RANKING)
         metrics.registry.register(RouterCollector(self._stats))
@@ -145,8 +137,8 @@ class RemoteRuntime:
         )
 
     @property
-    def ready(self) -> bool:
-        return self.state == "ready"
+    def pending(self) -> int:
+        return self._in_flight
 
     @property
     def replicas(self) -> int:
@@ -173,7 +165,7 @@ class RemoteRuntime:
 
     async def submit(self, request: RankingRequest, deadline: float) -> RankOutput:
         """Rank on the user's replica; a lost replica means a retry elsewhere until `deadline`."""
-        self.pending += 1
+        self._in_flight += 1
         try:
             for attempt in range(len(_RETRY_BACKOFF_S) + 1):
                 left = deadline - time.monotonic()
@@ -199,7 +191,7 @@ class RemoteRuntime:
                 return outcome
             raise RankError(504, "timeout", f"user {request.user_id}: request deadline passed")
         finally:
-            self.pending -= 1
+            self._in_flight -= 1
 
     async def prefetch_users(self, user_ids: list[int]) -> int:
         """One prefetch per user, each on the user's replica, one after another: Serve gives the
