@@ -7,9 +7,10 @@
 The ingress builds the very app `hstu serve` runs (serving/app.py) with a RemoteRuntime in place of
 the in-process ServingRuntime, so both paths share every endpoint, error and limit. A request's
 deadline travels as the time left (clocks of two hosts are not comparable). A request whose
-replica died is sent again (the router no longer offers the dead replica) until its deadline;
-ranking is pure, so a retry is safe, and the new replica recomputes the user's history, since
-its K/V are not there. A user who returns to a replica holding an older prefix is checked by exact
+replica died is sent again: Serve's router re-routes one that the dead replica had not answered,
+and the ingress re-sends one that still fails with a lost replica (hstu_replica_retries_total),
+until its deadline. Ranking is pure, so a retry is safe, and the new replica recomputes the user's
+history, since its K/V are not there. A user who returns to a replica holding an older prefix is checked by exact
 identity by that replica's engine, so every answer equals the no-cache model's.
 
 /metrics on the ingress: its own request metrics, the router's decisions (hstu_router_*), and every

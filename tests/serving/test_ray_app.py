@@ -145,12 +145,13 @@ def test_a_replica_killed_mid_run_loses_no_request_and_its_users_rehome(cluster,
 
     async def run() -> list[httpx.Response]:
         responses = []
-        for k, step in enumerate(steps):
-            sending = asyncio.create_task(post_all(cluster, step, concurrency=USERS))
-            if k == 3:
-                await asyncio.sleep(0.05)  # requests in flight on both replicas
-                ray.kill(_replica_actor(victim), no_restart=True)
-            responses += await sending
+        async with httpx.AsyncClient(base_url=cluster, timeout=60) as client:
+            for k, step in enumerate(steps):
+                sending = [asyncio.create_task(client.post("/v1/rank", json=p)) for p in step]
+                if k == 3:  # once the first answer is back, the rest are queued on both replicas
+                    await asyncio.wait(sending, return_when=asyncio.FIRST_COMPLETED)
+                    ray.kill(_replica_actor(victim), no_restart=True)
+                responses += await asyncio.gather(*sending)
         return responses
 
     responses = asyncio.run(run())
