@@ -66,21 +66,18 @@ _READY_POLL_S = 0.5
 _NO_ACCESS_LOG = {"enable_access_log": False}  # as `hstu serve` (uvicorn access_log=False): no per-request lines
 
 
-def _replica_name() -> str:
-    return serve.get_replica_context().replica_id.unique_id
-
-
 class RankingReplica:
     """One ranking replica: a ServingRuntime (engine, KV cache, batcher) inside a Serve replica."""
 
     async def __init__(self, settings: ServerSettings) -> None:
+        settings.check()  # on the replica's own node: its files, its GPU
         config = settings.resolve_model_config()
         limits = RequestLimits.for_model(config, settings.max_candidates, settings.max_body_bytes)
         metrics = ServingMetrics(settings.max_batch_size)
         self.runtime = ServingRuntime(settings, config, limits, metrics)
         metrics.watch_cache(lambda: self.runtime.manager)
         metrics.queue_depth.set_function(lambda: self.runtime.pending)
-        self.name = _replica_name()
+        self.name = serve.get_replica_context().replica_id.unique_id
         await self.runtime.start()
         if not self.runtime.ready:
             raise RuntimeError(f"ranking replica {self.name} did not start: {self.runtime.state} ({self.runtime.detail})")
@@ -95,9 +92,9 @@ class RankingReplica:
         except RankError as exc:
             return exc
 
-    async def prefetch(self, user_ids: list[int], user_id: int) -> int:
-        """Start onloads of `user_ids` (all owned by the replica of the routing key `user_id`)."""
-        return await self.runtime.prefetch_users(user_ids)
+    async def prefetch(self, user_id: int) -> int:
+        """Start the onload of `user_id` (also the routing key, so it runs on the user's replica)."""
+        return await self.runtime.prefetch_users([user_id])
 
     def describe(self) -> dict[str, Any]:
         """Who this replica is and what it serves: the ingress checks it serves the same model."""
@@ -200,7 +197,7 @@ class RemoteRuntime(Runtime):
         exact-id matching assigns only one of several such calls in flight at once."""
         started = 0
         for u in user_ids:
-            started += await self._ranking.prefetch.remote([u], **{ROUTING_KEY: u})
+            started += await self._ranking.prefetch.remote(**{ROUTING_KEY: u})
         return started
 
     async def exposition(self) -> bytes:

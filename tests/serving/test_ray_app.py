@@ -135,6 +135,8 @@ def test_two_replicas_keep_each_user_on_its_cache_and_match_the_no_cache_model(c
     per_replica = re.findall(r'^hstu_cache_lookups_total\{replica="[^"]+",result="miss"\} (\S+)$', metrics, re.M)
     assert len(per_replica) == 2 and all(float(v) > 0 for v in per_replica), "both replicas own users"
     assert httpx.get(f"{cluster}/v2/models/hstu").json()["replicas"] == 2
+    prefetch = httpx.post(f"{cluster}/v1/prefetch", json={"user_ids": [10_000, 10_001]}, timeout=30)
+    assert prefetch.status_code == 200 and prefetch.json()["requested"] == 2, prefetch.text
 
 
 def test_a_replica_killed_mid_run_loses_no_request_and_its_users_rehome(cluster, reference):
