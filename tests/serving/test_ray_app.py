@@ -17,10 +17,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
+yaml = pytest.importorskip("yaml")  # a dependency of ray
 
 from hstu.scripts.loadtest import wait_until_ready  # noqa: E402
 from ray.serve.context import _get_global_client  # noqa: E402
