@@ -22,10 +22,10 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 yaml = pytest.importorskip("yaml")  # a dependency of ray
 
-from hstu.scripts.loadtest import wait_until_ready  # noqa: E402
 from ray.serve.context import _get_global_client  # noqa: E402
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
+from hstu.scripts.loadtest import wait_until_ready  # noqa: E402
 from hstu.serving.ray_app import INGRESS, RANKING  # noqa: E402
 from hstu.serving.settings import ServerSettings  # noqa: E402
 from hstu.serving.user_ring import UserRing  # noqa: E402
