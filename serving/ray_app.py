@@ -29,6 +29,7 @@ import asyncio
 import logging
 import signal
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Iterable, Iterator
 
@@ -112,10 +113,19 @@ class RankingReplica:
         await self.runtime.close()
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """What the ingress holds of the replicas' model: its identity (model/identity.py; hex is the
+    weights fingerprint). The app needs only that to digest histories and to rebuild incremental
+    requests from its history store; the digests travel with the request, so replicas reuse them."""
+
+    identity: bytes
+
+
 class RemoteRuntime(Runtime):
     """The ingress's Runtime: ranks through a handle to the ranking deployment, with the user id as
-    the routing key. No model or cache here (`model`, `manager` stay None): the replicas compute the
-    identity digests, and their cache metrics come through exposition()."""
+    the routing key. `model` is a ServedModel once a replica described itself; no cache here
+    (`manager` stays None): the replicas' cache metrics come through exposition()."""
 
     def __init__(
         self,
@@ -157,6 +167,7 @@ class RemoteRuntime(Runtime):
                 self.state, self.detail = "failed", "the ranking replicas serve another model config"
                 return
             self.fingerprint = info["fingerprint"]
+            self.model = ServedModel(bytes.fromhex(self.fingerprint))
             self.state, self.detail = "ready", None
             self.metrics.ready.set(1)
             logger.info("ingress ready: ranking replicas serve weights %s", self.fingerprint)

@@ -53,7 +53,7 @@ class Runtime(ABC):
     ServingRuntime ranks in this process; serving/ray_app.py's RemoteRuntime on Ray Serve replicas."""
 
     replicas = 1
-    model: InferenceRankingGR | None = None  # the served model when in this process (identity digests)
+    model: InferenceRankingGR | None = None  # the served model, or what identifies it (`.identity`: digests)
     manager: AsyncKVCacheManager | None = None  # its cache when in this process (cache metrics)
 
     def __init__(

@@ -35,6 +35,7 @@ from tests.serving.conftest import (  # noqa: E402
     post_per_user_in_order,
     tiny_settings,
 )
+from tests.serving.test_incremental import as_events, full_columns, increment  # noqa: E402
 
 USERS = 20
 ROUNDS = 10
@@ -189,3 +190,16 @@ def test_scaling_two_to_three_replicas_moves_only_the_new_replicas_users(cluster
     assert moved == expected
     assert {new.owner(u) for u in moved} == after - before
     assert 0 < len(moved) <= 0.45 * users, f"{len(moved)} of {users} users moved to another replica"
+
+
+def test_incremental_requests_are_rebuilt_at_the_ingress_and_hit_the_users_replica(cluster, reference):
+    deploy(cluster, 2)
+    timeline = Timeline(40_000)
+    with httpx.Client(base_url=cluster, timeout=30) as client:
+        previous = client.post("/v1/rank", json=full_columns(timeline, 10, [1, 2, 3])).json()
+        for events in (11, 30, 60):
+            response = client.post("/v1/rank", json=increment(timeline, previous, events, [4, 5]))
+            assert response.status_code == 200, response.text
+            previous = response.json()
+            assert matches_reference(reference, as_events(full_columns(timeline, events, [4, 5])), previous)
+            assert previous["cached_tokens"] > 0 and previous["history_length"] == events
