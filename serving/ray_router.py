@@ -6,9 +6,9 @@ returning user reaches the replica that holds their K/V. Bounded load: when the 
 over `max_queue` the request goes to the next replica on the ring, then to the least loaded one; if
 Ray finds the chosen replica full (max_ongoing_requests) it falls back to the others, least loaded
 first. The ring follows the live replicas (Serve's updates, a replica seen dead, every routing
-call), so a replica that joins or dies
-moves only the users of the arcs that change owner (~1/N). Anchors: Ray Serve's
-PrefixCacheAffinityRouter (affinity with a load bound), NVIDIA Dynamo's KV-aware router.
+call), so a replica that joins or dies moves only the users of the arcs that change owner (~1/N).
+Anchors: Ray Serve's PrefixCacheAffinityRouter (affinity with a load bound), NVIDIA Dynamo's
+KV-aware router.
 
 A request without the key goes to the least loaded replica.
 
