@@ -27,7 +27,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from hstu import __version__
@@ -40,7 +40,7 @@ from hstu.serving.metadata import MODEL_NAME, ModelMetadata, ModelReady, model_m
 from hstu.serving.metrics import ServingMetrics
 from hstu.serving.parse_pool import ParsePool
 from hstu.serving.parsing import ParsedRank, RankBodyParser
-from hstu.serving.runtime import ServingRuntime
+from hstu.serving.runtime import RuntimeFactory, ServingRuntime
 from hstu.serving.schemas import (
     ErrorResponse,
     HealthResponse,
@@ -79,16 +79,19 @@ def _responses(*statuses: int) -> dict:
     return {s: {"model": ErrorResponse, "description": _ERROR_STATUSES[s]} for s in statuses}
 
 
-def create_app(settings: ServerSettings | None = None) -> FastAPI:
-    """A ranking app for `settings` (defaults: the embedded HSTUConfig on CPU)."""
+def create_app(settings: ServerSettings | None = None, runtime_factory: RuntimeFactory = ServingRuntime) -> FastAPI:
+    """A ranking app for `settings` (defaults: the embedded HSTUConfig on CPU).
+
+    `runtime_factory` builds the Runtime that ranks the requests: the in-process ServingRuntime of
+    `hstu serve`, or the Ray Serve ingress's RemoteRuntime (serving/ray_app.py), behind the same endpoints."""
     settings = settings or ServerSettings()
     config = settings.resolve_model_config()
     task_names = settings.resolve_task_names(config)
     limits = RequestLimits.for_model(config, settings.max_candidates, settings.max_body_bytes)
     metrics = ServingMetrics(settings.max_batch_size)
-    runtime = ServingRuntime(settings, config, limits, metrics)
+    runtime = runtime_factory(settings, config, limits, metrics)
     metrics.watch_cache(lambda: runtime.manager)
-    metrics.queue_depth.set_function(lambda: runtime.batcher.pending if runtime.batcher is not None else 0)
+    metrics.queue_depth.set_function(lambda: runtime.pending)
     RankRequestModel = build_rank_request_model(limits)
     RankColumnsModel = build_rank_columns_model(limits)
     parse_rank_body = RankBodyParser(limits, config, RankRequestModel, RankColumnsModel)
@@ -205,7 +208,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         except RankError as exc:
             return rank_error_response(exc, None)
         users = list(dict.fromkeys(body.user_ids))
-        started = await runtime.batcher.run_on_model_thread(runtime.prefetch, users)
+        started = await runtime.prefetch_users(users)
         return PrefetchResponse(requested=len(users), started=started)
 
     def _failed(status: int, kind: str, arrived: float, response: Response) -> Response:
@@ -254,7 +257,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     async def _rank_one(request: RankingRequest, deadline: float):
         if not runtime.ready:
             raise _unavailable()
-        return await runtime.batcher.submit(request, deadline)
+        return await runtime.submit(request, deadline)
 
     def _not_ready() -> JSONResponse:
         """503 in the error shape, with `status` for the health probes; never exception text."""
@@ -280,7 +283,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
 
     @app.get("/metrics", response_class=Response, summary="Prometheus metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await runtime.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     _publish_request_schema(app, RankRequestModel)
     _publish_request_schema(app, RankColumnsModel)

@@ -3,6 +3,8 @@
 The flags' defaults are ServerSettings' own (read when the parser is built); the app is imported
 when the command runs. A configuration that cannot work is
 refused with one logged line (exit status 2) before the model loads or the port is bound.
+`--replicas N` serves the same app on Ray Serve instead (serving/ray_app.py): N ranking replicas
+routed by user; Ray is imported only then.
 """
 
 from __future__ import annotations
@@ -80,6 +82,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="CUDA graphs of torch.compile'd layers (implies --cuda-graphs; slower start)",
     )
     p.add_argument("--task-names", default=None, help="comma-separated names of the task heads (default task_0,...)")
+    p.add_argument(
+        "--replicas", type=int, default=None,
+        help="serve N ranking replicas on Ray Serve, routed by user (needs the `ray` extra); a local Ray "
+        "cluster, or the one RAY_ADDRESS names",
+    )
+    p.add_argument(
+        "--gpus-per-replica", type=float, default=None,
+        help="GPUs of each ranking replica with --replicas (default 1 on cuda, 0 on cpu)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -120,10 +131,26 @@ def run(args: argparse.Namespace) -> int:
         logger.error("hstu serve: %s", exc)
         return 2
 
+    if args.replicas is not None:
+        return _run_on_ray(settings, args)
+
     from hstu.serving.app import create_app
     from hstu.serving.server import draining_server
 
     app = create_app(settings)
     logger.info("serving on http://%s:%d (docs at /docs)", args.host, args.port)
     draining_server(app, args.host, args.port).run()
+    return 0
+
+
+def _run_on_ray(settings, args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        logger.error("hstu serve: --replicas must be at least 1, got %d", args.replicas)
+        return 2
+    try:
+        from hstu.serving.ray_app import serve_locally
+    except ImportError as exc:
+        logger.error("hstu serve --replicas needs Ray Serve (pip install 'hstu-kvcache[ray]'): %s", exc)
+        return 2
+    serve_locally(settings, args.host, args.port, args.replicas, args.gpus_per_replica)
     return 0

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from hstu import __version__
-from hstu.serving.runtime import ServingRuntime
+from hstu.serving.runtime import Runtime
 
 MODEL_NAME = "hstu"
 
@@ -41,6 +41,7 @@ class ModelMetadata(BaseModel):
     device: str
     cache: CacheSizes
     weights_fingerprint: str | None = Field(description="model_identity(model, config) in hex; null until loaded")
+    replicas: int = Field(description="ranking replicas serving the model (1 for `hstu serve`, N on Ray Serve)")
     ready: bool
 
 
@@ -49,7 +50,7 @@ class ModelReady(BaseModel):
     ready: bool
 
 
-def model_metadata(runtime: ServingRuntime, task_names: tuple[str, ...]) -> ModelMetadata:
+def model_metadata(runtime: Runtime, task_names: tuple[str, ...]) -> ModelMetadata:
     """The metadata document of `runtime`'s model as it is now."""
     s, cfg = runtime.settings, runtime.config
     return ModelMetadata(
@@ -64,5 +65,6 @@ def model_metadata(runtime: ServingRuntime, task_names: tuple[str, ...]) -> Mode
         device=s.device,
         cache=CacheSizes(**{name: getattr(s, name) for name in CacheSizes.model_fields}),
         weights_fingerprint=runtime.fingerprint,
+        replicas=runtime.replicas,
         ready=runtime.ready,
     )

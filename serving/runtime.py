@@ -22,9 +22,12 @@ import asyncio
 import dataclasses
 import logging
 import time
+from abc import ABC, abstractmethod
+from typing import Callable
 
 import numpy as np
 import torch
+from prometheus_client import generate_latest
 
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
@@ -40,29 +43,87 @@ logger = logging.getLogger(__name__)
 
 WARMUP_USER = 0
 
+RuntimeFactory = Callable[[ServerSettings, HSTUConfig, RequestLimits, ServingMetrics], "Runtime"]
 
-class ServingRuntime:
-    """Owns the model, the manager and the batcher; `state` is loading, ready, failed, stopping or stopped."""
+
+class Runtime(ABC):
+    """What the app (serving/app.py) ranks through: `state` and `detail` for the health endpoints,
+    the model's metadata, and submit / prefetch_users / exposition / pending / replicas.
+    ServingRuntime ranks in this process; serving/ray_app.py's RemoteRuntime on Ray Serve replicas."""
+
+    replicas = 1
+    model: InferenceRankingGR | None = None  # the served model, or what identifies it (`.identity`: digests)
+    manager: AsyncKVCacheManager | None = None  # its cache when in this process (cache metrics)
 
     def __init__(
-        self, settings: ServerSettings, config: HSTUConfig, limits: RequestLimits, metrics: ServingMetrics
+        self, settings: ServerSettings, config: HSTUConfig, limits: RequestLimits, metrics: ServingMetrics, detail: str
     ) -> None:
         self.settings = settings
         self.config = config
         self.limits = limits
         self.metrics = metrics
         self.state = "loading"
-        self.detail: str | None = "loading the model and warming up"
-        self.model: InferenceRankingGR | None = None
-        self.manager: AsyncKVCacheManager | None = None
-        self.engine: RankingEngine | None = None
-        self.batcher: Batcher | None = None
+        self.detail: str | None = detail
         self.fingerprint: str | None = None
-        self._drain: asyncio.Task | None = None
 
     @property
     def ready(self) -> bool:
         return self.state == "ready"
+
+    @property
+    @abstractmethod
+    def pending(self) -> int:
+        """Requests submitted and not yet answered."""
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Become ready (state 'ready'), or 'failed'; runs in the background of the app's lifespan."""
+
+    @abstractmethod
+    async def submit(self, request: RankingRequest, deadline: float) -> RankOutput:
+        """Rank one request by `deadline` (time.monotonic()); RankError otherwise."""
+
+    @abstractmethod
+    async def prefetch_users(self, user_ids: list[int]) -> int:
+        """Start onloads of users expected soon; how many started."""
+
+    @abstractmethod
+    async def exposition(self) -> bytes:
+        """The Prometheus text of GET /metrics."""
+
+    @abstractmethod
+    async def close(self, start_task: asyncio.Task | None = None) -> None:
+        """Stop serving (after `start_task`, the running start(), if given)."""
+
+
+class ServingRuntime(Runtime):
+    """Owns the model, the manager and the batcher; `state` is loading, ready, failed, stopping or stopped."""
+
+    def __init__(
+        self, settings: ServerSettings, config: HSTUConfig, limits: RequestLimits, metrics: ServingMetrics
+    ) -> None:
+        super().__init__(settings, config, limits, metrics, "loading the model and warming up")
+        self.model: InferenceRankingGR | None = None
+        self.manager: AsyncKVCacheManager | None = None
+        self.engine: RankingEngine | None = None
+        self.batcher: Batcher | None = None
+        self._drain: asyncio.Task | None = None
+        self._switch_interval_s: float | None = None  # Python's, while ours is set
+
+    @property
+    def pending(self) -> int:
+        return self.batcher.pending if self.batcher is not None else 0
+
+    async def submit(self, request: RankingRequest, deadline: float) -> RankOutput:
+        """Through the batcher."""
+        return await self.batcher.submit(request, deadline)
+
+    async def prefetch_users(self, user_ids: list[int]) -> int:
+        """prefetch() on the model thread, between batches."""
+        return await self.batcher.run_on_model_thread(self.prefetch, user_ids)
+
+    async def exposition(self) -> bytes:
+        return generate_latest(self.metrics.registry)
 
     async def start(self) -> None:
         """Load and warm up off the loop, then start the batcher; a failure leaves state 'failed'."""

@@ -130,6 +130,7 @@ UNWORKABLE = [
     ("chunk not a page multiple", lambda tmp: ["--page-size", "32", "--chunk-tokens", "48"], "multiple of page_size"),
     ("zero pages", lambda tmp: ["--num-pages", "0"], "num_pages must be positive, got 0"),
     ("wrong task count", lambda tmp: ["--task-names", "a,b"], "3 distinct task names"),
+    ("zero replicas", lambda tmp: ["--replicas", "0"], "--replicas must be at least 1, got 0"),
 ]
 
 

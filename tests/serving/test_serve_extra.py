@@ -14,8 +14,8 @@ import pytest
 from hstu.scripts.loadtest import wait_until_ready
 from tests.configs import SERVING_TINY
 
-# Packages of the bench/test/client extras; the serve process must run without any of them.
-_NOT_IN_SERVE = ("tqdm", "matplotlib", "httpx", "pytest")
+# Packages of the bench/test/client/ray extras; the serve process must run without any of them.
+_NOT_IN_SERVE = ("tqdm", "matplotlib", "httpx", "pytest", "ray")
 _BLOCKING_MAIN = """
 import sys
 
@@ -46,6 +46,13 @@ def test_serve_help_needs_only_the_serve_extra():
     out, _ = done.communicate(timeout=120)
     assert done.returncode == 0, out
     assert "usage: hstu serve" in out
+
+
+def test_serve_replicas_without_the_ray_extra_exits_2_naming_it():
+    done = _hstu_without_other_extras(["serve", "--replicas", "2"])
+    out, _ = done.communicate(timeout=120)
+    assert done.returncode == 2, out
+    assert "pip install 'hstu-kvcache[ray]'" in out
 
 
 @pytest.mark.timeout(300)
