@@ -195,3 +195,25 @@ def export_ranker(ranker: ExportableRanker) -> torch.export.ExportedProgram:
         event_counts={0: B}, candidates={0: M}, candidate_counts={0: B},
     )
     return torch.export.export(ranker, tuple(example), dynamic_shapes=tuple(dims), strict=False)
+
+
+def package_ranker(ranker: ExportableRanker, path: str) -> str:
+    """Export the ranker and compile it into an AOTInductor package at `path` (.pt2). The package
+    carries the weights, the cache's configuration (a loaded package starts with an empty cache)
+    and, as metadata, the sizes a client needs to build valid batches."""
+    from torch._inductor import aoti_compile_and_package
+
+    cfg = ranker.config
+    metadata = {
+        "num_contextual": cfg.num_contextual,
+        "num_contextual_features": cfg.num_contextual_features,
+        "num_items": cfg.num_items,
+        "num_actions": cfg.num_actions,
+        "num_tasks": cfg.num_tasks,
+        "max_seq_len": cfg.max_seq_len,
+    }
+    return aoti_compile_and_package(
+        export_ranker(ranker),
+        package_path=path,
+        inductor_configs={"aot_inductor.metadata": {k: str(v) for k, v in metadata.items()}},
+    )

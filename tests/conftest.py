@@ -62,3 +62,33 @@ def book(tiny_config) -> HistoryBook:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+# The exported-ranker tests (tests/engine/test_exported.py, tests/tools/test_aoti_runner.py).
+# 16 pages of 8 tokens: six returning users outgrow the pool, so later batches evict.
+EXPORT_PAGES, EXPORT_PAGE_SIZE = 16, 8
+
+
+def export_sequence(config: HSTUConfig) -> list[list[RankingRequest]]:
+    """Seeded batches of 1-3 of six users, growing histories, then one user's shortened history."""
+    book = HistoryBook(config, seed=1)
+    batches = list(book.random_batches(seed=2, rounds=8, num_users=6, max_users=3, new_events=(1, 6), candidates=(1, 4)))
+    items, actions, times = book.histories[batches[-1][0].user_id]
+    shorter = RankingRequest.create(batches[-1][0].user_id, items[:2], actions[:2], times[:2], [1, 2], config=config)
+    return batches + [[shorter]]
+
+
+@pytest.fixture(scope="session")
+def aoti_package(tmp_path_factory) -> str:
+    """`hstu export` of the tiny model (AOTInductor compile: about a minute on 2 cores)."""
+    import json
+
+    from hstu.cli import main
+
+    folder = tmp_path_factory.mktemp("export")
+    config = folder / "model.json"
+    config.write_text(json.dumps(TINY.to_dict()))
+    out = folder / "model.pt2"
+    argv = ["export", "--out", str(out), "--config", str(config), "--num-pages", str(EXPORT_PAGES), "--page-size", str(EXPORT_PAGE_SIZE)]
+    assert main(argv) == 0
+    return str(out)
