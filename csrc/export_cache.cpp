@@ -1,21 +1,27 @@
-// ExportKVCache: the GPU-tier KV cache as a TorchScript custom class (an opaque handle), and the
+// ExportKVCache: the tiered KV cache as a TorchScript custom class (an opaque handle), and the
 // cache-protocol ops that take it, so a forward calling them can be captured by torch.export and
-// run by AOTInductor from C++ without Python (ops/export_ops.py has the fakes, engine/exported.py
+// run by AOTInductor from C++ without Python (ops/cache_ops.py has the fakes, engine/exported.py
 // the forward).
 //
-// The object owns the page tensor kv [num_layers, num_pages, 2, page_size, H, d] and a
-// GpuPageManager (page pool, user LRU, pins). A cached prefix is identified exactly by its token
-// records ([n, 2] int64, model/identity.py's layout), stored as the entry's digest bytes: a
-// lookup reuses cached K/V only when the request's first `cached` records equal them byte for
-// byte. The model is fixed by the program the cache is embedded in (its weights are constants).
+// The object owns the page tensor kv [num_layers, num_pages, 2, page_size, H, d] with a
+// GpuPageManager (page pool, user LRU, pins), and a host arena [host_slots, num_layers,
+// pages_per_chunk, 2, page_size, H, d] with a HostStorage (chunk slots, user LRU); host_slots 0
+// means no host tier. A cached prefix is identified exactly by its token records ([n, 2] int64,
+// model/identity.py's layout), stored as the entry's digest bytes: a lookup reuses cached K/V
+// only when the request's first `cached` records equal them byte for byte. The model is fixed by
+// the program the cache is embedded in (its weights are constants).
 //
 // One forward, in this order (torch.export orders ops on one object through effect tokens):
-//   cache_lookup   cached length per user; a shorter or diverging history drops the entry
-//   cache_allocate pins users, reserves pages (evicting LRU unpinned users), returns the batch's
-//                  row layout and page metadata
+//   cache_lookup   cached length per user: the GPU entry, else the host chunks; a shorter or
+//                  diverging history drops the user from both tiers (GPU) or the host tier
+//   cache_allocate pins users, reserves pages (evicting LRU unpinned users), copies host-tier
+//                  users' chunks into their first pages (onload, synchronous), returns the
+//                  batch's row layout and page metadata
 //   per layer: cache_append (new history tokens' K/V into their slots), cache_gather (each
 //                  user's padded K/V, a fresh tensor, after the append)
-//   cache_commit   valid lengths and identities of the whole histories; unpins
+//   cache_commit   valid lengths and identities of the whole histories; copies each user's newly
+//                  full chunks (all layers) into host slots (offload, synchronous; skipped for a
+//                  user when the host tier has no room); unpins
 // A forward that failed before cache_commit leaves its users pinned; the next cache_lookup
 // releases and drops them (their pages may hold partial writes).
 //
@@ -32,9 +38,11 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "cache/gpu_page_manager.h"
+#include "cache/host_storage.h"
 
 namespace hstu {
 namespace {
@@ -56,19 +64,41 @@ at::Tensor long_tensor(const std::vector<int64_t>& values, const at::Device& dev
   return at::tensor(values, at::TensorOptions().dtype(at::kLong)).to(device);
 }
 
+template <typename Ids>
+at::Tensor long_tensor(const Ids& values) {
+  return at::tensor(std::vector<int64_t>(values.begin(), values.end()), at::TensorOptions().dtype(at::kLong));
+}
+
+constexpr size_t kRecordBytes = 2 * sizeof(int64_t);
+
+// True when the stored identity is exactly the first `len` of a history's `n` records.
+bool same_prefix(const std::string& identity, const char* records, int64_t len, int64_t n) {
+  const size_t bytes = static_cast<size_t>(len) * kRecordBytes;
+  return len <= n && identity.size() == bytes && std::memcmp(identity.data(), records, bytes) == 0;
+}
+
 }  // namespace
 
 class ExportKVCache : public torch::CustomClassHolder {
  public:
-  using State = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, std::string, std::string>;
+  using State =
+      std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, std::string, std::string>;
 
   ExportKVCache(int64_t num_layers, int64_t num_pages, int64_t page_size, int64_t num_heads, int64_t head_dim,
-                std::string dtype, std::string device)
-      : state_(num_layers, num_pages, page_size, num_heads, head_dim, dtype, device), gpu_(num_pages, page_size) {
+                int64_t host_slots, int64_t chunk_tokens, std::string dtype, std::string device)
+      : state_(num_layers, num_pages, page_size, num_heads, head_dim, host_slots, chunk_tokens, dtype, device),
+        gpu_(num_pages, page_size),
+        host_(host_slots, chunk_tokens) {
     TORCH_CHECK(num_layers > 0 && num_heads > 0 && head_dim > 0, "ExportKVCache: num_layers ", num_layers,
                 ", num_heads ", num_heads, ", head_dim ", head_dim, " must be positive");
-    kv_ = at::zeros({num_layers, num_pages, 2, page_size, num_heads, head_dim},
-                    at::TensorOptions().dtype(parse_dtype(dtype)).device(at::Device(device)));
+    TORCH_CHECK(chunk_tokens % page_size == 0, "ExportKVCache: chunk_tokens ", chunk_tokens,
+                " must be a multiple of page_size ", page_size);
+    const auto options = at::TensorOptions().dtype(parse_dtype(dtype));
+    const at::Device dev(device);
+    kv_ = at::zeros({num_layers, num_pages, 2, page_size, num_heads, head_dim}, options.device(dev));
+    pages_per_chunk_ = chunk_tokens / page_size;
+    host_arena_ = at::zeros({host_slots, num_layers, pages_per_chunk_, 2, page_size, num_heads, head_dim},
+                            options.pinned_memory(dev.is_cuda()));
   }
 
   const State& state() const { return state_; }
@@ -77,6 +107,7 @@ class ExportKVCache : public torch::CustomClassHolder {
   at::Tensor lookup(const at::Tensor& user_ids, const at::Tensor& records, const at::Tensor& record_offsets) {
     std::lock_guard<std::mutex> lock(mu_);
     abort_pending_locked();
+    onload_.clear();
     const auto users = host_long(user_ids, "user_ids", 1);
     const auto recs = host_long(records, "records", 2);
     const auto offs = host_long(record_offsets, "record_offsets", 1);
@@ -89,16 +120,30 @@ class ExportKVCache : public torch::CustomClassHolder {
     std::vector<int64_t> cached(B, 0);
     for (int64_t b = 0; b < B; ++b) {
       const int64_t n = o[b + 1] - o[b];
+      const char* history = bytes + o[b] * kRecordBytes;
       auto [len, identity] = gpu_.lookup(u[b]);
-      if (len == 0) continue;
-      const size_t prefix = static_cast<size_t>(len) * 2 * sizeof(int64_t);
-      const bool same = len <= n && identity.size() == prefix &&
-                        std::memcmp(identity.data(), bytes + o[b] * 2 * sizeof(int64_t), prefix) == 0;
-      if (same) {
-        cached[b] = len;
-        reused_tokens_ += len;
+      if (len > 0) {
+        if (same_prefix(identity, history, len, n)) {
+          cached[b] = len;
+          reused_tokens_ += len;
+        } else {  // the host chunks are a prefix of the GPU entry's history: drop both
+          gpu_.invalidate(u[b]);
+          host_.invalidate(u[b]);
+          ++invalidations_;
+        }
+        continue;
+      }
+      auto [slots, host_identity] = host_.lookup(u[b]);
+      const int64_t host_len = static_cast<int64_t>(slots.size()) * host_.chunk_tokens();
+      if (host_len == 0) continue;
+      if (same_prefix(host_identity, history, host_len, n)) {
+        cached[b] = host_len;
+        reused_tokens_ += host_len;
+        onloaded_tokens_ += host_len;
+        host_.touch(u[b]);
+        onload_[u[b]] = std::move(slots);
       } else {
-        gpu_.invalidate(u[b]);
+        host_.invalidate(u[b]);
         ++invalidations_;
       }
     }
@@ -125,8 +170,10 @@ class ExportKVCache : public torch::CustomClassHolder {
     const int64_t* co = cand_t.data_ptr<int64_t>();
     std::vector<int64_t> users(users_t.data_ptr<int64_t>(), users_t.data_ptr<int64_t>() + B);
     std::vector<int64_t> keep(cached_t.data_ptr<int64_t>(), cached_t.data_ptr<int64_t>() + B);
+    std::vector<int64_t> cached = keep;
     std::vector<int64_t> hist(B);
     for (int64_t b = 0; b < B; ++b) {
+      if (onload_.count(users[b])) keep[b] = 0;  // not on the GPU: its pages are filled by onload
       hist[b] = o[b + 1] - o[b];
       if (hist[b] <= 0) {
         throw std::invalid_argument("ExportKVCache: user " + std::to_string(users[b]) +
@@ -136,6 +183,7 @@ class ExportKVCache : public torch::CustomClassHolder {
     const auto pages = gpu_.reserve(users, keep, hist);
     gpu_.take_evicted();
     pending_ = users;
+    onload_locked(users, pages);
 
     const int64_t ps = gpu_.page_size();
     const int64_t N = o[B];
@@ -145,7 +193,7 @@ class ExportKVCache : public torch::CustomClassHolder {
     for (int64_t b = 0; b < B; ++b) {
       max_pages = std::max(max_pages, pages[b].size());
       int64_t local = 0;
-      for (int64_t p = keep[b]; p < hist[b]; ++p, ++local) {
+      for (int64_t p = cached[b]; p < hist[b]; ++p, ++local) {
         append_rows.push_back(static_cast<int64_t>(rows.size()));
         append_pages.push_back(pages[b][p / ps]);
         append_offsets.push_back(p % ps);
@@ -222,8 +270,10 @@ class ExportKVCache : public torch::CustomClassHolder {
     TORCH_CHECK(batch == pending_, "ExportKVCache.commit: users differ from the allocated batch");
     const char* bytes = reinterpret_cast<const char*>(recs.data_ptr<int64_t>());
     for (int64_t b = 0; b < B; ++b) {
-      const size_t row = 2 * sizeof(int64_t);
-      gpu_.commit(u[b], o[b + 1] - o[b], std::string(bytes + o[b] * row, (o[b + 1] - o[b]) * row));
+      const int64_t n = o[b + 1] - o[b];
+      const char* history = bytes + o[b] * kRecordBytes;
+      gpu_.commit(u[b], n, std::string(history, n * kRecordBytes));
+      offload_locked(u[b], n, history);
     }
     gpu_.release(batch);
     pending_.clear();
@@ -234,10 +284,53 @@ class ExportKVCache : public torch::CustomClassHolder {
   int64_t evictions() const { return gpu_.evictions(); }
   int64_t invalidations() const { return invalidations_; }
   int64_t reused_tokens() const { return reused_tokens_; }
+  int64_t onloaded_tokens() const { return onloaded_tokens_; }
+  int64_t offloaded_chunks() const { return offloaded_chunks_; }
+  int64_t host_users() const { return host_.num_users(); }
 
  private:
   void check_layer(int64_t layer) const {
     TORCH_CHECK(layer >= 0 && layer < kv_.size(0), "ExportKVCache: layer ", layer, " outside [0, ", kv_.size(0), ")");
+  }
+
+  // Host chunks of this batch's host-tier users -> their first pages, every layer.
+  void onload_locked(const std::vector<int64_t>& users, const std::vector<std::vector<int32_t>>& pages) {
+    std::vector<int64_t> slots, targets;
+    for (size_t b = 0; b < users.size(); ++b) {
+      auto it = onload_.find(users[b]);
+      if (it == onload_.end()) continue;
+      slots.insert(slots.end(), it->second.begin(), it->second.end());
+      targets.insert(targets.end(), pages[b].begin(), pages[b].begin() + it->second.size() * pages_per_chunk_);
+    }
+    onload_.clear();
+    if (slots.empty()) return;
+    auto chunks = host_arena_.index_select(0, long_tensor(slots)).transpose(0, 1);  // [L, n, ppc, 2, ps, H, d]
+    chunks = chunks.reshape({kv_.size(0), -1, 2, kv_.size(3), kv_.size(4), kv_.size(5)});
+    kv_.index_copy_(1, long_tensor(targets).to(kv_.device()), chunks.to(kv_.device()));
+  }
+
+  // The user's newly full chunks (after those the host tier holds), every layer -> host slots.
+  void offload_locked(int64_t user, int64_t n, const char* history) {
+    const int64_t chunk = host_.chunk_tokens();
+    const int64_t full = n / chunk;
+    const auto held = static_cast<int64_t>(host_.lookup(user).first.size());
+    if (host_.num_slots() == 0 || full <= held) return;
+    std::vector<int32_t> slots;
+    try {
+      slots = host_.reserve(user, held, full - held);
+    } catch (const CacheCapacityError&) {
+      return;  // every slot is reserved or owned by this user: it stays GPU-only
+    }
+    host_.take_evicted();
+    const auto user_pages = gpu_.pages(user);
+    const std::vector<int32_t> pages(user_pages.begin() + held * pages_per_chunk_,
+                                     user_pages.begin() + full * pages_per_chunk_);
+    auto chunks = kv_.index_select(1, long_tensor(pages).to(kv_.device()));  // [L, k*ppc, 2, ps, H, d]
+    chunks = chunks.view({kv_.size(0), full - held, pages_per_chunk_, 2, kv_.size(3), kv_.size(4), kv_.size(5)});
+    host_arena_.index_copy_(0, long_tensor(slots), chunks.transpose(0, 1).to(at::kCPU));
+    if (host_.commit(user, slots, held, std::string(history, full * chunk * kRecordBytes))) {
+      offloaded_chunks_ += full - held;
+    }
   }
 
   void abort_pending_locked() {
@@ -249,11 +342,17 @@ class ExportKVCache : public torch::CustomClassHolder {
 
   State state_;
   GpuPageManager gpu_;
+  HostStorage host_;
   at::Tensor kv_;
+  at::Tensor host_arena_;
+  int64_t pages_per_chunk_ = 1;
   std::mutex mu_;
   std::vector<int64_t> pending_;  // users pinned by allocate, not yet committed
+  std::unordered_map<int64_t, std::vector<int32_t>> onload_;  // host-tier hits of the last lookup
   int64_t invalidations_ = 0;  // entries dropped by lookup (shorter or diverging history)
-  int64_t reused_tokens_ = 0;  // cached tokens lookup handed out, cumulative
+  int64_t reused_tokens_ = 0;  // cached tokens lookup handed out (either tier), cumulative
+  int64_t onloaded_tokens_ = 0;  // of those, tokens copied from the host tier
+  int64_t offloaded_chunks_ = 0;  // chunks committed to the host tier
 };
 
 namespace {
@@ -291,28 +390,32 @@ void cache_commit(const CacheRef& cache, const at::Tensor& user_ids, const at::T
 
 TORCH_LIBRARY_FRAGMENT(hstu, m) {
   m.class_<ExportKVCache>("ExportKVCache")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, std::string, std::string>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, std::string, std::string>())
       .def("num_users", &ExportKVCache::num_users)
       .def("num_free_pages", &ExportKVCache::num_free_pages)
       .def("evictions", &ExportKVCache::evictions)
       .def("invalidations", &ExportKVCache::invalidations)
       .def("reused_tokens", &ExportKVCache::reused_tokens)
+      .def("onloaded_tokens", &ExportKVCache::onloaded_tokens)
+      .def("offloaded_chunks", &ExportKVCache::offloaded_chunks)
+      .def("host_users", &ExportKVCache::host_users)
       .def("__obj_flatten__",
            [](const CacheRef& self) {
-             const auto& [layers, pages, ps, heads, dim, dtype, device] = self->state();
+             const auto& [layers, pages, ps, heads, dim, slots, chunk, dtype, device] = self->state();
              return std::make_tuple(std::make_tuple(std::string("num_layers"), layers),
                                     std::make_tuple(std::string("num_pages"), pages),
                                     std::make_tuple(std::string("page_size"), ps),
                                     std::make_tuple(std::string("num_heads"), heads),
                                     std::make_tuple(std::string("head_dim"), dim),
+                                    std::make_tuple(std::string("host_slots"), slots),
+                                    std::make_tuple(std::string("chunk_tokens"), chunk),
                                     std::make_tuple(std::string("dtype"), dtype),
                                     std::make_tuple(std::string("device"), device));
            })
       .def_pickle([](const CacheRef& self) { return self->state(); },
                   [](ExportKVCache::State s) {
-                    return c10::make_intrusive<ExportKVCache>(std::get<0>(s), std::get<1>(s), std::get<2>(s),
-                                                              std::get<3>(s), std::get<4>(s), std::get<5>(s),
-                                                              std::get<6>(s));
+                    return std::apply(
+                        [](auto... args) { return c10::make_intrusive<ExportKVCache>(args...); }, std::move(s));
                   });
 
 #define HSTU_CACHE_ARG "__torch__.torch.classes.hstu.ExportKVCache cache"

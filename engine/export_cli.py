@@ -1,7 +1,7 @@
 """`hstu export`: the cached ranking model as an AOTInductor package (.pt2) that a C++ program
 runs without Python (tools/aoti_runner/). The package holds the weights and the whole cache flow
-of engine/exported.py (GPU tier: lookup, page allocation with LRU eviction, append, commit); it
-starts with an empty cache each time it is loaded.
+of engine/exported.py (lookup in both tiers, page allocation with LRU eviction, onload, append,
+commit, offload); it starts with an empty cache each time it is loaded.
 
 Import-light (argparse only): torch loads when the command runs."""
 
@@ -21,8 +21,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--out", required=True, help="package path to write (model.pt2)")
     p.add_argument("--config", default=None, help="HSTUConfig JSON file (default: the embedded config)")
     p.add_argument("--checkpoint", default=None, help="InferenceRankingGR state_dict file (default: seeded weights)")
-    p.add_argument("--num-pages", type=int, default=1024, help="KV pages in the cache (default %(default)s)")
-    p.add_argument("--page-size", type=int, default=32, help="tokens per page (default %(default)s)")
+    p.add_argument("--num-pages", type=int, default=1024, help="KV pages in the device tier (default %(default)s)")
+    p.add_argument("--page-size", type=int, default=32, help="tokens per KV page (default %(default)s)")
+    p.add_argument("--chunk-tokens", type=int, default=128, help="tokens per host chunk, a multiple of --page-size (default %(default)s)")
+    p.add_argument("--host-cache-mb", type=float, default=1024, help="host tier MiB, 0 for none (default %(default)s)")
     p.add_argument("--device", default="cpu", help="device the package runs on (default %(default)s)")
     p.set_defaults(func=run)
     return p
@@ -34,14 +36,23 @@ def run(args: argparse.Namespace) -> int:
     from hstu.engine.exported import ExportableRanker, package_ranker
     from hstu.model.config import HSTUConfig
     from hstu.model.ranking import InferenceRankingGR
+    from hstu.ops.kvcache.config import KVCacheConfig
 
-    if args.num_pages <= 0 or args.page_size <= 0:
-        raise SystemExit(f"hstu export: --num-pages {args.num_pages} and --page-size {args.page_size} must be positive")
     config = HSTUConfig.from_json(args.config) if args.config else HSTUConfig()
+    try:
+        cache_config = KVCacheConfig.for_model(
+            config, num_pages=args.num_pages, page_size=args.page_size, chunk_tokens=args.chunk_tokens,
+            host_capacity_bytes=int(args.host_cache_mb * 2**20),
+        )
+    except ValueError as e:
+        raise SystemExit(f"hstu export: {e}") from e
     model = InferenceRankingGR(config, device=args.device)
     if args.checkpoint:
         model.load_state_dict(torch.load(args.checkpoint, map_location=args.device, weights_only=True))
     started = time.monotonic()
-    path = package_ranker(ExportableRanker(model, args.num_pages, args.page_size), args.out)
-    logger.info("wrote %s in %.0f s (%d pages x %d tokens cache)", path, time.monotonic() - started, args.num_pages, args.page_size)
+    path = package_ranker(ExportableRanker(model, cache_config), args.out)
+    logger.info(
+        "wrote %s in %.0f s (cache: %d pages x %d tokens, %d host chunks x %d tokens)", path, time.monotonic() - started,
+        cache_config.num_pages, cache_config.page_size, cache_config.host_slots, cache_config.chunk_tokens,
+    )
     return 0

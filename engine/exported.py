@@ -8,8 +8,12 @@ module runs the same math with the protocol as ops on an opaque cache handle it 
   in numpy) -> cache_lookup -> cache_allocate (pins, LRU eviction, row layout) -> embed only the
   new history tokens and the candidates -> per layer: cache_append, cache_gather, attention ->
   cache_commit -> candidate rows -> postprocessor -> head.
-What it covers: the GPU tier (one page pool, user LRU, exact prefix identity). No host tier, no
-onload/offload, no compute-or-load planner; an evicted user is recomputed.
+What it covers: both tiers with exact prefix identity: the GPU page pool (user LRU), and the host
+chunks (user LRU) that a user evicted from the GPU is onloaded from, inside cache_allocate; newly
+full chunks are offloaded inside cache_commit. Both copies are synchronous (no side streams, no
+overlap with compute), every full chunk is offloaded (no admission, no pacing), there is no
+compute-or-load planner, a history with no new tokens ranks its candidates over the cached K/V
+and a shorter or diverging one is recomputed.
 
 Inputs (all int64; B users, E events in all, M candidates), see `batch_inputs`:
   user_ids [B], contextual [B, num_contextual], item_ids, actions, timestamps [E] (users' events
@@ -30,6 +34,7 @@ from hstu.model.batch import TOKEN_ACTION, TOKEN_CANDIDATE, TOKEN_CONTEXTUAL, TO
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.attention import padded_hstu_attention
 from hstu.ops.cache_ops import new_export_cache
+from hstu.ops.kvcache.config import KVCacheConfig
 
 _ops = torch.ops.hstu
 
@@ -74,21 +79,18 @@ def _offsets(counts: torch.Tensor) -> torch.Tensor:
 
 
 class ExportableRanker(nn.Module):
-    """`model`'s cached forward with its own GPU-tier cache of num_pages pages."""
+    """`model`'s cached forward with its own cache, sized by `cache_config` (KVCacheConfig's
+    page and host-tier sizes; its policy fields do not apply, see the module docstring)."""
 
-    def __init__(self, model: InferenceRankingGR, num_pages: int, page_size: int) -> None:
+    def __init__(self, model: InferenceRankingGR, cache_config: KVCacheConfig) -> None:
         super().__init__()
         cfg = model.config
-        if cfg.head_dim_qk != cfg.head_dim_v:
-            raise ValueError(f"the page table holds one head dim: head_dim_qk {cfg.head_dim_qk} != head_dim_v {cfg.head_dim_v}")
         self.config = cfg
         self.embeddings = model.preprocessor.embeddings
         self.layers = model.block.layers
         self.postprocessor = model.postprocessor
         self.head = model.head
-        self.cache = new_export_cache(
-            cfg.num_layers, num_pages, page_size, cfg.num_heads, cfg.head_dim_qk, cfg.torch_dtype, str(model.device)
-        )
+        self.cache = new_export_cache(cache_config, model.device)
 
     def history_tokens(
         self, user_ids, contextual, item_ids, actions, timestamps, event_counts

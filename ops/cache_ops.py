@@ -12,12 +12,14 @@ dependencies order it instead (it reads lookup's cached lengths, the appends rea
 Shapes (B users, N history tokens in all, M candidates, T = new history tokens + candidates,
 Tn new history tokens, P pages of the longest user; every index tensor int64):
   cache_lookup(cache, user_ids [B], records [N, 2], record_offsets [B+1]) -> cached_lens [B]
+                 (GPU entry, else host chunks)
   cache_allocate(cache, user_ids, cached_lens, record_offsets, candidate_offsets [B+1]) ->
+      (pins, reserves pages, onloads host-tier users' chunks)
       rows, q_batch, q_local, q_pos [T]; append_rows, append_page_ids, append_offsets [Tn];
       page_table [B, P]; kv_lens [B]; candidate_rows [M]; max_q (0-dim, host)
   cache_append(cache, layer, k [Tn, H, d], v [Tn, H, d], page_ids [Tn], offsets [Tn]) -> ()
   cache_gather(cache, layer, page_table [B, P]) -> keys, values [B, P * page_size, H, d]
-  cache_commit(cache, user_ids, records, record_offsets) -> ()
+  cache_commit(cache, user_ids, records, record_offsets) -> ()   (offloads newly full chunks)
 """
 
 from __future__ import annotations
@@ -25,16 +27,19 @@ from __future__ import annotations
 import torch
 
 from hstu.ops._build import load_extension
+from hstu.ops.kvcache.config import KVCacheConfig
 
 load_extension()
 
 
-def new_export_cache(
-    num_layers: int, num_pages: int, page_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: str
-) -> torch.ScriptObject:
-    """An empty cache of num_pages pages of page_size tokens (every layer) on `device`."""
-    name = str(dtype).removeprefix("torch.")
-    return torch.classes.hstu.ExportKVCache(num_layers, num_pages, page_size, num_heads, head_dim, name, device)
+def new_export_cache(config: KVCacheConfig, device: torch.device | str) -> torch.ScriptObject:
+    """An empty cache shaped by `config`: num_pages pages of page_size tokens on `device`, and a
+    host tier of config.host_slots chunks of chunk_tokens tokens (0 slots: none)."""
+    c = config
+    dtype = str(c.dtype).removeprefix("torch.")
+    return torch.classes.hstu.ExportKVCache(
+        c.num_layers, c.num_pages, c.page_size, c.num_heads, c.head_dim, c.host_slots, c.chunk_tokens, dtype, str(device)
+    )
 
 
 @torch._library.register_fake_class("hstu::ExportKVCache")
@@ -43,10 +48,20 @@ class FakeExportKVCache:
     reads it as `cache.wrapped_obj`)."""
 
     def __init__(
-        self, num_layers: int, num_pages: int, page_size: int, num_heads: int, head_dim: int, dtype: str, device: str
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_heads: int,
+        head_dim: int,
+        host_slots: int,
+        chunk_tokens: int,
+        dtype: str,
+        device: str,
     ) -> None:
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_heads, self.head_dim = num_heads, head_dim
+        self.host_slots, self.chunk_tokens = host_slots, chunk_tokens
         self.dtype, self.device = getattr(torch, dtype), torch.device(device)
 
     @classmethod

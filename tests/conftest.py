@@ -64,9 +64,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-# The exported-ranker tests (tests/engine/test_exported.py, tests/tools/test_aoti_runner.py).
-# 16 pages of 8 tokens: six returning users outgrow the pool, so later batches evict.
-EXPORT_PAGES, EXPORT_PAGE_SIZE = 16, 8
+# The exported-ranker tests (tests/engine/test_exported.py, tests/tools/test_aoti_runner.py):
+# 16 pages of 8 tokens, so six returning users outgrow the pool and later batches evict, and a
+# host tier of 64 KiB (8 chunks of 16 tokens of TINY) that evicted users return from.
+EXPORT_CACHE = dict(num_pages=16, page_size=8, chunk_tokens=16, host_capacity_bytes=1 << 16)
 
 
 def export_sequence(config: HSTUConfig) -> list[list[RankingRequest]]:
@@ -89,6 +90,8 @@ def aoti_package(tmp_path_factory) -> str:
     config = folder / "model.json"
     config.write_text(json.dumps(TINY.to_dict()))
     out = folder / "model.pt2"
-    argv = ["export", "--out", str(out), "--config", str(config), "--num-pages", str(EXPORT_PAGES), "--page-size", str(EXPORT_PAGE_SIZE)]
-    assert main(argv) == 0
+    c = EXPORT_CACHE
+    sizes = ["--num-pages", c["num_pages"], "--page-size", c["page_size"], "--chunk-tokens", c["chunk_tokens"]]
+    argv = ["export", "--out", out, "--config", config, *sizes, "--host-cache-mb", c["host_capacity_bytes"] / 2**20]
+    assert main([str(a) for a in argv]) == 0
     return str(out)

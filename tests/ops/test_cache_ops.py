@@ -1,5 +1,6 @@
 """The exportable cache protocol (csrc/export_cache.cpp, ops/cache_ops.py): lookup, allocate,
-append, gather and commit on the opaque ExportKVCache handle, eagerly on CPU."""
+append, gather and commit on the opaque ExportKVCache handle, with its host tier's offload and
+onload, eagerly on CPU."""
 
 from __future__ import annotations
 
@@ -9,14 +10,27 @@ import pytest
 import torch
 
 from hstu.ops.cache_ops import new_export_cache
+from hstu.ops.kvcache.config import KVCacheConfig
 
 _ops = torch.ops.hstu
-L, PAGES, PS, H, D = 2, 6, 4, 2, 8
+L, PAGES, PS, H, D, CHUNK = 2, 6, 4, 2, 8, 8
+
+
+def _new_cache(host_slots: int) -> torch.ScriptObject:
+    sizes = KVCacheConfig(num_layers=L, num_heads=H, head_dim=D, page_size=PS, num_pages=PAGES, chunk_tokens=CHUNK)
+    return new_export_cache(KVCacheConfig(**{**sizes.__dict__, "host_capacity_bytes": host_slots * sizes.chunk_bytes}), "cpu")
 
 
 @pytest.fixture
 def cache() -> torch.ScriptObject:
-    return new_export_cache(L, PAGES, PS, H, D, torch.float32, "cpu")
+    """GPU tier only."""
+    return _new_cache(host_slots=0)
+
+
+@pytest.fixture
+def tiered() -> torch.ScriptObject:
+    """With a host tier of 4 chunks of 8 tokens."""
+    return _new_cache(host_slots=4)
 
 
 def _records(*lengths: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,3 +130,34 @@ def test_a_copy_keeps_the_configuration_and_starts_empty(cache):
     fresh = copy.deepcopy(cache)  # pickling, as an AOTInductor package stores the handle
     assert fresh.__obj_flatten__() == cache.__obj_flatten__()
     assert fresh.num_users() == 0 and cache.num_users() == 1
+
+
+def test_commit_offloads_full_chunks_and_an_evicted_user_is_onloaded_from_them(tiered):
+    recs, offs = _records(10)  # one full chunk of 8 tokens, 2 tokens stay GPU-only
+    _run_batch(tiered, [0], recs, offs, [1])
+    assert tiered.offloaded_chunks() == 1 and tiered.host_users() == 1
+    for user in (1, 2):  # 2 pages each with user 0's 3: the pool of 6 evicts user 0
+        other, other_offs = _records(8, seed=user)
+        _run_batch(tiered, [user], other, other_offs, [1])
+    assert tiered.evictions() == 1
+
+    longer = torch.cat([recs, torch.tensor([[5, 6]])])
+    cached, out = _run_batch(tiered, [0], longer, torch.tensor([0, 11]), [1])
+    assert cached.tolist() == [8] and tiered.onloaded_tokens() == 8
+    assert out[3].tolist() == [8, 9, 10, -1]  # the host prefix is not recomputed
+    for layer in range(L):
+        keys, values = _ops.cache_gather(tiered, layer, out[7])
+        torch.testing.assert_close(keys[0, :11, 0, 0], torch.arange(11).float() + layer)  # onloaded 0..7, appended 8..10
+        torch.testing.assert_close(values[0, :11, 1, 2], -torch.arange(11).float() - layer)
+
+
+def test_a_history_diverging_inside_the_host_prefix_is_recomputed(tiered):
+    recs, offs = _records(12)  # 3 pages, one chunk offloaded
+    _run_batch(tiered, [0], recs, offs, [1])
+    for user in (1, 2):  # the second evicts user 0 from the GPU
+        other, other_offs = _records(8, seed=user)
+        _run_batch(tiered, [user], other, other_offs, [1])
+    changed = recs.clone()
+    changed[3, 0] += 1
+    assert _ops.cache_lookup(tiered, torch.tensor([0]), changed, offs).tolist() == [0]
+    assert tiered.invalidations() == 1 and tiered.onloaded_tokens() == 0

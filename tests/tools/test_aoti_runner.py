@@ -1,6 +1,6 @@
 """tools/aoti_runner: the C++ program built with CMake against the installed libtorch ranks the
-`hstu export` package without Python, equal to the no-cache oracle, with cache hits, an
-invalidated history and evictions. Slow: the CMake build takes about a minute on 2 cores (the
+`hstu export` package without Python, equal to the no-cache oracle, with GPU and host-tier
+hits, an invalidated history, evictions and offloads. Slow: the CMake build takes about a minute on 2 cores (the
 build folder under HSTU_BUILD_DIR is reused by later runs)."""
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def test_cpp_runner_ranks_the_package_like_the_no_cache_oracle(runner, aoti_pack
     expected = torch.cat([model.forward_no_cache(requests) for requests in batches])
     assert rel_err(torch.tensor(rows), expected) < 1e-5
     counters = dict(re.findall(r"(\w+)=(\d+)", out.splitlines()[-1]))
-    assert int(counters["reused_tokens"]) > 0 and int(counters["evictions"]) > 0 and int(counters["invalidations"]) > 0
+    assert int(counters["reused_tokens"]) > int(counters["onloaded_tokens"]) > 0
+    assert int(counters["evictions"]) > 0 and int(counters["offloaded_chunks"]) > 0 and int(counters["invalidations"]) > 0
 
 
 def test_cpp_runner_ranks_a_synthetic_workload_without_a_batches_file(runner, aoti_package):

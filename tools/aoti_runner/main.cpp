@@ -162,6 +162,8 @@ int main(int argc, char** argv) {
       torch::jit::Object cache(obj.toObject());
       std::cout << "cache " << name << " reused_tokens=" << cache.run_method("reused_tokens").toInt()
                 << " evictions=" << cache.run_method("evictions").toInt()
+                << " onloaded_tokens=" << cache.run_method("onloaded_tokens").toInt()
+                << " offloaded_chunks=" << cache.run_method("offloaded_chunks").toInt()
                 << " invalidations=" << cache.run_method("invalidations").toInt()
                 << " users=" << cache.run_method("num_users").toInt() << "\n";
     }
