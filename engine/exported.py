@@ -153,10 +153,9 @@ class ExportableRanker(nn.Module):
         )
         features = torch.cat([hist_features, self.candidate_features(candidates, candidate_counts, event_counts)], dim=1)
         cached = _ops.cache_lookup(self.cache, user_ids, records, record_offsets)
-        (rows, q_batch, q_local, q_pos, append_rows, append_pages, append_offsets, page_table, kv_lens, cand_rows,
-         max_q_t) = _ops.cache_allocate(
-            self.cache, user_ids, cached, record_offsets, _offsets(candidate_counts)
-        )
+        allocated = _ops.cache_allocate(self.cache, user_ids, cached, record_offsets, _offsets(candidate_counts))
+        rows, q_batch, q_local, q_pos, append_rows, append_pages, append_offsets = allocated[:7]
+        page_table, kv_lens, cand_rows, max_q_t = allocated[7:]
         # At least 2 rows per user in the padded attention: Inductor's bmm lowering cannot take a
         # data-dependent size that might be 1; the extra row is padding, masked like any other.
         max_q = torch.sym_max(max_q_t.item(), 2)
@@ -189,8 +188,9 @@ def example_requests(config: HSTUConfig) -> list[RankingRequest]:
 
 def export_ranker(ranker: ExportableRanker) -> torch.export.ExportedProgram:
     """torch.export of the ranker's forward with dynamic batch size B, event count E and
-    candidate count M. Tracing runs the fakes only: the ranker's cache is not touched."""
-    example = batch_inputs(example_requests(ranker.config))
+    candidate count M. Tracing runs the fakes only: the ranker's cache is not touched (torch.export
+    copies it once, empty: exporting needs room for a second cache of the same size)."""
+    example = batch_inputs(example_requests(ranker.config), device=next(ranker.parameters()).device)
     B, E, M = torch.export.Dim("B", min=1), torch.export.Dim("E", min=1), torch.export.Dim("M", min=1)
     dims = BatchInputs(
         user_ids={0: B}, contextual={0: B}, item_ids={0: E}, actions={0: E}, timestamps={0: E},

@@ -62,3 +62,15 @@ def test_aoti_package_equals_no_cache_oracle_with_its_own_cache(aoti_package, mo
     (cache,) = compiled.loader.get_custom_objs().values()
     _assert_every_cache_path_ran(cache)
     assert compiled.loader.get_metadata()["num_contextual"] == str(tiny_config.num_contextual)
+
+
+@pytest.mark.cuda
+def test_exported_program_on_cuda_equals_no_cache_oracle(tiny_config):
+    model = InferenceRankingGR(tiny_config, device="cuda")
+    ranker = ExportableRanker(model, KVCacheConfig.for_model(tiny_config, **EXPORT_CACHE))
+    module = export_ranker(ranker).module()
+    with torch.inference_mode():
+        for requests in export_sequence(tiny_config):
+            got = module(*batch_inputs(requests, device="cuda"))
+            assert rel_err(got, model.forward_no_cache(requests)) < 1e-5
+    _assert_every_cache_path_ran(ranker.cache)
