@@ -60,13 +60,11 @@ at::Tensor host_long(const at::Tensor& t, const char* name, int64_t dim) {
   return t.to(at::kCPU, at::kLong).contiguous();
 }
 
-at::Tensor long_tensor(const std::vector<int64_t>& values, const at::Device& device) {
-  return at::tensor(values, at::TensorOptions().dtype(at::kLong)).to(device);
-}
-
+// An int64 tensor of ids or lengths (built on the host, then moved).
 template <typename Ids>
-at::Tensor long_tensor(const Ids& values) {
-  return at::tensor(std::vector<int64_t>(values.begin(), values.end()), at::TensorOptions().dtype(at::kLong));
+at::Tensor long_tensor(const Ids& values, const at::Device& device = at::kCPU) {
+  std::vector<int64_t> longs(values.begin(), values.end());
+  return at::tensor(longs, at::TensorOptions().dtype(at::kLong)).to(device);
 }
 
 constexpr size_t kRecordBytes = 2 * sizeof(int64_t);
@@ -150,7 +148,8 @@ class ExportKVCache : public torch::CustomClassHolder {
     return long_tensor(cached, user_ids.device());
   }
 
-  // Pins the users and reserves pages for their whole histories; returns the batch's layout:
+  // Pins the users, reserves pages for their whole histories (evicting LRU unpinned users) and
+  // copies host-tier hits' chunks into their first pages; returns the batch's layout:
   // rows [T] (column of each row in the forward's feature array: history token p of user b is
   // record_offsets[b] + p, candidate j is N + candidate_offsets[b] + j), q_batch, q_local, q_pos [T]
   // (-1 for candidates), append_rows, append_page_ids, append_offsets [Tn], page_table [B, max_pages]
@@ -306,7 +305,7 @@ class ExportKVCache : public torch::CustomClassHolder {
     if (slots.empty()) return;
     auto chunks = host_arena_.index_select(0, long_tensor(slots)).transpose(0, 1);  // [L, n, ppc, 2, ps, H, d]
     chunks = chunks.reshape({kv_.size(0), -1, 2, kv_.size(3), kv_.size(4), kv_.size(5)});
-    kv_.index_copy_(1, long_tensor(targets).to(kv_.device()), chunks.to(kv_.device()));
+    kv_.index_copy_(1, long_tensor(targets, kv_.device()), chunks.to(kv_.device()));
   }
 
   // The user's newly full chunks (after those the host tier holds), every layer -> host slots.
@@ -325,7 +324,7 @@ class ExportKVCache : public torch::CustomClassHolder {
     const auto user_pages = gpu_.pages(user);
     const std::vector<int32_t> pages(user_pages.begin() + held * pages_per_chunk_,
                                      user_pages.begin() + full * pages_per_chunk_);
-    auto chunks = kv_.index_select(1, long_tensor(pages).to(kv_.device()));  // [L, k*ppc, 2, ps, H, d]
+    auto chunks = kv_.index_select(1, long_tensor(pages, kv_.device()));  // [L, k*ppc, 2, ps, H, d]
     chunks = chunks.view({kv_.size(0), full - held, pages_per_chunk_, 2, kv_.size(3), kv_.size(4), kv_.size(5)});
     host_arena_.index_copy_(0, long_tensor(slots), chunks.transpose(0, 1).to(at::kCPU));
     if (host_.commit(user, slots, held, std::string(history, full * chunk * kRecordBytes))) {
