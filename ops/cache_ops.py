@@ -68,6 +68,31 @@ class FakeExportKVCache:
     def __obj_unflatten__(cls, flat: tuple) -> "FakeExportKVCache":
         return cls(**dict(flat))
 
+    # The counters of the real class; a traced cache stays empty, so they are all 0.
+    def num_users(self) -> int:
+        return 0
+
+    def num_free_pages(self) -> int:
+        return self.num_pages
+
+    def host_users(self) -> int:
+        return 0
+
+    def evictions(self) -> int:
+        return 0
+
+    def invalidations(self) -> int:
+        return 0
+
+    def reused_tokens(self) -> int:
+        return 0
+
+    def onloaded_tokens(self) -> int:
+        return 0
+
+    def offloaded_chunks(self) -> int:
+        return 0
+
 
 torch.library._register_effectful_op("hstu::cache_allocate", None)
 
