@@ -153,7 +153,8 @@ class ExportKVCache : public torch::CustomClassHolder {
   // rows [T] (column of each row in the forward's feature array: history token p of user b is
   // record_offsets[b] + p, candidate j is N + candidate_offsets[b] + j), q_batch, q_local, q_pos [T]
   // (-1 for candidates), append_rows, append_page_ids, append_offsets [Tn], page_table [B, max_pages]
-  // (padded with the user's first page), kv_lens [B], candidate_rows [M], max_q (0-dim, on the host).
+  // (padded with the user's first page), kv_lens [B], max_q (0-dim, on the host). Per user its new
+  // history rows come first, then its candidates.
   std::vector<at::Tensor> allocate(const at::Tensor& user_ids, const at::Tensor& cached_lens,
                                    const at::Tensor& record_offsets, const at::Tensor& candidate_offsets) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -186,7 +187,7 @@ class ExportKVCache : public torch::CustomClassHolder {
 
     const int64_t ps = gpu_.page_size();
     const int64_t N = o[B];
-    std::vector<int64_t> rows, q_batch, q_local, q_pos, append_rows, append_pages, append_offsets, cand_rows, kv_lens;
+    std::vector<int64_t> rows, q_batch, q_local, q_pos, append_rows, append_pages, append_offsets, kv_lens;
     size_t max_pages = 1;
     int64_t max_q = 0;
     for (int64_t b = 0; b < B; ++b) {
@@ -202,7 +203,6 @@ class ExportKVCache : public torch::CustomClassHolder {
         q_pos.push_back(p);
       }
       for (int64_t j = co[b]; j < co[b + 1]; ++j, ++local) {
-        cand_rows.push_back(static_cast<int64_t>(rows.size()));
         rows.push_back(N + j);
         q_batch.push_back(b);
         q_local.push_back(local);
@@ -225,7 +225,6 @@ class ExportKVCache : public torch::CustomClassHolder {
             long_tensor(append_offsets, device),
             long_tensor(table, device).view({B, static_cast<int64_t>(max_pages)}),
             long_tensor(kv_lens, device),
-            long_tensor(cand_rows, device),
             at::scalar_tensor(max_q, at::TensorOptions().dtype(at::kLong))};
   }
 
@@ -364,11 +363,11 @@ at::Tensor cache_lookup(const CacheRef& cache, const at::Tensor& user_ids, const
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-           at::Tensor, at::Tensor>
+           at::Tensor>
 cache_allocate(const CacheRef& cache, const at::Tensor& user_ids, const at::Tensor& cached_lens,
                const at::Tensor& record_offsets, const at::Tensor& candidate_offsets) {
   auto o = cache->allocate(user_ids, cached_lens, record_offsets, candidate_offsets);
-  return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9], o[10]};
+  return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9]};
 }
 
 void cache_append(const CacheRef& cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
@@ -421,7 +420,7 @@ TORCH_LIBRARY_FRAGMENT(hstu, m) {
   m.def("cache_lookup(" HSTU_CACHE_ARG ", Tensor user_ids, Tensor records, Tensor record_offsets) -> Tensor");
   m.def("cache_allocate(" HSTU_CACHE_ARG
         ", Tensor user_ids, Tensor cached_lens, Tensor record_offsets, Tensor candidate_offsets) -> "
-        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("cache_append(" HSTU_CACHE_ARG ", int layer, Tensor k, Tensor v, Tensor page_ids, Tensor offsets) -> ()");
   m.def("cache_gather(" HSTU_CACHE_ARG ", int layer, Tensor page_table) -> (Tensor, Tensor)");
   m.def("cache_commit(" HSTU_CACHE_ARG ", Tensor user_ids, Tensor records, Tensor record_offsets) -> ()");

@@ -136,11 +136,9 @@ class ExportableRanker(nn.Module):
         features = torch.empty_like(grouped_features).index_copy(1, order, grouped_features)
         return records, features, _offsets(C + 2 * counts)
 
-    def candidate_features(self, candidates, candidate_counts, event_counts) -> torch.Tensor:
+    def candidate_features(self, candidates, candidate_user, event_counts) -> torch.Tensor:
         """Features [4, M] of the candidates: each sits at its user's history length."""
-        B, M = candidate_counts.shape[0], candidates.shape[0]
-        user = torch.repeat_interleave(torch.arange(B, device=candidates.device), candidate_counts, output_size=M)
-        position = (self.config.num_contextual + 2 * event_counts).index_select(0, user)
+        position = (self.config.num_contextual + 2 * event_counts).index_select(0, candidate_user)
         bucket = torch.full_like(candidates, self.config.num_time_buckets - 1)
         kind = torch.full_like(candidates, TOKEN_CANDIDATE)
         return torch.stack([self.embeddings.item_offset + candidates, position, bucket, kind])
@@ -151,16 +149,23 @@ class ExportableRanker(nn.Module):
         records, hist_features, record_offsets = self.history_tokens(
             user_ids, contextual, item_ids, actions, timestamps, event_counts
         )
-        features = torch.cat([hist_features, self.candidate_features(candidates, candidate_counts, event_counts)], dim=1)
+        B, M = user_ids.shape[0], candidates.shape[0]
+        cand_user = torch.repeat_interleave(torch.arange(B, device=candidates.device), candidate_counts, output_size=M)
+        features = torch.cat([hist_features, self.candidate_features(candidates, cand_user, event_counts)], dim=1)
         cached = _ops.cache_lookup(self.cache, user_ids, records, record_offsets)
-        allocated = _ops.cache_allocate(self.cache, user_ids, cached, record_offsets, _offsets(candidate_counts))
-        rows, q_batch, q_local, q_pos, append_rows, append_pages, append_offsets = allocated[:7]
-        page_table, kv_lens, cand_rows, max_q_t = allocated[7:]
+        cand_offsets = _offsets(candidate_counts)
+        allocated = _ops.cache_allocate(self.cache, user_ids, cached, record_offsets, cand_offsets)
+        rows, q_batch, q_local, q_pos, append_rows, append_pages, append_offsets, page_table, kv_lens, max_q_t = allocated
         # At least 2 rows per user in the padded attention: Inductor's bmm lowering cannot take a
         # data-dependent size that might be 1; the extra row is padding, masked like any other.
         max_q = torch.sym_max(max_q_t.item(), 2)
         torch._check(page_table.shape[1] >= 1)
-        torch._check(cand_rows.shape[0] == candidates.shape[0])
+        # Candidate rows from the counts (allocate's layout: per user new history rows, then its
+        # candidates), so the logits keep the input's size M rather than a data-dependent one.
+        new = self.config.num_contextual + 2 * event_counts - cached
+        per_user = new + candidate_counts
+        first = torch.cumsum(per_user, 0) - per_user + new - (torch.cumsum(candidate_counts, 0) - candidate_counts)
+        cand_rows = first.index_select(0, cand_user) + torch.arange(M, device=candidates.device)
         f = features.index_select(1, rows)
         x = self.embeddings(f[0], f[1], f[2], f[3])
         for i, layer in enumerate(self.layers):

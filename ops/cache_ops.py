@@ -16,7 +16,7 @@ Tn new history tokens, P pages of the longest user; every index tensor int64):
   cache_allocate(cache, user_ids, cached_lens, record_offsets, candidate_offsets [B+1]) ->
       (pins, reserves pages, onloads host-tier users' chunks)
       rows, q_batch, q_local, q_pos [T]; append_rows, append_page_ids, append_offsets [Tn];
-      page_table [B, P]; kv_lens [B]; candidate_rows [M]; max_q (0-dim, host)
+      page_table [B, P]; kv_lens [B]; max_q (0-dim, host)
   cache_append(cache, layer, k [Tn, H, d], v [Tn, H, d], page_ids [Tn], offsets [Tn]) -> ()
   cache_gather(cache, layer, page_table [B, P]) -> keys, values [B, P * page_size, H, d]
   cache_commit(cache, user_ids, records, record_offsets) -> ()   (offloads newly full chunks)
@@ -109,7 +109,7 @@ def _lookup_fake(cache, user_ids, records, record_offsets):
 @torch.library.register_fake("hstu::cache_allocate")
 def _allocate_fake(cache, user_ids, cached_lens, record_offsets, candidate_offsets):
     ctx = torch.library.get_ctx()
-    rows, new, pages, cands = (ctx.new_dynamic_size() for _ in range(4))
+    rows, new, pages = (ctx.new_dynamic_size() for _ in range(3))
     dev = cache.wrapped_obj.device
     B = user_ids.shape[0]
     return (
@@ -117,7 +117,6 @@ def _allocate_fake(cache, user_ids, cached_lens, record_offsets, candidate_offse
         *(_long(dev, new) for _ in range(3)),
         _long(dev, B, pages),
         _long(dev, B),
-        _long(dev, cands),
         torch.empty((), dtype=torch.long),
     )
 

@@ -71,11 +71,12 @@ EXPORT_CACHE = dict(num_pages=16, page_size=8, chunk_tokens=16, host_capacity_by
 
 
 def export_sequence(config: HSTUConfig) -> list[list[RankingRequest]]:
-    """Seeded batches of 1-3 of six users, growing histories, then one user's shortened history."""
+    """Seeded batches of 1-3 of six users, growing histories, then one user's shortened history
+    with one candidate (a batch of size 1 in every dimension)."""
     book = HistoryBook(config, seed=1)
     batches = list(book.random_batches(seed=2, rounds=8, num_users=6, max_users=3, new_events=(1, 6), candidates=(1, 4)))
     items, actions, times = book.histories[batches[-1][0].user_id]
-    shorter = RankingRequest.create(batches[-1][0].user_id, items[:2], actions[:2], times[:2], [1, 2], config=config)
+    shorter = RankingRequest.create(batches[-1][0].user_id, items[:2], actions[:2], times[:2], [1], config=config)
     return batches + [[shorter]]
 
 
