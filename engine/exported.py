@@ -18,7 +18,8 @@ and a shorter or diverging one is recomputed.
 Inputs (all int64; B users, E events in all, M candidates), see `batch_inputs`:
   user_ids [B], contextual [B, num_contextual], item_ids, actions, timestamps [E] (users' events
   one after the other), event_counts [B], candidates [M] (likewise), candidate_counts [B].
-Output: logits [M, num_tasks], user by user.
+Output: logits [M, num_tasks], user by user. The exported program takes any B, M >= 1 and E >= 1
+(a batch whose users have no events at all is outside its shapes).
 """
 
 from __future__ import annotations
