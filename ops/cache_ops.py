@@ -45,7 +45,7 @@ def new_export_cache(config: KVCacheConfig, device: torch.device | str) -> torch
 @torch._library.register_fake_class("hstu::ExportKVCache")
 class FakeExportKVCache:
     """The handle as torch.export sees it while tracing: its configuration, no state (a fake op
-    reads it as `cache.wrapped_obj`)."""
+    reads it through _shape_of)."""
 
     def __init__(
         self,
@@ -97,6 +97,14 @@ class FakeExportKVCache:
 torch.library._register_effectful_op("hstu::cache_allocate", None)
 
 
+def _shape_of(cache) -> FakeExportKVCache:
+    """The configuration of the cache a fake op was given: the fake object under torch.export,
+    the real handle under plain fake-tensor mode (opcheck)."""
+    if isinstance(cache, torch._library.fake_class_registry.FakeScriptObject):
+        return cache.wrapped_obj
+    return FakeExportKVCache.__obj_unflatten__(cache.__obj_flatten__())
+
+
 def _long(device, *shape) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.long, device=device)
 
@@ -110,7 +118,7 @@ def _lookup_fake(cache, user_ids, records, record_offsets):
 def _allocate_fake(cache, user_ids, cached_lens, record_offsets, candidate_offsets):
     ctx = torch.library.get_ctx()
     rows, new, pages = (ctx.new_dynamic_size() for _ in range(3))
-    dev = cache.wrapped_obj.device
+    dev = _shape_of(cache).device
     B = user_ids.shape[0]
     return (
         *(_long(dev, rows) for _ in range(4)),
@@ -128,7 +136,7 @@ def _append_fake(cache, layer, k, v, page_ids, offsets) -> None:
 
 @torch.library.register_fake("hstu::cache_gather")
 def _gather_fake(cache, layer, page_table):
-    cache = cache.wrapped_obj
+    cache = _shape_of(cache)
     shape = (page_table.shape[0], page_table.shape[1] * cache.page_size, cache.num_heads, cache.head_dim)
     empty = torch.empty(shape, dtype=cache.dtype, device=cache.device)
     return empty, empty.clone()

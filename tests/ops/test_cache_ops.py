@@ -161,3 +161,16 @@ def test_a_history_diverging_inside_the_host_prefix_is_recomputed(tiered):
     changed[3, 0] += 1
     assert _ops.cache_lookup(tiered, torch.tensor([0]), changed, offs).tolist() == [0]
     assert tiered.invalidations() == 1 and tiered.onloaded_tokens() == 0
+
+
+def test_fakes_match_the_real_ops_in_dtype_device_and_shape(tiered):
+    recs, offs = _records(10, 3)
+    uid, check = torch.tensor([5, 6]), ("test_faketensor",)
+    torch.library.opcheck(_ops.cache_lookup.default, (tiered, uid, recs, offs), test_utils=check)
+    cached = _ops.cache_lookup(tiered, uid, recs, offs)
+    torch.library.opcheck(_ops.cache_allocate.default, (tiered, uid, cached, offs, torch.tensor([0, 1, 3])), test_utils=check)
+    out = _ops.cache_allocate(tiered, uid, cached, offs, torch.tensor([0, 1, 3]))
+    k = torch.randn(out[4].shape[0], H, D)
+    torch.library.opcheck(_ops.cache_append.default, (tiered, 0, k, k, out[5], out[6]), test_utils=check)
+    torch.library.opcheck(_ops.cache_gather.default, (tiered, 1, out[7]), test_utils=check)
+    torch.library.opcheck(_ops.cache_commit.default, (tiered, uid, recs, offs), test_utils=check)
