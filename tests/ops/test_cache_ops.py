@@ -33,20 +33,22 @@ def tiered() -> torch.ScriptObject:
     return _new_cache(host_slots=4)
 
 
+def _offsets(counts: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+
+
 def _records(*lengths: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Records [N, 2] of users with these history lengths, and their CSR offsets."""
     g = torch.Generator().manual_seed(seed)
-    recs = torch.randint(0, 1000, (sum(lengths), 2), generator=g)
-    return recs, torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return torch.randint(0, 1000, (sum(lengths), 2), generator=g), _offsets(list(lengths))
 
 
 def _run_batch(cache, users: list[int], records, offsets, candidates: list[int]):
     """lookup -> allocate -> append K/V = position-coded values on every layer -> commit."""
     uid = torch.tensor(users)
     cached = _ops.cache_lookup(cache, uid, records, offsets)
-    cand_off = torch.tensor([0, *torch.tensor(candidates).cumsum(0).tolist()])
-    out = _ops.cache_allocate(cache, uid, cached, offsets, cand_off)
-    rows, q_pos, append_rows, pages, slots, page_table = out[0], out[3], out[4], out[5], out[6], out[7]
+    out = _ops.cache_allocate(cache, uid, cached, offsets, _offsets(candidates))
+    rows, append_rows, pages, slots = out[0], out[4], out[5], out[6]
     k = rows[append_rows].float().view(-1, 1, 1).expand(-1, H, D).contiguous()
     for layer in range(L):
         _ops.cache_append(cache, layer, k + layer, -k - layer, pages, slots)
