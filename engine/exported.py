@@ -5,7 +5,7 @@ The Python engine (engine.py) keeps the cache protocol in Python objects and wor
 module runs the same math with the protocol as ops on an opaque cache handle it owns
 (ops/cache_ops.py, csrc/export_cache.cpp), so the whole flow is in the graph:
   history tokens' records and features from the raw events (torch, what preprocessor.py computes
-  in numpy) -> cache_lookup -> cache_allocate (pins, LRU eviction, row layout) -> embed only the
+  in numpy) -> cache_lookup -> cache_allocate (pins, LRU eviction, onload, row layout) -> embed only the
   new history tokens and the candidates -> per layer: cache_append, cache_gather, attention ->
   cache_commit -> candidate rows -> postprocessor -> head.
 What it covers: both tiers with exact prefix identity: the GPU page pool (user LRU), and the host
@@ -85,8 +85,7 @@ class ExportableRanker(nn.Module):
 
     def __init__(self, model: InferenceRankingGR, cache_config: KVCacheConfig) -> None:
         super().__init__()
-        cfg = model.config
-        self.config = cfg
+        self.config = model.config
         self.embeddings = model.preprocessor.embeddings
         self.layers = model.block.layers
         self.postprocessor = model.postprocessor
@@ -101,12 +100,11 @@ class ExportableRanker(nn.Module):
         bucket, type) as preprocessor.batch_features computes them."""
         C, nb = self.config.num_contextual, self.config.num_time_buckets
         emb = self.embeddings
-        B, E = user_ids.shape[0], item_ids.shape[0]
-        counts = event_counts
-        starts = torch.cumsum(counts, 0) - counts  # each user's first event
-        event_user = torch.repeat_interleave(torch.arange(B, device=counts.device), counts, output_size=E)
+        B, E, dev = user_ids.shape[0], item_ids.shape[0], item_ids.device
+        starts = torch.cumsum(event_counts, 0) - event_counts  # each user's first event
+        event_user = torch.repeat_interleave(torch.arange(B, device=dev), event_counts, output_size=E)
         first_event = starts.index_select(0, event_user)
-        event = torch.arange(E, device=counts.device)
+        event = torch.arange(E, device=dev)
         local = event - first_event
         prev = torch.where(local > 0, event - 1, event)
         gap = (timestamps - timestamps.index_select(0, prev)).double()
@@ -114,8 +112,8 @@ class ExportableRanker(nn.Module):
         item_pos = C + 2 * local
         item_tok = (event_user + 1) * C + 2 * event  # the user's contextual tokens, then 2 per event
 
-        ctx_pos = torch.arange(C, device=counts.device).expand(B, C)
-        ctx_tok = (torch.arange(B, device=counts.device) * C + 2 * starts).unsqueeze(1) + ctx_pos
+        ctx_pos = torch.arange(C, device=dev).expand(B, C)
+        ctx_tok = (torch.arange(B, device=dev) * C + 2 * starts).unsqueeze(1) + ctx_pos
         zeros_ctx = torch.zeros_like(contextual.reshape(-1))
         grouped_records = torch.cat(
             [
@@ -135,7 +133,7 @@ class ExportableRanker(nn.Module):
         order = torch.cat([ctx_tok.reshape(-1), item_tok, item_tok + 1])
         records = torch.empty_like(grouped_records).index_copy(0, order, grouped_records)
         features = torch.empty_like(grouped_features).index_copy(1, order, grouped_features)
-        return records, features, _offsets(C + 2 * counts)
+        return records, features, _offsets(C + 2 * event_counts)
 
     def candidate_features(self, candidates, candidate_user, event_counts) -> torch.Tensor:
         """Features [4, M] of the candidates: each sits at its user's history length."""

@@ -4,10 +4,14 @@ hits, an invalidated history, evictions and offloads."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from hstu.engine.exported import ExportableRanker, batch_inputs, export_ranker
+from hstu.model.batch import TOKEN_CANDIDATE
+from hstu.model.identity import token_records
+from hstu.model.preprocessor import batch_features
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
 from tests.conftest import EXPORT_CACHE, export_sequence, rel_err
@@ -29,6 +33,27 @@ def _assert_every_cache_path_ran(cache) -> None:
 @pytest.fixture
 def model(tiny_config) -> InferenceRankingGR:
     return InferenceRankingGR(tiny_config)
+
+
+def test_token_records_and_features_are_the_identity_and_preprocessor_ones(model, tiny_config):
+    """The graph's own token view of a batch: records as model/identity.py writes them, features
+    as preprocessor.batch_features computes them (there: each user's history, then candidates)."""
+    batches = export_sequence(tiny_config)
+    requests = list({r.user_id: r for r in batches[3] + batches[5]}.values())
+    ranker = ExportableRanker(model, KVCacheConfig.for_model(tiny_config, **EXPORT_CACHE))
+    inputs = batch_inputs(requests)
+    records, history, _ = ranker.history_tokens(*inputs[:6])
+    expected_records = [token_records(r.contextual, r.item_ids, r.actions, r.timestamps) for r in requests]
+    assert torch.equal(records, torch.from_numpy(np.concatenate(expected_records).astype(np.int64)))
+
+    emb = model.preprocessor.embeddings
+    features = batch_features(requests, [0] * len(requests), tiny_config, emb.item_offset, emb.action_offset)
+    expected = torch.from_numpy(features)
+    is_candidate = expected[3] == TOKEN_CANDIDATE
+    assert torch.equal(history, expected[:, ~is_candidate])
+    cand_user = torch.repeat_interleave(torch.arange(len(requests)), inputs.candidate_counts)
+    got = ranker.candidate_features(inputs.candidates, cand_user, inputs.event_counts)
+    assert torch.equal(got, expected[:, is_candidate])
 
 
 def test_eager_cached_forward_equals_no_cache_oracle(model, tiny_config):
