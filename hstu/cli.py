@@ -1,5 +1,5 @@
 """`hstu` console command (also `python -m hstu`): serve, replay, bench, profile, loadgen,
-import-checkpoint, build-ext, --version. Each subcommand lives with the code it runs."""
+import-checkpoint, build-ext, export, --version. Each subcommand lives with the code it runs."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ _SUBCOMMANDS = {
     "loadgen": ("hstu.scripts.loadgen", "open-loop load against a running server"),
     "import-checkpoint": ("hstu.model.checkpoint_cli", "convert an NVIDIA or Meta checkpoint"),
     "build-ext": ("hstu.ops.build_cli", "build the C++/CUDA extension ahead of time"),
+    "export": ("hstu.engine.export_cli", "export the cached ranking model as an AOTInductor package (.pt2)"),
 }
 
 

@@ -65,12 +65,34 @@ def paged_hstu_attention_torch(
     Returns [T, H, d_v] in q's dtype (accumulated in float32).
     """
     B, max_pages = page_table.shape
-    T, H, d_qk = q.shape
+    H = q.shape[1]
     page_size = kv_cache.shape[3]
     pages = kv_cache[layer].index_select(0, page_table.reshape(-1).long())  # [B*mp, 2, ps, H, d]
     pages = pages.view(B, max_pages, 2, page_size, H, -1).float()
     keys = pages[:, :, 0].reshape(B, max_pages * page_size, H, -1)
     values = pages[:, :, 1].reshape(B, max_pages * page_size, H, -1)
+    return padded_hstu_attention(q, k, v, keys, values, kv_lens, q_batch, q_local, q_pos, max_q, scale_len)
+
+
+def padded_hstu_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_batch: torch.Tensor,
+    q_local: torch.Tensor,
+    q_pos: torch.Tensor,
+    max_q: int,
+    scale_len: int,
+) -> torch.Tensor:
+    """The attention of paged_hstu_attention_torch over each user's history K/V already gathered:
+    keys [B, K, H, d_qk], values [B, K, H, d_v] (positions 0..K-1, rows past kv_lens[b] ignored).
+    Shared with the exported forward (engine/exported.py), whose cache op gathers the pages."""
+    B, num_keys = keys.shape[0], keys.shape[1]
+    T, H, d_qk = q.shape
+    keys, values = keys.float(), values.float()
 
     is_cand = q_pos < 0
     last = (kv_lens.long() - 1).index_select(0, q_batch)
@@ -81,7 +103,7 @@ def paged_hstu_attention_torch(
 
     scale = 1.0 / math.sqrt(d_qk)
     scores = torch.einsum("bqhd,bkhd->bhqk", qp, keys) * scale
-    key_idx = torch.arange(max_pages * page_size, device=q.device)
+    key_idx = torch.arange(num_keys, device=q.device)
     mask = key_idx.view(1, 1, -1) <= pos_p.unsqueeze(-1)  # [B, max_q, K]
     weights = F.silu(scores) * mask.unsqueeze(1)
     out_p = torch.einsum("bhqk,bkhd->bqhd", weights, values)

@@ -62,3 +62,37 @@ def book(tiny_config) -> HistoryBook:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+# The exported-ranker tests (tests/engine/test_exported.py, tests/tools/test_aoti_runner.py):
+# 16 pages of 8 tokens, so six returning users outgrow the pool and later batches evict, and a
+# host tier of 64 KiB (8 chunks of 16 tokens of TINY) that evicted users return from.
+EXPORT_CACHE = dict(num_pages=16, page_size=8, chunk_tokens=16, host_capacity_bytes=1 << 16)
+
+
+def export_sequence(config: HSTUConfig) -> list[list[RankingRequest]]:
+    """Seeded batches of 1-3 of six users, growing histories, then one user's shortened history
+    with one candidate (a batch of size 1 in every dimension)."""
+    book = HistoryBook(config, seed=1)
+    batches = list(book.random_batches(seed=2, rounds=8, num_users=6, max_users=3, new_events=(1, 6), candidates=(1, 4)))
+    items, actions, times = book.histories[batches[-1][0].user_id]
+    shorter = RankingRequest.create(batches[-1][0].user_id, items[:2], actions[:2], times[:2], [1], config=config)
+    return batches + [[shorter]]
+
+
+@pytest.fixture(scope="session")
+def aoti_package(tmp_path_factory) -> str:
+    """`hstu export` of the tiny model (AOTInductor compile: about a minute on 2 cores)."""
+    import json
+
+    from hstu.cli import main
+
+    folder = tmp_path_factory.mktemp("export")
+    config = folder / "model.json"
+    config.write_text(json.dumps(TINY.to_dict()))
+    out = folder / "model.pt2"
+    c = EXPORT_CACHE
+    sizes = ["--num-pages", c["num_pages"], "--page-size", c["page_size"], "--chunk-tokens", c["chunk_tokens"]]
+    argv = ["export", "--out", out, "--config", config, *sizes, "--host-cache-mb", c["host_capacity_bytes"] / 2**20]
+    assert main([str(a) for a in argv]) == 0
+    return str(out)

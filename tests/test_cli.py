@@ -25,10 +25,14 @@ def test_python_dash_m_hstu_is_the_hstu_command():
     assert done.stdout.strip() == f"hstu {__version__}"
 
 
-_REQUIRED = {"loadgen": ["--server", "http://127.0.0.1:1"], "import-checkpoint": ["src", "dst", "--format", "nvidia", "--num-heads", "2"]}
+_REQUIRED = {
+    "loadgen": ["--server", "http://127.0.0.1:1"],
+    "import-checkpoint": ["src", "dst", "--format", "nvidia", "--num-heads", "2"],
+    "export": ["--out", "model.pt2"],
+}
 
 
-@pytest.mark.parametrize("command", ["serve", "replay", "bench", "loadgen", "profile", "import-checkpoint"])
+@pytest.mark.parametrize("command", ["serve", "replay", "bench", "loadgen", "profile", "import-checkpoint", "export"])
 def test_log_level_is_accepted_before_and_after_each_subcommand(command):
     parser = build_parser(command)
     rest = _REQUIRED.get(command, [])
@@ -50,7 +54,7 @@ def test_serve_and_replay_share_option_names_for_shared_settings():
     assert {"--page-size", "--chunk-tokens", "--cuda-graphs", "--compile", "--device", "--dtype"} <= names["bench"]
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["loadgen", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["loadgen", "--help"], ["export", "--help"]])
 def test_help_does_not_import_torch(argv):
     """`hstu --help` and the serving commands' help answer without loading torch (or the bench extra)."""
     code = (
