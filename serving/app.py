@@ -79,12 +79,21 @@ def _responses(*statuses: int) -> dict:
     return {s: {"model": ErrorResponse, "description": _ERROR_STATUSES[s]} for s in statuses}
 
 
-def create_app(settings: ServerSettings | None = None, runtime_factory: RuntimeFactory = ServingRuntime) -> FastAPI:
+def create_app(settings: ServerSettings | None = None, runtime_factory: RuntimeFactory | None = None) -> FastAPI:
     """A ranking app for `settings` (defaults: the embedded HSTUConfig on CPU).
 
-    `runtime_factory` builds the Runtime that ranks the requests: the in-process ServingRuntime of
-    `hstu serve`, or the Ray Serve ingress's RemoteRuntime (serving/ray_app.py), behind the same endpoints."""
+    `runtime_factory` builds the Runtime that ranks the requests: by default the in-process
+    ServingRuntime of `hstu serve`, or with settings.engine_process the front end of an engine
+    process (serving/engine_process.py); the Ray Serve ingress passes its RemoteRuntime
+    (serving/ray_app.py). All behind the same endpoints."""
     settings = settings or ServerSettings()
+    if runtime_factory is None:
+        if settings.engine_process:
+            from hstu.serving.engine_process import EngineProcessRuntime
+
+            runtime_factory = EngineProcessRuntime
+        else:
+            runtime_factory = ServingRuntime
     config = settings.resolve_model_config()
     task_names = settings.resolve_task_names(config)
     limits = RequestLimits.for_model(config, settings.max_candidates, settings.max_body_bytes)

@@ -76,6 +76,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="a history shorter than the cached one: recompute it (invalidate, the default) or answer 409 "
         "(raise, strict mode)",
     )
+    p.add_argument(
+        "--engine-process", action="store_true", default=None,
+        help="run the engine (model, KV cache, batcher) in a child process, so HTTP and parsing never hold its GIL",
+    )
     p.add_argument("--cuda-graphs", action="store_true", default=None, help="replay the paged layers as CUDA graphs (CUDA only)")
     p.add_argument(
         "--compile", action="store_true", default=None,
@@ -109,6 +113,7 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
         task_names=tuple(args.task_names.split(",")) if args.task_names else None,
         cuda_graphs=True if (args.cuda_graphs or args.compile) else None,
         compile_layers=True if args.compile else None,
+        engine_process=True if args.engine_process else None,
     )
     return ServerSettings.load(args.config_file, env, **flags)
 

@@ -18,10 +18,11 @@ store's occupancy is read at scrape time by HistoryStoreCollector:
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 INCREMENTAL_RESULTS = ("hit", "history_incomplete")
@@ -206,3 +207,24 @@ class CacheCollector(_ScrapeTimeCollector):
         free_pages, free_slots = occupancy["gpu_free_pages"], occupancy["host_free_slots"]
         yield GaugeMetricFamily("hstu_cache_gpu_free_pages", "Free pages in the GPU page pool", value=free_pages)
         yield GaugeMetricFamily("hstu_cache_host_free_slots", "Free chunk slots in the host arena", value=free_slots)
+
+
+class _Families:
+    """A collector of already-built metric families (what generate_latest reads)."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+def merged_exposition(own: CollectorRegistry, replicas: dict[str, str]) -> bytes:
+    """One Prometheus text: `own`'s families, plus each replica's samples labelled replica=<name>
+    (families of the same name merged, so every family is declared once)."""
+    families: dict[str, Metric] = {m.name: m for m in own.collect()}
+    for name, text in replicas.items():
+        for family in text_string_to_metric_families(text):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
+            merged.samples.extend(s._replace(labels={**s.labels, "replica": name}) for s in family.samples)
+    return generate_latest(_Families(families.values()))

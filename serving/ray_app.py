@@ -29,13 +29,10 @@ import asyncio
 import logging
 import signal
 import time
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Iterable, Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import Metric
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import Counter
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
@@ -47,10 +44,10 @@ from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
 from hstu.serving.app import create_app
 from hstu.serving.errors import RETRY_AFTER_S, RankError
-from hstu.serving.metrics import ServingMetrics
+from hstu.serving.metrics import ServingMetrics, merged_exposition
 from hstu.serving.ray_router import DEFAULT_MAX_QUEUE, ROUTING_KEY, UserAffinityRouter
 from hstu.serving.router_stats import RouterCollector, router_stats
-from hstu.serving.runtime import Runtime, ServingRuntime
+from hstu.serving.runtime import Runtime, ServedModel, ServingRuntime
 from hstu.serving.schemas import RequestLimits
 from hstu.serving.settings import ServerSettings
 
@@ -111,15 +108,6 @@ class RankingReplica:
 
     async def __del__(self) -> None:
         await self.runtime.close()
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """What the ingress holds of the replicas' model: its identity (model/identity.py; hex is the
-    weights fingerprint). The app needs only that to digest histories and to rebuild incremental
-    requests from its history store; the digests travel with the request, so replicas reuse them."""
-
-    identity: bytes
 
 
 class RemoteRuntime(Runtime):
@@ -237,27 +225,6 @@ class RemoteRuntime(Runtime):
         if start_task is not None:
             await start_task
         self.state = "stopped"
-
-
-class _Families:
-    """A collector of already-built metric families (what generate_latest reads)."""
-
-    def __init__(self, families: Iterable[Metric]) -> None:
-        self._families = list(families)
-
-    def collect(self) -> Iterator[Metric]:
-        return iter(self._families)
-
-
-def merged_exposition(own: CollectorRegistry, replicas: dict[str, str]) -> bytes:
-    """One Prometheus text: `own`'s families, plus each replica's samples labelled replica=<name>
-    (families of the same name merged, so every family is declared once)."""
-    families: dict[str, Metric] = {m.name: m for m in own.collect()}
-    for name, text in replicas.items():
-        for family in text_string_to_metric_families(text):
-            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
-            merged.samples.extend(s._replace(labels={**s.labels, "replica": name}) for s in family.samples)
-    return generate_latest(_Families(families.values()))
 
 
 @serve.ingress()

@@ -46,6 +46,16 @@ WARMUP_USER = 0
 RuntimeFactory = Callable[[ServerSettings, HSTUConfig, RequestLimits, ServingMetrics], "Runtime"]
 
 
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """What a front end (Ray ingress, engine-process front) holds of a model served elsewhere: its
+    identity (model/identity.py; hex is the weights fingerprint). The app needs only that to digest
+    histories and to rebuild incremental requests from its history store; the digests travel with
+    the request, so the ranking side reuses them."""
+
+    identity: bytes
+
+
 class Runtime(ABC):
     """What the app (serving/app.py) ranks through: `state` and `detail` for the health endpoints,
     the model's metadata, and submit / prefetch_users / exposition / pending / replicas.

@@ -78,6 +78,7 @@ class ServerSettings:
     h2d_gb_per_s: float | None = None  # overrides the measured host->device bandwidth
     offload_min_seen: int = 2  # offload a user's chunks once it was seen this often
     offload_mb_per_s: float | None = None  # D2H pacing budget (None: unlimited)
+    engine_process: bool = False  # the engine in a child process (serving/engine_process.py)
     parse_processes: int = 0  # worker processes parsing large bodies off the GIL (0: a thread of this process)
     history_store_bytes: int = 256 << 20  # histories kept for incremental requests (0: none, every request sends all)
 

@@ -1,0 +1,73 @@
+"""`hstu serve --engine-process`: the engine in a spawned child, the front end forwarding parsed requests.
+
+The oracle: answers equal the in-process server's and the no-cache model's, over several users
+and requests each (cache hits and an incremental request included); metrics, prefetch, drain and
+a dead engine behave as documented in serving/engine_process.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from .conftest import Timeline, matches_reference, serving, tiny_settings
+from .test_incremental import as_events, full_columns, increment
+
+anyio = pytest.mark.anyio
+SLOW_START_S = 120.0  # the child imports torch and warms up on a shared 2-core machine
+
+
+@anyio
+async def test_the_engine_process_answers_like_the_in_process_server_and_the_no_cache_model(reference):
+    timelines = [Timeline(60 + u) for u in range(3)]
+    async with serving(tiny_settings(engine_process=True), ready=False) as (app, remote), serving() as (local_app, local):
+        await _ready(remote)
+        runtime = app.state.runtime
+        assert runtime.fingerprint == local_app.state.runtime.fingerprint, "the child serves the same seeded weights"
+        answers = {}
+        for events in (20, 21, 60):
+            bodies = [full_columns(t, events, [1, 2, 3]) for t in timelines]
+            got = await asyncio.gather(*(remote.post("/v1/rank", json=b) for b in bodies))
+            want = await asyncio.gather(*(local.post("/v1/rank", json=b) for b in bodies))
+            for g, w, b in zip(got, want, bodies):
+                assert g.status_code == w.status_code == 200, g.text
+                g, w = g.json(), w.json()
+                for key in ("scores", "cached_tokens", "computed_tokens", "history_digest"):
+                    assert g[key] == w[key], key
+                assert matches_reference(reference, as_events(b), g)
+                answers[b["user_id"]] = g
+        assert all(a["cached_tokens"] > 0 for a in answers.values()), "the engine process keeps the users' K/V"
+        t = timelines[0]
+        inc = await remote.post("/v1/rank", json=increment(t, answers[t.user_id], 70, [4, 5]))
+        assert inc.status_code == 200 and matches_reference(reference, as_events(full_columns(t, 70, [4, 5])), inc.json())
+        prefetch = await remote.post("/v1/prefetch", json={"user_ids": [t.user_id]})
+        assert prefetch.status_code == 200 and prefetch.json()["requested"] == 1
+        metrics = (await remote.get("/metrics")).text
+        assert 'hstu_batch_size_count{replica="engine"}' in metrics
+        assert "hstu_request_latency_seconds_count" in metrics, "the front end's request metrics stay"
+        meta = (await remote.get("/v2/models/hstu")).json()
+        assert meta["weights_fingerprint"] == runtime.fingerprint
+        process = runtime._process
+    assert not process.is_alive() and process.exitcode == 0, "closing the app stops the engine process cleanly"
+
+
+@anyio
+async def test_a_dead_engine_process_answers_503_and_the_server_turns_not_ready():
+    async with serving(tiny_settings(engine_process=True), ready=False) as (app, client):
+        await _ready(client)
+        os.kill(app.state.runtime._process.pid, signal.SIGKILL)
+        for _ in range(200):
+            if (await client.get("/v2/health/ready")).status_code == 503:
+                break
+            await asyncio.sleep(0.05)
+        assert (await client.get("/v2/health/ready")).status_code == 503
+        answer = await client.post("/v1/rank", json=full_columns(Timeline(70), 10, [1]))
+        assert answer.status_code == 503 and answer.json()["error"] == "unavailable"
+
+
+async def _ready(client) -> None:
+    from .conftest import wait_ready
+
+    await wait_ready(client, timeout_s=SLOW_START_S)
