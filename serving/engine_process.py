@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 ENGINE_REPLICA = "engine"
 _CLOSE_TIMEOUT_S = 30.0
+_ANSWER_GRACE_S = 1.0  # past a request's deadline, before the front end gives up on the engine's 504
+_SCRAPE_TIMEOUT_S = 2.0
 
 
 class _Sender:
@@ -226,32 +228,38 @@ class EngineProcessRuntime(Runtime):
                 future.set_result(RankError(503, "unavailable", "the engine process exited", retry_after_s=RETRY_AFTER_S))
         self._waiting.clear()
 
-    async def _call(self, kind: str, *args) -> Any:
+    async def _call(self, kind: str, *args, timeout_s: float | None = None) -> Any:
+        """Send one call and wait for its answer, at most `timeout_s` (then it is cancelled there)."""
         if self.state not in ("ready", "stopping"):
             raise RankError(503, "unavailable", f"server is {self.state}: {self.detail}", retry_after_s=RETRY_AFTER_S)
         rid = next(self._ids)
         future = self._waiting[rid] = asyncio.get_running_loop().create_future()
         self._sender.send((kind, rid, *args))
         try:
-            outcome = await future
-        except asyncio.CancelledError:  # the client went away: the engine drops it if still queued
+            outcome = await asyncio.wait_for(future, timeout_s)
+        except (asyncio.CancelledError, TimeoutError) as exc:  # the client went away, or no answer in time
             self._waiting.pop(rid, None)
             self._sender.send(("cancel", rid))
+            if isinstance(exc, TimeoutError):
+                raise RankError(504, "timeout", f"the engine process did not answer {kind} within {timeout_s:.3f}s") from exc
             raise
         if isinstance(outcome, RankError):
             raise outcome
         return outcome
 
     async def submit(self, request: RankingRequest, deadline: float) -> RankOutput:
-        return await self._call("rank", request, deadline - time.monotonic())
+        """The engine's batcher answers 504 at the deadline; the front end stops waiting shortly after
+        even if the engine process hangs."""
+        left = deadline - time.monotonic()
+        return await self._call("rank", request, left, timeout_s=left + _ANSWER_GRACE_S)
 
     async def prefetch_users(self, user_ids: list[int]) -> int:
-        return await self._call("prefetch", user_ids)
+        return await self._call("prefetch", user_ids, timeout_s=self.settings.request_timeout_ms / 1000.0)
 
     async def exposition(self) -> bytes:
         """The front end's metrics, then the engine's with replica="engine"."""
         try:
-            text = (await asyncio.wait_for(self._call("scrape"), 2.0)).decode()
+            text = (await self._call("scrape", timeout_s=_SCRAPE_TIMEOUT_S)).decode()
         except (RankError, TimeoutError) as exc:
             logger.warning("engine metrics: %s", exc)
             return merged_exposition(self.metrics.registry, {})

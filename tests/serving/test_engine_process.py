@@ -71,3 +71,19 @@ async def _ready(client) -> None:
     from .conftest import wait_ready
 
     await wait_ready(client, timeout_s=SLOW_START_S)
+
+
+@anyio
+async def test_a_hung_engine_process_still_gets_each_request_an_answer_by_its_deadline():
+    async with serving(tiny_settings(engine_process=True, request_timeout_ms=500), ready=False) as (app, client):
+        await _ready(client)
+        pid = app.state.runtime._process.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = asyncio.get_running_loop().time()
+            answer = await client.post("/v1/rank", json=full_columns(Timeline(71), 10, [1]))
+            waited = asyncio.get_running_loop().time() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert answer.status_code == 504 and answer.json()["error"] == "timeout"
+    assert waited < 5.0, f"answered {waited:.2f}s after sending (deadline 0.5s + 1s grace)"
