@@ -1,0 +1,100 @@
+"""How much a thread running Python slows the engine: why `hstu serve --engine-process` exists.
+
+    python -m hstu.scripts.bench_gil [--device cpu] [--batches 30] [--out out/bench_gil.json]
+
+Ranks the same batches (8 users, a tiny model) alone, then while a second thread of this process
+runs pure Python (what a busy event loop does), at Python's default switch interval and at a short
+one. The ratio busy/alone is the price of sharing the GIL with the front end: every torch call
+drops the GIL and the other thread keeps it up to the switch interval. Reports ratios only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hstu.engine import RankingEngine
+from hstu.model.batch import RankingRequest
+from hstu.model.config import HSTUConfig
+
+TINY = HSTUConfig(embedding_dim=32, num_layers=2, num_heads=2, head_dim_qk=16, head_dim_v=16, max_seq_len=256, mlp_hidden=32)
+
+
+def _batches(config: HSTUConfig, count: int, users: int = 8, events: int = 100) -> list[list[RankingRequest]]:
+    rng = np.random.default_rng(0)
+
+    def one(user: int) -> RankingRequest:
+        return RankingRequest.create(
+            user, rng.integers(0, config.num_items, events), rng.integers(0, config.num_actions, events),
+            np.arange(events), rng.integers(0, config.num_items, 16), config=config,
+        )
+
+    return [[one(b * users + i) for i in range(users)] for b in range(count)]
+
+
+def _ms_per_batch(engine: RankingEngine, batches: list[list[RankingRequest]]) -> float:
+    started = time.perf_counter()
+    for batch in batches:
+        engine.rank(batch)
+    return (time.perf_counter() - started) / len(batches) * 1e3
+
+
+def measure(device: str = "cpu", batches: int = 30, intervals_s: tuple[float, ...] = (0.005, 0.0005)) -> dict:
+    """{switch interval ms: {alone_ms, busy_ms, slowdown}} for the same batches (after a first pass,
+    re-ranks of unchanged cached histories: the host-bound case the server sees on a GPU)."""
+    engine = RankingEngine.create(
+        TINY, device=device, page_size=8, num_pages=8192, chunk_tokens=16, host_capacity_bytes=0, on_no_new_tokens="candidates"
+    )
+    work = _batches(TINY, batches)
+    _ms_per_batch(engine, work)  # first pass: misses; later passes rank unchanged histories
+    previous = sys.getswitchinterval()
+    results = {}
+    try:
+        for interval in intervals_s:
+            sys.setswitchinterval(interval)
+            alone = _ms_per_batch(engine, work)
+            stop = threading.Event()
+            spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
+            spinner.start()
+            try:
+                busy = _ms_per_batch(engine, work)
+            finally:
+                stop.set()
+                spinner.join()
+            results[f"{interval * 1e3:g}"] = {"alone_ms": alone, "busy_ms": busy, "slowdown": busy / alone}
+    finally:
+        sys.setswitchinterval(previous)
+        engine.close()
+    return results
+
+
+def _spin(stop: threading.Event) -> None:
+    total = 0
+    while not stop.is_set():
+        for i in range(1000):
+            total += i
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batches", type=int, default=30)
+    p.add_argument("--out", type=Path, default=Path("out/bench_gil.json"))
+    args = p.parse_args(argv)
+    results = measure(args.device, args.batches)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"device": args.device, "switch_interval_ms": results}, indent=1))
+    for interval, r in results.items():
+        print(f"switch interval {interval} ms: {r['alone_ms']:.2f} ms/batch alone, {r['busy_ms']:.2f} with a "
+              f"Python-busy thread ({r['slowdown']:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
