@@ -3,7 +3,7 @@
 # present), build, every `cuda` test (kernels, Triton attention, pipeline oracle, CUDA graphs,
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
-# STAGES picks the stages (default: the first six), e.g.
+# STAGES picks the stages (default: the first six; also profile, rest, rest_engine, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
 # are listed last and make the exit status non-zero. scripts/gpu_check.sh covers the kernels alone
@@ -42,6 +42,8 @@ stage replay_graphs 120 python3 -m hstu.cli replay --preset seed --device cuda -
   --out "$OUT/replay_graphs"
 stage profile 120 python3 -m hstu.cli profile --device cuda --cuda-graphs --batch 1 8 --forwards 10 --out "$OUT/profile"
 stage rest 300 bash scripts/gpu_rest.sh "$OUT/rest"
+# the same server with its engine in a child process (compare with "rest" in the same call)
+REFERENCE=0 SERVE_ARGS=--engine-process stage rest_engine 240 bash scripts/gpu_rest.sh "$OUT/rest_engine"
 stage bench_compiled 200 python3 -m hstu.cli bench --device cuda --compile --sections e2e --batch-sizes 8 --out "$OUT/bench_compiled"
 rm -f "$OUT/bench_graphs/bench.md" "$OUT/bench_compiled/bench.md"
 
