@@ -2,7 +2,8 @@
 # The REST path on the GPU against its in-process reference, in one call: the seed replay in
 # process (cached, CUDA graphs), then `hstu serve` at the same preset in the background with the
 # seed replay over HTTP (--verify; full histories, then incremental requests) and the open-loop load generator sending the same requests,
-# a user's next request waiting for the previous answer and then only for the previous send.
+# a user's next request waiting for the previous answer and then only for the previous send (that
+# run with --verify: the like-for-like comparison with the in-process replay, every answer checked).
 #   bash scripts/gpu_rest.sh OUT_DIR      (called by gpu_pipeline.sh's "rest" stage)
 # REFERENCE=0 skips the in-process replay and SERVER_REPLAY=0 the replay over HTTP (for a second
 # server variant measured in the same call); SERVE_ARGS adds `hstu serve` flags (a variant).
@@ -36,7 +37,7 @@ if [ "${SERVER_REPLAY:-1}" = 1 ]; then
 fi
 for order in answered sent; do  # 32 connections in each of 4 processes: more than the users in flight
   python3 -m hstu.cli loadgen --server "$url" --workload replay --order "$order" --rate 3000 --requests 200 --users 64 \
-    --connections 128 --processes 4 --out "$out/loadgen_$order" || rc=1
+    --connections 128 --processes 4 $([ $order = sent ] && echo --verify) --out "$out/loadgen_$order" || rc=1
 done
 python3 -m hstu.cli loadgen --server "$url" --rate 3000 --requests 400 --users 64 --connections 32 --processes 4 \
   --out "$out/loadgen_fit" || rc=1

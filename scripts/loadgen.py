@@ -9,7 +9,8 @@ batcher runs a user's requests in that order), over a pool of --connections keep
 streams: no per-request client objects). --processes splits the users over several client
 processes, each with its own loop and share of the rate. Reports achieved vs offered rate,
 p50/p99 latency, answers by status and the server's mean batch size (from /metrics), a short
-table last and JSON under --out. Loopback servers only.
+table last and JSON under --out; --verify checks every answer against the no-cache model of the
+server's config, built here (as `hstu replay --server --verify`). Loopback servers only.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ async def _drive(
     pool: asyncio.Queue = asyncio.Queue()
     for _ in range(connections):
         pool.put_nowait(_Connection(parsed.hostname, parsed.port or 80))
-    latencies, statuses = [None] * len(bodies), {}
+    latencies, statuses, answers = [None] * len(bodies), {}, {}
     sent = [asyncio.Event() for _ in bodies]
     start = time.perf_counter()
 
@@ -97,7 +98,9 @@ async def _drive(
         conn = await pool.get()
         t0 = time.perf_counter()
         try:
-            status, _ = await asyncio.wait_for(conn.post("/v1/rank", bodies[i][1], sent[i]), timeout_s)
+            status, payload = await asyncio.wait_for(conn.post("/v1/rank", bodies[i][1], sent[i]), timeout_s)
+            if status == 200:
+                answers[i] = payload
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
             status = f"error:{type(exc).__name__}"
             conn = _Connection(parsed.hostname, parsed.port or 80)
@@ -112,7 +115,7 @@ async def _drive(
         tasks.append(asyncio.ensure_future(one(i, last_of_user.get(user))))
         last_of_user[user] = i
     await asyncio.gather(*tasks)
-    return {"wall_s": time.perf_counter() - start, "latencies_ms": latencies, "statuses": statuses}
+    return {"wall_s": time.perf_counter() - start, "latencies_ms": latencies, "statuses": statuses, "answers": answers}
 
 
 def _client(args: tuple) -> dict:
@@ -166,6 +169,7 @@ def run(
         for k, v in r["statuses"].items():
             statuses[str(k)] = statuses.get(str(k), 0) + v
     wall = max(r["wall_s"] for r in results)
+    answers = {share[i]: payload for share, r in zip(shares, results) for i, payload in r["answers"].items()}
     batches, batched, model_s = (after[k] - before[k] for k in _BATCH_SAMPLES)
     return {
         "requests": len(bodies),
@@ -183,6 +187,7 @@ def run(
         "connections": connections,
         "processes": processes,
         "wall_s": wall,
+        "answers": answers,  # request index -> 200 body (bytes); main() checks them with --verify, then drops them
     }
 
 
@@ -208,15 +213,34 @@ def main(args: argparse.Namespace) -> int:
             candidates=(16, min(256, meta["limits"]["max_candidates"])),
         )
     requests = list(Workload(work, model))
+    reference = None
+    if args.verify:  # built first: a server whose weights this client cannot build is refused before any load
+        import torch
+
+        from hstu.scripts.replay_server import server_reference
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        reference = server_reference(meta, args.server, torch.device(device))
     doc = run(args.server, requests, args.rate, args.connections, args.processes, args.form, args.timeout_s, args.seed,
               args.order)
+    answers = doc.pop("answers")
+    if reference is not None:
+        from hstu.client import rank_result
+        from hstu.scripts.replay_server import verify_answers
+
+        checked = [(requests[i], rank_result(json.loads(body))) for i, body in sorted(answers.items())]
+        doc["verify_mismatches"], doc["verify_max_abs_diff"] = verify_answers(reference, checked, meta["task_names"])
+        doc["verified"] = len(checked)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "loadgen.json").write_text(json.dumps(doc, indent=1))
     print(f"offered {doc['offered_rate']:.0f} req/s  achieved {doc['achieved_rate']:.1f} req/s  "
           f"(200s {doc['ok_rate']:.1f}/s)  p50 {doc['latency_p50_ms']:.1f} ms  p99 {doc['latency_p99_ms']:.1f} ms  "
           f"mean batch {doc['mean_batch_size']:.2f} ({doc['mean_batch_model_ms']:.1f} ms on the model thread, busy "
           f"{doc['model_busy_share']:.0%})  statuses {doc['statuses']}")
-    return 0 if set(doc["statuses"]) <= {"200"} else 1
+    if reference is not None:
+        print(f"verified {doc['verified']} answers against the no-cache model: {doc['verify_mismatches']} mismatches "
+              f"(max abs logit diff {doc['verify_max_abs_diff']:.3g})")
+    return 0 if set(doc["statuses"]) <= {"200"} and not doc.get("verify_mismatches") else 1
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -233,6 +257,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="a user's next request waits for the previous one's answer, or only for it to be sent")
     p.add_argument("--workload", choices=["fit", "replay"], default="fit",
                    help="fit: sessions sized to the server's limits; replay: the requests `hstu replay` sends")
+    p.add_argument("--verify", action="store_true",
+                   help="check every 200 answer against the no-cache model of the server's config (built locally)")
+    p.add_argument("--device", default=None, help="device of the --verify reference model (default cuda if available)")
     p.add_argument("--timeout-s", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/loadgen"))

@@ -3,21 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from hstu.scripts import loadgen
 from tests.serving.conftest import live_server, tiny_settings
 
 
-def test_loadgen_reports_rate_latency_and_batch_size_and_gets_only_200s(tmp_path):
+def test_loadgen_reports_rate_latency_and_batch_size_gets_only_200s_and_verifies_every_answer(tmp_path):
     with live_server(tiny_settings()) as (_, _, url):
         for form, order, workload in (("columns", "sent", "fit"), ("events", "answered", "fit")):
             args = argparse.Namespace(
                 server=url, rate=200.0, requests=60, users=12, connections=8, processes=1, form=form,
-                timeout_s=20.0, seed=1, out=tmp_path / form, order=order, workload=workload,
+                timeout_s=20.0, seed=1, out=tmp_path / form, order=order, workload=workload, verify=True, device="cpu",
             )
             assert loadgen.main(args) == 0
             doc = json.loads((tmp_path / form / "loadgen.json").read_text())
             assert doc["statuses"] == {"200": 60} and doc["requests"] == 60 and doc["order"] == order
+            assert doc["verified"] == 60 and doc["verify_mismatches"] == 0, "every answer equals the no-cache model"
             assert doc["achieved_rate"] > 0 and doc["latency_p99_ms"] >= doc["latency_p50_ms"] > 0
             assert doc["mean_batch_size"] >= 1 and doc["mean_batch_model_ms"] > 0 and 0 < doc["model_busy_share"] <= 1.05
+
+
+def test_loadgen_verify_counts_every_wrong_answer_and_exits_non_zero(tmp_path, monkeypatch):
+    from hstu.serving.runtime import ServingRuntime
+
+    rank = ServingRuntime._rank
+
+    def shifted(self, requests):
+        return [dataclasses.replace(o, logits=o.logits + 0.5) for o in rank(self, requests)]
+
+    monkeypatch.setattr(ServingRuntime, "_rank", shifted)
+    with live_server(tiny_settings()) as (_, _, url):
+        args = argparse.Namespace(
+            server=url, rate=0.0, requests=20, users=6, connections=4, processes=1, form="columns", timeout_s=20.0,
+            seed=2, out=tmp_path, order="sent", workload="fit", verify=True, device="cpu",
+        )
+        assert loadgen.main(args) == 1
+    doc = json.loads((tmp_path / "loadgen.json").read_text())
+    assert doc["verify_mismatches"] == doc["verified"] == 20
