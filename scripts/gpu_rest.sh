@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The REST path on the GPU against its in-process reference, in one call: the seed replay in
 # process (cached, CUDA graphs), then `hstu serve` at the same preset in the background with the
-# seed replay over HTTP (--verify; full histories, then incremental requests) and the open-loop load generator sending the same requests,
-# a user's next request waiting for the previous answer and then only for the previous send (that
-# run with --verify: the like-for-like comparison with the in-process replay, every answer checked).
+# seed replay over HTTP (--verify; full histories, then incremental requests) and the open-loop
+# load generator sending the same requests, a user's next request waiting for the previous answer,
+# then only for the previous send (that run with --verify: the like-for-like comparison with the
+# in-process replay, every answer checked).
 #   bash scripts/gpu_rest.sh OUT_DIR      (called by gpu_pipeline.sh's "rest" stage)
 # REFERENCE=0 skips the in-process replay and SERVER_REPLAY=0 the replay over HTTP (for a second
 # server variant measured in the same call); SERVE_ARGS adds `hstu serve` flags (a variant).
