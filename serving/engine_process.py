@@ -27,6 +27,7 @@ import itertools
 import logging
 import multiprocessing
 import queue
+import signal
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -110,7 +111,11 @@ def _from_wire(outcome: Any) -> Any:
 
 # ------------------------------------------------------------------ the engine process
 def engine_main(conn: Connection, settings: ServerSettings, log_level: int) -> None:
-    """Entry point of the spawned engine process."""
+    """Entry point of the spawned engine process. It ignores SIGINT and SIGTERM: a Ctrl-C or a
+    service manager signals the whole process group, and the front end drives the shutdown (drain,
+    then close); when the front end dies, the pipe's end-of-file stops the engine."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     asyncio.run(_serve_engine(conn, settings))
 

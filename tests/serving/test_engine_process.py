@@ -87,3 +87,17 @@ async def test_a_hung_engine_process_still_gets_each_request_an_answer_by_its_de
             os.kill(pid, signal.SIGCONT)
     assert answer.status_code == 504 and answer.json()["error"] == "timeout"
     assert waited < 5.0, f"answered {waited:.2f}s after sending (deadline 0.5s + 1s grace)"
+
+
+@anyio
+async def test_the_engine_process_ignores_a_ctrl_c_meant_for_the_process_group():
+    """A terminal's Ctrl-C reaches the whole group; the front end, not the engine, decides when to stop."""
+    async with serving(tiny_settings(engine_process=True), ready=False) as (app, client):
+        await _ready(client)
+        process = app.state.runtime._process
+        os.kill(process.pid, signal.SIGINT)
+        os.kill(process.pid, signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        answer = await client.post("/v1/rank", json=full_columns(Timeline(72), 10, [1]))
+        assert answer.status_code == 200 and process.is_alive()
+    assert process.exitcode == 0
