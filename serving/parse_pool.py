@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -31,7 +32,9 @@ _worker_parser: RankBodyParser | None = None
 
 
 def _start_worker(limits: RequestLimits, config: HSTUConfig) -> None:
+    """Worker initialiser. A Ctrl-C reaches the whole process group: the server shuts the pool down."""
     global _worker_parser
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_parser = RankBodyParser(limits, config, build_rank_request_model(limits), build_rank_columns_model(limits))
 
 
