@@ -121,12 +121,7 @@ def engine_main(conn: Connection, settings: ServerSettings, log_level: int) -> N
 
 
 async def _serve_engine(conn: Connection, settings: ServerSettings) -> None:
-    config = settings.resolve_model_config()
-    limits = RequestLimits.for_model(config, settings.max_candidates, settings.max_body_bytes)
-    metrics = ServingMetrics(settings.max_batch_size)
-    runtime = ServingRuntime(settings, config, limits, metrics)
-    metrics.watch_cache(lambda: runtime.manager)
-    metrics.queue_depth.set_function(lambda: runtime.pending)
+    runtime = ServingRuntime.standalone(settings)
     out = _Sender(conn, "hstu-engine-sender")
     await runtime.start()
     if not runtime.ready:

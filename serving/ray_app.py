@@ -69,12 +69,7 @@ class RankingReplica:
 
     async def __init__(self, settings: ServerSettings) -> None:
         settings.check()  # on the replica's own node: its files, its GPU
-        config = settings.resolve_model_config()
-        limits = RequestLimits.for_model(config, settings.max_candidates, settings.max_body_bytes)
-        metrics = ServingMetrics(settings.max_batch_size)
-        self.runtime = ServingRuntime(settings, config, limits, metrics)
-        metrics.watch_cache(lambda: self.runtime.manager)
-        metrics.queue_depth.set_function(lambda: self.runtime.pending)
+        self.runtime = ServingRuntime.standalone(settings)
         self.name = serve.get_replica_context().replica_id.unique_id
         await self.runtime.start()
         if not self.runtime.ready:

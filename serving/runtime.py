@@ -118,7 +118,17 @@ class ServingRuntime(Runtime):
         self.engine: RankingEngine | None = None
         self.batcher: Batcher | None = None
         self._drain: asyncio.Task | None = None
-        self._switch_interval_s: float | None = None  # Python's, while ours is set
+
+    @classmethod
+    def standalone(cls, settings: ServerSettings) -> "ServingRuntime":
+        """A runtime with its own metrics (cache and queue collectors attached), for processes that
+        rank without the app in front of them: the engine process and each Ray ranking replica."""
+        config = settings.resolve_model_config()
+        limits = RequestLimits.for_model(config, settings.max_candidates, settings.max_body_bytes)
+        runtime = cls(settings, config, limits, ServingMetrics(settings.max_batch_size))
+        runtime.metrics.watch_cache(lambda: runtime.manager)
+        runtime.metrics.queue_depth.set_function(lambda: runtime.pending)
+        return runtime
 
     @property
     def pending(self) -> int:

@@ -34,9 +34,11 @@ async def test_the_engine_process_answers_like_the_in_process_server_and_the_no_
             for g, w, b in zip(got, want, bodies):
                 assert g.status_code == w.status_code == 200, g.text
                 g, w = g.json(), w.json()
-                for key in ("scores", "cached_tokens", "computed_tokens", "history_digest"):
+                for key in ("cached_tokens", "computed_tokens", "history_digest"):
                     assert g[key] == w[key], key
-                assert matches_reference(reference, as_events(b), g)
+                # Scores within fp32 tolerance, not bit for bit: the two servers may batch the
+                # concurrent requests differently.
+                assert matches_reference(reference, as_events(b), g) and matches_reference(reference, as_events(b), w)
                 answers[b["user_id"]] = g
         assert all(a["cached_tokens"] > 0 for a in answers.values()), "the engine process keeps the users' K/V"
         t = timelines[0]
