@@ -2,40 +2,29 @@
 
     python -m hstu.scripts.bench_gil [--device cpu] [--batches 30] [--out out/bench_gil.json]
 
-Ranks the same batches (8 users, a tiny model) alone, then while a second thread of this process
-runs pure Python (what a busy event loop does), at Python's default switch interval and at a short
-one. The ratio busy/alone is the price of sharing the GIL with the front end: every torch call
+Re-ranks one batch of 8 cached users (bench_shapes' TINY_SHAPE) alone, then while a second thread
+of this process runs pure Python (what a busy event loop does), at Python's default switch
+interval and at a short one. The ratio busy/alone is the price of sharing the GIL with the front end: every torch call
 drops the GIL and the other thread keeps it up to the switch interval. Reports ratios only.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 from hstu.engine import RankingEngine
 from hstu.model.batch import RankingRequest
-from hstu.model.config import HSTUConfig
+from hstu.model.ranking import InferenceRankingGR
+from hstu.ops.kvcache.manager import AsyncKVCacheManager
+from hstu.scripts.bench_shapes import TINY_SHAPE, make_requests
 
-TINY = HSTUConfig(embedding_dim=32, num_layers=2, num_heads=2, head_dim_qk=16, head_dim_v=16, max_seq_len=256, mlp_hidden=32)
-
-
-def _batches(config: HSTUConfig, count: int, users: int = 8, events: int = 100) -> list[list[RankingRequest]]:
-    rng = np.random.default_rng(0)
-
-    def one(user: int) -> RankingRequest:
-        return RankingRequest.create(
-            user, rng.integers(0, config.num_items, events), rng.integers(0, config.num_actions, events),
-            np.arange(events), rng.integers(0, config.num_items, 16), config=config,
-        )
-
-    return [[one(b * users + i) for i in range(users)] for b in range(count)]
+SHAPE = dataclasses.replace(TINY_SHAPE, batch_sizes=(8,))
 
 
 def _ms_per_batch(engine: RankingEngine, batches: list[list[RankingRequest]]) -> float:
@@ -46,13 +35,15 @@ def _ms_per_batch(engine: RankingEngine, batches: list[list[RankingRequest]]) ->
 
 
 def measure(device: str = "cpu", batches: int = 30, intervals_s: tuple[float, ...] = (0.005, 0.0005)) -> dict:
-    """{switch interval ms: {alone_ms, busy_ms, slowdown}} for the same batches (after a first pass,
-    re-ranks of unchanged cached histories: the host-bound case the server sees on a GPU)."""
-    engine = RankingEngine.create(
-        TINY, device=device, page_size=8, num_pages=8192, chunk_tokens=16, host_capacity_bytes=0, on_no_new_tokens="candidates"
-    )
-    work = _batches(TINY, batches)
-    _ms_per_batch(engine, work)  # first pass: misses; later passes rank unchanged histories
+    """{switch interval ms: {alone_ms, busy_ms, slowdown}} over `batches` re-ranks of one batch of
+    8 unchanged cached histories (bench_shapes' TINY_SHAPE): the host-bound case the server sees
+    on a GPU."""
+    model = SHAPE.model_config()
+    cache = AsyncKVCacheManager(SHAPE.cache_config(model, host_batches=0), device)
+    engine = RankingEngine(InferenceRankingGR(model, device), cache)
+    _, full = make_requests(SHAPE, model, max(SHAPE.batch_sizes))
+    engine.rank(full)  # the miss; every timed rank reuses all cached tokens
+    work = [full] * batches
     previous = sys.getswitchinterval()
     results = {}
     try:

@@ -3,7 +3,7 @@
 Why: the model thread's host work (metadata, launches, waits) needs the GIL, and in one process
 it shares it with the event loop (HTTP, parsing, responses). Every torch call drops and re-takes
 the GIL, and a thread running Python keeps it up to the switch interval, so a busy loop stalls
-the forward: beside a Python-busy thread RankingEngine.rank ran 2x to 18x slower on the dev CPU
+the forward: beside a Python-busy thread RankingEngine.rank ran 2x to 51x slower on the dev CPU
 (`python -m hstu.scripts.bench_gil`, tiny model, 2 shared cores); on the H200 the server's model
 thread spent ~3 ms per request against ~1.7 ms in process (benchmarks/RESULTS.md, run N).
 Here the front-end process keeps HTTP, parsing, digests and the history store; a spawned child
