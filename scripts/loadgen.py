@@ -5,8 +5,8 @@ from GET /v2/models/hstu), pre-encoded as bodies before the clock starts (column
 default). Request i is due at a Poisson arrival time for --rate requests/s; it is sent at that
 time, or when the same user's previous request was answered (--order answered: a user's session
 waits for its results) or sent (--order sent: only the arrival order is kept, the server's
-batcher runs a user's requests in that order), over a pool of --connections keep-alive HTTP/1.1 connections (a minimal client on asyncio
-streams: no per-request client objects). --processes splits the users over several client
+batcher runs a user's requests in that order), over a pool of --connections keep-alive HTTP/1.1
+connections (a minimal client on asyncio streams: no per-request client objects). --processes splits the users over several client
 processes, each with its own loop and share of the rate. Reports achieved vs offered rate,
 p50/p99 latency, answers by status and the server's mean batch size (from /metrics), a short
 table last and JSON under --out; --verify checks every answer against the no-cache model of the
@@ -126,7 +126,8 @@ _BATCH_SAMPLES = ("hstu_batch_size_count", "hstu_batch_size_sum", "hstu_batch_la
 
 
 def _batch_counters(url: str) -> dict[str, float]:
-    """The server's batch counters: batches, requests batched, model seconds (from /metrics)."""
+    """The server's batch counters: batches, requests batched, model seconds (from /metrics, every
+    replica's samples added up)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -134,8 +135,8 @@ def _batch_counters(url: str) -> dict[str, float]:
     found = dict.fromkeys(_BATCH_SAMPLES, 0.0)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name in found:
-                found[s.name] = s.value
+            if s.name in found:  # summed over labels: an engine process or Ray replicas add replica="..."
+                found[s.name] += s.value
     return found
 
 

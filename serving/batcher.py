@@ -236,8 +236,7 @@ class Batcher:
             error = RankError(500, "internal", f"batch failed: {type(exc).__name__}: {exc}")
             ran = _Ran([(item, error) for item in batch], [], time.monotonic(), None)
         for item in ran.dropped:
-            if not item.refused:
-                self._count_drop("abandoned")
+            self._abandoned(item)  # counts it unless a timer already did
         if self.metrics is not None and ran.seconds is not None:
             self.metrics.batch_size.observe(sum(1 for item in batch if item.started))
             self.metrics.batch_latency.observe(ran.seconds)

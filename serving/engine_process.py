@@ -74,7 +74,7 @@ class _Sender:
                 return
 
 
-def _read_into(conn: Connection, loop: asyncio.AbstractEventLoop, handle) -> threading.Thread:
+def _read_into(conn: Connection, loop: asyncio.AbstractEventLoop, handle, name: str) -> None:
     """A thread calling handle(message) on `loop` for every message, then handle(None) at EOF."""
 
     def run() -> None:
@@ -90,9 +90,7 @@ def _read_into(conn: Connection, loop: asyncio.AbstractEventLoop, handle) -> thr
             if message is None:
                 return
 
-    thread = threading.Thread(target=run, name="hstu-engine-reader", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=run, name=name, daemon=True).start()
 
 
 def _to_wire(outcome: Any) -> Any:
@@ -131,7 +129,7 @@ async def _serve_engine(conn: Connection, settings: ServerSettings) -> None:
         return
     out.send(("ready", runtime.fingerprint))
     inbox: asyncio.Queue = asyncio.Queue()
-    _read_into(conn, asyncio.get_running_loop(), inbox.put_nowait)
+    _read_into(conn, asyncio.get_running_loop(), inbox.put_nowait, "hstu-engine-reader")
     tasks: dict[int, asyncio.Task] = {}
 
     async def answer(kind: str, rid: int, *args) -> None:
@@ -193,7 +191,7 @@ class EngineProcessRuntime(Runtime):
         loop = asyncio.get_running_loop()
         self._started = loop.create_future()
         self._sender = _Sender(ours, "hstu-front-sender")
-        _read_into(ours, loop, self._on_message)
+        _read_into(ours, loop, self._on_message, "hstu-front-reader")
         first = await self._started
         if first[0] != "ready":
             detail = first[1] if first[0] == "failed" else "the engine process exited while starting"

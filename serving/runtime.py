@@ -59,7 +59,8 @@ class ServedModel:
 class Runtime(ABC):
     """What the app (serving/app.py) ranks through: `state` and `detail` for the health endpoints,
     the model's metadata, and submit / prefetch_users / exposition / pending / replicas.
-    ServingRuntime ranks in this process; serving/ray_app.py's RemoteRuntime on Ray Serve replicas."""
+    ServingRuntime ranks in this process, serving/engine_process.py's EngineProcessRuntime in a child
+    process, serving/ray_app.py's RemoteRuntime on Ray Serve replicas."""
 
     replicas = 1
     model: InferenceRankingGR | None = None  # the served model, or what identifies it (`.identity`: digests)
