@@ -30,7 +30,7 @@ stage() {  # stage NAME SECONDS CMD...: run under a time limit, append to the on
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$LOG"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+    && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 fi
 python3 -m pip install -e . --no-deps --no-build-isolation -q 2>&1 | tail -2 | tee -a "$LOG"
 stage build 240 python3 -c "from hstu.ops._build import cuda_build_enabled, load_extension; assert cuda_build_enabled(); load_extension(); print('extension built')"
