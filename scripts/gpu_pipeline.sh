@@ -3,7 +3,8 @@
 # present), build, every `cuda` test (kernels, Triton attention, pipeline oracle, CUDA graphs,
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
-# STAGES picks the stages (default: the first six; also profile, rest, rest_engine, bench_compiled), e.g.
+# STAGES picks the stages (default: the first six; also profile, rest, rest_engine, rest_ray, bench_export,
+# bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
 # are listed last and make the exit status non-zero. scripts/gpu_check.sh covers the kernels alone
@@ -28,9 +29,10 @@ stage() {  # stage NAME SECONDS CMD...: run under a time limit, append to the on
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$LOG"
-if [ -d .whl ]; then
+if [ -d .whl ]; then  # wheels, and pre-installed trees as .tar.xz (Ray Serve without its optional parts)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+  for tree in .whl/*.tar.xz; do [ -e "$tree" ] && tar -xJf "$tree" -C /tmp/site; done
 fi
 python3 -m pip install -e . --no-deps --no-build-isolation -q 2>&1 | tail -2 | tee -a "$LOG"
 stage build 240 python3 -c "from hstu.ops._build import cuda_build_enabled, load_extension; assert cuda_build_enabled(); load_extension(); print('extension built')"
@@ -44,6 +46,9 @@ stage profile 120 python3 -m hstu.cli profile --device cuda --cuda-graphs --batc
 stage rest 300 bash scripts/gpu_rest.sh "$OUT/rest"
 # the same server with its engine in a child process (compare with "rest" in the same call)
 REFERENCE=0 SERVE_ARGS=--engine-process stage rest_engine 240 bash scripts/gpu_rest.sh "$OUT/rest_engine"
+# the same server behind Ray Serve, one replica on this GPU (issue 16: overhead vs "rest", same call)
+REFERENCE=0 SERVE_ARGS="--replicas 1" stage rest_ray 240 bash scripts/gpu_rest.sh "$OUT/rest_ray"
+stage bench_export 300 python3 -m hstu.scripts.bench_export --device cuda --batch 8 --cuda-graphs --out "$OUT/bench_export.json"
 stage bench_compiled 200 python3 -m hstu.cli bench --device cuda --compile --sections e2e --batch-sizes 8 --out "$OUT/bench_compiled"
 rm -f "$OUT/bench_graphs/bench.md" "$OUT/bench_compiled/bench.md"
 
