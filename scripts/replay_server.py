@@ -50,14 +50,19 @@ def server_metric_keys() -> dict[tuple[str, str | None], str]:
 
 
 def parse_server_metrics(text: str) -> dict[str, int]:
-    """Cache counters and batch counts from the server's Prometheus /metrics text."""
+    """Cache counters and batch counts from the server's Prometheus /metrics text, summed over
+    its replicas."""
     from prometheus_client.parser import text_string_to_metric_families
+
+    from hstu.serving.metrics import REPLICA_LABEL
 
     keys = server_metric_keys()
     stats: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            label = next(iter(sample.labels.values()), None)
+            # a replica's samples (`--engine-process`, Ray Serve) also carry replica=<name>; the
+            # counter's own label is the other one, and replicas' samples are summed
+            label = next((v for k, v in sample.labels.items() if k != REPLICA_LABEL), None)
             key = keys.get((sample.name, label))
             if key is not None:
                 stats[key] = stats.get(key, 0) + int(sample.value)

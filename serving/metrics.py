@@ -219,6 +219,10 @@ class _Families:
         return iter(self._families)
 
 
+REPLICA_LABEL = "replica"
+"""The label merged_exposition adds to each replica's samples (a /metrics reader sums over it)."""
+
+
 def merged_exposition(own: CollectorRegistry, replicas: dict[str, str]) -> bytes:
     """One Prometheus text: `own`'s families, plus each replica's samples labelled replica=<name>
     (families of the same name merged, so every family is declared once)."""
@@ -226,5 +230,5 @@ def merged_exposition(own: CollectorRegistry, replicas: dict[str, str]) -> bytes
     for name, text in replicas.items():
         for family in text_string_to_metric_families(text):
             merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
-            merged.samples.extend(s._replace(labels={**s.labels, "replica": name}) for s in family.samples)
+            merged.samples.extend(s._replace(labels={**s.labels, REPLICA_LABEL: name}) for s in family.samples)
     return generate_latest(_Families(families.values()))

@@ -34,6 +34,25 @@ def test_every_cache_counter_the_server_exports_is_read_back():
     assert parsed == {**expected, "batches": 1, "batched_requests": 3}
 
 
+def test_the_counters_of_a_server_with_replicas_are_summed_over_its_replicas():
+    """`--engine-process` and Ray Serve expose each replica's samples with a replica label, after
+    the front end's own (which has no cache): the replay reads the same counters, summed."""
+    from prometheus_client import generate_latest
+
+    texts = {}
+    for name, hits in (("a", 2), ("b", 5)):
+        stats = CacheStats()
+        stats.add(gpu_hits=hits, misses=1)
+        served = metrics.ServingMetrics(max_batch_size=4)
+        served.watch_cache(lambda stats=stats: _Manager(stats))
+        served.batch_size.observe(hits)
+        texts[name] = generate_latest(served.registry).decode()
+    front = metrics.ServingMetrics(max_batch_size=4)
+    parsed = parse_server_metrics(metrics.merged_exposition(front.registry, texts).decode())
+    assert parsed["gpu_hits"] == 7 and parsed["misses"] == 2
+    assert parsed["batches"] == 2 and parsed["batched_requests"] == 7
+
+
 def test_the_metric_names_come_from_the_serving_table():
     keys = server_metric_keys()
     for sample, key in metrics.cache_counter_samples().items():
