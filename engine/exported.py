@@ -24,6 +24,8 @@ Output: logits [M, num_tasks], user by user. The exported program takes any B, M
 
 from __future__ import annotations
 
+import ctypes
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -223,3 +225,25 @@ def package_ranker(ranker: ExportableRanker, path: str) -> str:
         package_path=path,
         inductor_configs={"aot_inductor.metadata": {k: str(v) for k, v in metadata.items()}},
     )
+
+
+def _share_libstdcxx() -> None:
+    """Make the process's libstdc++ visible to libraries loaded later. Python loads torch's
+    extension (and, through it, libstdc++) with RTLD_LOCAL, so a package's wrapper .so that
+    carries its own libstdc++ symbols binds them to its uninitialised copy: on CUDA its first
+    std::regex (device-string parsing) then segfaults while loading, even for a single Linear
+    (H200, torch 2.11, GCC 13; RESULTS.md, eighth session). Opening the loaded library again
+    with RTLD_GLOBAL promotes it, as LD_PRELOAD would; where it cannot be found this is a no-op."""
+    try:
+        ctypes.CDLL("libstdc++.so.6", mode=os.RTLD_GLOBAL)
+    except OSError:
+        pass
+
+
+def load_package(path: str):
+    """An AOTInductor package (`package_ranker`'s) loaded for running in this process: a callable
+    taking BatchInputs' tensors, with `.loader` for its metadata and cache object."""
+    from torch._inductor import aoti_load_package
+
+    _share_libstdcxx()
+    return aoti_load_package(path)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from hstu.engine import RankingEngine
-from hstu.engine.exported import ExportableRanker, batch_inputs, package_ranker
+from hstu.engine.exported import ExportableRanker, batch_inputs, load_package, package_ranker
 from hstu.model.batch import RankingRequest
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
@@ -90,9 +90,7 @@ def measure(
         started = time.monotonic()
         package = package_ranker(exported, str(Path(package_dir) / "model.pt2"))
         compile_s = time.monotonic() - started
-        from torch._inductor import aoti_load_package
-
-        aoti = aoti_load_package(package)
+        aoti = load_package(package)
         synchronous = lambda: None  # noqa: E731  (the exported flow's copies complete inside forward)
         paths: dict[str, tuple[Forward, Callable[[], None]]] = {
             "python": (python_path, manager.drain),

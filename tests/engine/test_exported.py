@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hstu.engine.exported import ExportableRanker, batch_inputs, export_ranker
+from hstu.engine.exported import ExportableRanker, batch_inputs, export_ranker, load_package
 from hstu.model.batch import TOKEN_CANDIDATE
 from hstu.model.identity import token_records
 from hstu.model.preprocessor import batch_features
@@ -77,9 +77,7 @@ def test_exporting_leaves_the_cache_untouched(model):
 
 
 def test_aoti_package_equals_no_cache_oracle_with_its_own_cache(aoti_package, model, tiny_config):
-    from torch._inductor import aoti_load_package
-
-    compiled = aoti_load_package(aoti_package)
+    compiled = load_package(aoti_package)
     with torch.inference_mode():
         for requests in export_sequence(tiny_config):
             got = compiled(*batch_inputs(requests))
@@ -99,3 +97,20 @@ def test_exported_program_on_cuda_equals_no_cache_oracle(tiny_config):
             got = module(*batch_inputs(requests, device="cuda"))
             assert rel_err(got, model.forward_no_cache(requests)) < 1e-5
     _assert_every_cache_path_ran(ranker.cache)
+
+
+@pytest.mark.cuda
+def test_aoti_package_on_cuda_loads_in_process_and_equals_no_cache_oracle(tiny_config, tmp_path):
+    """The CUDA package loads without LD_PRELOAD (load_package shares libstdc++; without it the
+    loader segfaulted on the H200) and its cached forward equals the no-cache model."""
+    from hstu.engine.exported import package_ranker
+
+    model = InferenceRankingGR(tiny_config, device="cuda")
+    ranker = ExportableRanker(model, KVCacheConfig.for_model(tiny_config, **EXPORT_CACHE))
+    compiled = load_package(package_ranker(ranker, str(tmp_path / "model.pt2")))
+    with torch.inference_mode():
+        for requests in export_sequence(tiny_config):
+            got = compiled(*batch_inputs(requests, device="cuda"))
+            assert rel_err(got, model.forward_no_cache(requests)) < 1e-5
+    (cache,) = compiled.loader.get_custom_objs().values()
+    _assert_every_cache_path_ran(cache)
