@@ -95,6 +95,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--gpus-per-replica", type=float, default=None,
         help="GPUs of each ranking replica with --replicas (default 1 on cuda, 0 on cpu)",
     )
+    p.add_argument(
+        "--calls-per-replica", type=int, default=None,
+        help="with --replicas: calls the ingress keeps in flight to each replica; requests beyond them "
+        "wait and share the next call (default 4)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -157,5 +162,6 @@ def _run_on_ray(settings, args: argparse.Namespace) -> int:
     except ImportError as exc:
         logger.error("hstu serve --replicas needs Ray Serve (pip install 'hstu-kvcache[ray]'): %s", exc)
         return 2
-    serve_locally(settings, args.host, args.port, args.replicas, args.gpus_per_replica)
+    calls = {} if args.calls_per_replica is None else {"max_calls_per_replica": args.calls_per_replica}
+    serve_locally(settings, args.host, args.port, args.replicas, args.gpus_per_replica, **calls)
     return 0

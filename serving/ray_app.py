@@ -1,8 +1,14 @@
 """The Ray Serve application: an HTTP ingress in front of N ranking replicas, routed by user.
 
     HTTP -> HSTUIngress (the FastAPI app of `hstu serve`: parsing, validation, limits, errors)
+         -> CallCoalescer (serving/call_coalescer.py: requests for the same replica share a call)
          -> DeploymentHandle(user_id=...) -> UserAffinityRouter (serving/ray_router.py)
          -> HSTURanking replica (one per GPU: its own ServingRuntime = engine, KV cache, batcher)
+
+A Serve handle call costs more than a small batch's ranking, so the ingress keeps at most
+`max_calls_per_replica` calls in flight to each replica (the owner of the users on the router's
+ring) and sends the requests that arrive meanwhile together in the next call (at most the
+replica's batch size); an idle replica gets each request at once.
 
 The ingress builds the very app `hstu serve` runs (serving/app.py) with a RemoteRuntime in place of
 the in-process ServingRuntime, so both paths share every endpoint, error and limit. A request's
@@ -32,7 +38,9 @@ import time
 from functools import partial
 from typing import Any
 
-from prometheus_client import Counter
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
@@ -43,13 +51,15 @@ from hstu.engine import RankOutput
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
 from hstu.serving.app import create_app
+from hstu.serving.call_coalescer import CallCoalescer, CoalescerStats
 from hstu.serving.errors import RETRY_AFTER_S, RankError
 from hstu.serving.metrics import ServingMetrics, merged_exposition
-from hstu.serving.ray_router import DEFAULT_MAX_QUEUE, ROUTING_KEY, UserAffinityRouter
+from hstu.serving.ray_router import DEFAULT_MAX_QUEUE, ROUTING_KEY, USERS_KEY, UserAffinityRouter
 from hstu.serving.router_stats import RouterCollector, router_stats
 from hstu.serving.runtime import Runtime, ServedModel, ServingRuntime
 from hstu.serving.schemas import RequestLimits
 from hstu.serving.settings import ServerSettings
+from hstu.serving.user_ring import UserRing
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +67,7 @@ APP_NAME = "hstu"
 RANKING = "HSTURanking"
 INGRESS = "HSTUIngress"
 DEFAULT_MAX_ONGOING = 64
+DEFAULT_CALLS_PER_REPLICA = 4  # calls in flight from one ingress to one replica; more requests wait and share a call
 _LOST_REPLICA = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
 _RETRY_BACKOFF_S = (0.05, 0.1, 0.2, 0.5)
 _SCRAPE_TIMEOUT_S = 2.0
@@ -85,6 +96,20 @@ class RankingReplica:
         except RankError as exc:
             return exc
 
+    async def rank_many(
+        self, requests: list[RankingRequest], timeouts_s: list[float], user_id: int, users: list[int]
+    ) -> tuple[list[RankOutput | RankError], float]:
+        """rank() of several requests in one call (the ingress's CallCoalescer), all submitted to
+        the batcher at once; also the seconds spent here, so the ingress can tell Serve's share of
+        the round trip. `user_id` is the routing key (the first request's user), `users` every
+        request's (the router counts them)."""
+        started = time.monotonic()
+        if users != [r.user_id for r in requests] or user_id != users[0]:
+            error = RankError(500, "internal", f"routing keys {user_id}, {users} are not the requests' users")
+            return [error] * len(requests), 0.0
+        outcomes = await asyncio.gather(*(self.rank(r, t, r.user_id) for r, t in zip(requests, timeouts_s)))
+        return list(outcomes), time.monotonic() - started
+
     async def prefetch(self, user_id: int) -> int:
         """Start the onload of `user_id` (also the routing key, so it runs on the user's replica)."""
         return await self.runtime.prefetch_users([user_id])
@@ -105,6 +130,28 @@ class RankingReplica:
         await self.runtime.close()
 
 
+class _CoalescerCollector(Collector):
+    """hstu_replica_calls_total and hstu_replica_call_requests_total (their ratio: requests per
+    call) and hstu_replica_retries_total."""
+
+    def __init__(self, stats: CoalescerStats) -> None:
+        self._stats = stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self._stats
+        for name, doc, value in (
+            ("hstu_replica_calls", "Calls from this ingress to ranking replicas", s.calls),
+            ("hstu_replica_call_requests", "Requests those calls carried", s.items),
+            ("hstu_replica_retries", "Requests sent again because their ranking replica was lost", s.retried),
+        ):
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
+
+
 class RemoteRuntime(Runtime):
     """The ingress's Runtime: ranks through a handle to the ranking deployment, with the user id as
     the routing key. `model` is a ServedModel once a replica described itself; no cache here
@@ -117,14 +164,29 @@ class RemoteRuntime(Runtime):
         limits: RequestLimits,
         metrics: ServingMetrics,
         ranking: DeploymentHandle,
+        max_calls_per_replica: int = DEFAULT_CALLS_PER_REPLICA,
     ) -> None:
         super().__init__(settings, config, limits, metrics, "waiting for a ranking replica")
         self._in_flight = 0
         self._ranking = ranking
         self._stats = router_stats(RANKING)
         metrics.registry.register(RouterCollector(self._stats))
-        self._retries = Counter(
-            "hstu_replica_retries", "Requests sent again because their ranking replica was lost", registry=metrics.registry
+        self._ring, self._ring_replicas = UserRing(), ()
+        self._calls: CallCoalescer[RankingRequest] = CallCoalescer(
+            self._send,
+            self._lane_of,
+            max_calls=max_calls_per_replica,
+            max_group=settings.max_batch_size,
+            retryable=lambda exc: isinstance(exc, _LOST_REPLICA),
+            exhausted=self._lost,
+            expired=lambda: RankError(504, "timeout", "request deadline passed"),
+            backoff_s=_RETRY_BACKOFF_S,
+        )
+        metrics.registry.register(_CoalescerCollector(self._calls.stats))
+        self._call_overhead = Histogram(
+            "hstu_replica_call_overhead_seconds",
+            "Per call to a ranking replica: its round trip less the time the replica spent ranking (Ray Serve's share)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), registry=metrics.registry,
         )
 
     @property
@@ -156,34 +218,36 @@ class RemoteRuntime(Runtime):
             logger.info("ingress ready: ranking replicas serve weights %s", self.fingerprint)
 
     async def submit(self, request: RankingRequest, deadline: float) -> RankOutput:
-        """Rank on the user's replica; a lost replica means a retry elsewhere until `deadline`."""
+        """Rank on the user's replica, in one call with whatever else waits for it (CallCoalescer);
+        a lost replica means a retry elsewhere until `deadline`."""
         self._in_flight += 1
         try:
-            for attempt in range(len(_RETRY_BACKOFF_S) + 1):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                call = self._ranking.rank.remote(request, left, **{ROUTING_KEY: request.user_id})
-                try:
-                    outcome = await asyncio.wait_for(call, left)
-                except TimeoutError:
-                    break
-                except _LOST_REPLICA as exc:
-                    if attempt == len(_RETRY_BACKOFF_S):
-                        raise RankError(
-                            503, "unavailable", f"user {request.user_id}: ranking replicas lost ({type(exc).__name__})",
-                            retry_after_s=RETRY_AFTER_S,
-                        ) from exc
-                    logger.info("user %d: replica lost (%s); sending again", request.user_id, type(exc).__name__)
-                    self._retries.inc()
-                    await asyncio.sleep(_RETRY_BACKOFF_S[attempt])
-                    continue
-                if isinstance(outcome, RankError):
-                    raise outcome
-                return outcome
-            raise RankError(504, "timeout", f"user {request.user_id}: request deadline passed")
+            return await self._calls.submit(request, deadline)
         finally:
             self._in_flight -= 1
+
+    def _lane_of(self, request: RankingRequest) -> str:
+        """The replica owning the request's user on the router's ring ('' before it has replicas)."""
+        replicas = self._stats.replicas
+        if replicas != self._ring_replicas:
+            self._ring.set_replicas(replicas)
+            self._ring_replicas = replicas
+        return self._ring.owner(request.user_id) if len(self._ring) else ""
+
+    async def _send(self, requests: list[RankingRequest], timeouts_s: list[float]) -> list[RankOutput | RankError]:
+        """One call to the ranking deployment for requests of users that share an owner: routed by
+        the first user, every user counted by the router."""
+        started = time.monotonic()
+        call = self._ranking.rank_many.remote(
+            requests, timeouts_s, **{USERS_KEY: [r.user_id for r in requests], ROUTING_KEY: requests[0].user_id}
+        )
+        outcomes, inside_s = await call
+        self._call_overhead.observe(max(0.0, time.monotonic() - started - inside_s))
+        return outcomes
+
+    @staticmethod
+    def _lost(exc: BaseException) -> RankError:
+        return RankError(503, "unavailable", f"ranking replicas lost ({type(exc).__name__})", retry_after_s=RETRY_AFTER_S)
 
     async def prefetch_users(self, user_ids: list[int]) -> int:
         """One prefetch per user, each on the user's replica, one after another: Serve gives the
@@ -219,6 +283,7 @@ class RemoteRuntime(Runtime):
         self.drain()
         if start_task is not None:
             await start_task
+        await self._calls.close()
         self.state = "stopped"
 
 
@@ -226,12 +291,12 @@ class RemoteRuntime(Runtime):
 class HTTPIngress:
     """The HTTP ingress: the app of serving/app.py over a RemoteRuntime to the ranking deployment."""
 
-    def __init__(self, settings: ServerSettings, ranking: DeploymentHandle) -> None:
+    def __init__(self, settings: ServerSettings, ranking: DeploymentHandle, max_calls_per_replica: int) -> None:
         self._settings = settings
-        self._ranking = ranking
+        self._runtime = partial(RemoteRuntime, ranking=ranking, max_calls_per_replica=max_calls_per_replica)
 
     def __serve_build_asgi_app__(self):
-        return create_app(self._settings, runtime_factory=partial(RemoteRuntime, ranking=self._ranking))
+        return create_app(self._settings, runtime_factory=self._runtime)
 
 
 def build_app(
@@ -242,13 +307,17 @@ def build_app(
     max_queue: int = DEFAULT_MAX_QUEUE,
     max_ongoing_requests: int = DEFAULT_MAX_ONGOING,
     ingress_replicas: int = 1,
+    max_calls_per_replica: int = DEFAULT_CALLS_PER_REPLICA,
 ):
     """The Serve application: `replicas` ranking replicas (each `gpus_per_replica` GPUs: 1 on CUDA,
     0 on CPU by default) behind `ingress_replicas` HTTP ingresses. `max_queue` is the router's load
     bound (a replica with more ongoing requests hands new ones on); `max_ongoing_requests` is
-    Serve's hard cap per replica."""
+    Serve's hard cap per replica; `max_calls_per_replica` the calls one ingress keeps in flight to
+    one replica (CallCoalescer: requests beyond them wait and share the next call)."""
     if replicas < 1 or ingress_replicas < 1:
         raise ValueError(f"need at least one replica and one ingress, got {replicas} and {ingress_replicas}")
+    if max_calls_per_replica < 1:
+        raise ValueError(f"max_calls_per_replica must be >= 1, got {max_calls_per_replica}")
     if max_ongoing_requests <= max_queue:
         raise ValueError(f"max_ongoing_requests ({max_ongoing_requests}) must exceed max_queue ({max_queue})")
     if gpus_per_replica is None:
@@ -274,7 +343,7 @@ def build_app(
         ray_actor_options={"num_cpus": 0},
         logging_config=_NO_ACCESS_LOG,
     )
-    return ingress.bind(settings, ranking.bind(settings))
+    return ingress.bind(settings, ranking.bind(settings), max_calls_per_replica)
 
 
 def app_builder(args: dict[str, Any]):
@@ -285,16 +354,19 @@ def app_builder(args: dict[str, Any]):
     return build_app(settings, **args)
 
 
-def serve_locally(settings: ServerSettings, host: str, port: int, replicas: int, gpus_per_replica: float | None) -> None:
+def serve_locally(
+    settings: ServerSettings, host: str, port: int, replicas: int, gpus_per_replica: float | None, **app_options: Any
+) -> None:
     """`hstu serve --replicas N`: start (or join, with RAY_ADDRESS) a Ray cluster, serve the app on
-    host:port until SIGINT/SIGTERM, then delete the app (replicas drain their queues)."""
+    host:port until SIGINT/SIGTERM, then delete the app (replicas drain their queues). `app_options`
+    are build_app's keyword arguments."""
     import ray
 
     ray.init(include_dashboard=False)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # after ray.init, which installs its own
     try:
         serve.start(http_options={"host": host, "port": port})
-        app = build_app(settings, replicas=replicas, gpus_per_replica=gpus_per_replica)
+        app = build_app(settings, replicas=replicas, gpus_per_replica=gpus_per_replica, **app_options)
         serve.run(app, name=APP_NAME, route_prefix="/")
         logger.info("serving %d ranking replicas on http://%s:%d (docs at /docs)", replicas, host, port)
         signal.pause()

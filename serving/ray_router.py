@@ -10,7 +10,9 @@ call), so a replica that joins or dies moves only the users of the arcs that cha
 Anchors: Ray Serve's PrefixCacheAffinityRouter (affinity with a load bound), NVIDIA Dynamo's
 KV-aware router.
 
-A request without the key goes to the least loaded replica.
+A request without the key goes to the least loaded replica. A call that carries several users'
+requests (the ingress coalesces those that share an owner) is routed by its first user and lists
+them all under `users`; each is counted.
 
 Decisions are counted once per routed request (on_request_routed) into the RouterStats of the
 deployment in this process (serving/router_stats.py), which the ingress exports on /metrics.
@@ -30,6 +32,7 @@ from hstu.serving.user_ring import AFFINITY, LEAST_LOADED, NEXT_ON_RING, UserRin
 logger = logging.getLogger(__name__)
 
 ROUTING_KEY = "user_id"
+USERS_KEY = "users"  # every user of a call that carries several requests (routed by the first)
 DEFAULT_MAX_QUEUE = 16
 
 
@@ -81,10 +84,13 @@ class UserAffinityRouter(RequestRouter):
         return [[by_name[chosen]], rest] if rest else [[by_name[chosen]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        """Count the decision for every user the call carries (`users`, the ingress's coalesced
+        calls; else the routing key alone), each against its own owner."""
         user_id = _user_id(pending_request)
         if user_id is None or not len(self._ring):
             return
         replica = replica_id.unique_id
-        owner, *second = self._ring.successors(user_id, 2)
-        decision = AFFINITY if replica == owner else NEXT_ON_RING if replica in second else LEAST_LOADED
-        self._stats.routed(user_id, replica, decision)
+        for user in pending_request.kwargs.get(USERS_KEY) or [user_id]:
+            owner, *second = self._ring.successors(int(user), 2)
+            decision = AFFINITY if replica == owner else NEXT_ON_RING if replica in second else LEAST_LOADED
+            self._stats.routed(int(user), replica, decision)

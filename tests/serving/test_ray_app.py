@@ -133,6 +133,9 @@ def test_two_replicas_keep_each_user_on_its_cache_and_match_the_no_cache_model(c
     assert sum(repeats) >= 0.95 * len(repeats), f"{sum(repeats)} of {len(repeats)} repeat requests hit the cache"
     metrics = scrape(cluster)
     assert sample(metrics, 'hstu_router_decisions_total{decision="affinity"}') >= 0.95 * len(payloads)
+    # the ingress's calls carried every request, each at most once (coalesced calls count every user)
+    assert sample(metrics, "hstu_replica_call_requests_total") == len(payloads)
+    assert 0 < sample(metrics, "hstu_replica_calls_total") <= len(payloads)
     per_replica = re.findall(r'^hstu_cache_lookups_total\{replica="[^"]+",result="miss"\} (\S+)$', metrics, re.M)
     assert len(per_replica) == 2 and all(float(v) > 0 for v in per_replica), "both replicas own users"
     assert httpx.get(f"{cluster}/v2/models/hstu").json()["replicas"] == 2
