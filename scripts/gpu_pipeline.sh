@@ -3,7 +3,7 @@
 # present), build, every `cuda` test (kernels, Triton attention, pipeline oracle, CUDA graphs,
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
-# STAGES picks the stages (default: the first six; also profile, rest, rest_engine, rest_ray, bench_export,
+# STAGES picks the stages (default: the first six; also profile, rest, rest_engine, rest_ray, rest_ray_direct, bench_export,
 # bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
@@ -48,6 +48,8 @@ stage rest 300 bash scripts/gpu_rest.sh "$OUT/rest"
 REFERENCE=0 SERVE_ARGS=--engine-process stage rest_engine 240 bash scripts/gpu_rest.sh "$OUT/rest_engine"
 # the same server behind Ray Serve, one replica on this GPU (issue 16: overhead vs "rest", same call)
 REFERENCE=0 SERVE_ARGS="--replicas 1" stage rest_ray 240 bash scripts/gpu_rest.sh "$OUT/rest_ray"
+# ... with the ingress serving HTTP itself (Ray Serve's direct ingress, no proxy actor)
+REFERENCE=0 SERVE_ARGS="--replicas 1 --direct-ingress" stage rest_ray_direct 240 bash scripts/gpu_rest.sh "$OUT/rest_ray_direct"
 stage bench_export 300 python3 -m hstu.scripts.bench_export --device cuda --batch 8 --cuda-graphs --out "$OUT/bench_export.json"
 stage bench_compiled 200 python3 -m hstu.cli bench --device cuda --compile --sections e2e --batch-sizes 8 --out "$OUT/bench_compiled"
 rm -f "$OUT/bench_graphs/bench.md" "$OUT/bench_compiled/bench.md"

@@ -100,6 +100,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="with --replicas: calls the ingress keeps in flight to each replica; requests beyond them "
         "wait and share the next call (default 4)",
     )
+    p.add_argument(
+        "--direct-ingress", action="store_true",
+        help="with --replicas: the ingress replica serves HTTP on --port itself, without Serve's proxy "
+        "(Ray Serve's direct ingress; a local cluster only)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -163,5 +168,11 @@ def _run_on_ray(settings, args: argparse.Namespace) -> int:
         logger.error("hstu serve --replicas needs Ray Serve (pip install 'hstu-kvcache[ray]'): %s", exc)
         return 2
     calls = {} if args.calls_per_replica is None else {"max_calls_per_replica": args.calls_per_replica}
-    serve_locally(settings, args.host, args.port, args.replicas, args.gpus_per_replica, **calls)
+    try:
+        serve_locally(
+            settings, args.host, args.port, args.replicas, args.gpus_per_replica, args.direct_ingress, **calls
+        )
+    except ValueError as exc:
+        logger.error("hstu serve: %s", exc)
+        return 2
     return 0
