@@ -6,8 +6,9 @@ serialisations and an actor task on either side: on the H200 the Ray path answer
 requests/s of `hstu serve`, its replica idle half the time with batches of 1.3). The replica
 batches anyway, so the ingress sends what is waiting for the same replica as one call: up to
 `max_calls` calls per lane are in flight, and requests arriving meanwhile queue in their lane and
-leave together (at most `max_group`) as soon as a call returns. An idle lane sends a request at
-once (no added wait); a busy one sends batches, so the per-call cost is shared.
+leave together (at most `max_group`) as soon as a call returns, or at once when `max_group` of them
+wait. An idle lane sends a request at once (no added wait); a busy one sends batches, so the
+per-call cost is shared, and no more than max_group - 1 requests ever wait for a slot.
 
 A lane is what `lane_of(item)` names (the user's replica on the routing ring). `send(items)`
 returns one outcome per item, in order: a value, or an exception (raised to that item's caller
@@ -100,7 +101,9 @@ class CallCoalescer(Generic[T]):
         self._pump(lane)
 
     def _pump(self, lane: _Lane) -> None:
-        while lane.queue and lane.in_flight < self.max_calls:
+        # A full group leaves at once even past max_calls: waiting only ever gathers a partial one,
+        # and the router's load bound still sees every call (and moves them when a replica is busy).
+        while lane.queue and (lane.in_flight < self.max_calls or len(lane.queue) >= self.max_group):
             group = self._take(lane)
             if not group:
                 return

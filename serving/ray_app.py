@@ -8,7 +8,7 @@
 A Serve handle call costs more than a small batch's ranking, so the ingress keeps at most
 `max_calls_per_replica` calls in flight to each replica (the owner of the users on the router's
 ring) and sends the requests that arrive meanwhile together in the next call (at most the
-replica's batch size); an idle replica gets each request at once.
+replica's batch size, sent at once when that many wait); an idle replica gets each request at once.
 
 The ingress builds the very app `hstu serve` runs (serving/app.py) with a RemoteRuntime in place of
 the in-process ServingRuntime, so both paths share every endpoint, error and limit. A request's
