@@ -10,7 +10,7 @@ Here the front-end process keeps HTTP, parsing, digests and the history store; a
 owns a ServingRuntime (engine, KV cache, batcher, model thread) and receives parsed requests.
 
 Protocol over one multiprocessing pipe, pickled tuples (RankingRequest with its identity chain,
-so digests are not recomputed; logits travel as numpy, never as torch tensors):
+so digests are not recomputed; a RankOutput pickles its logits as numpy, see RankOutput.__reduce__):
   front -> engine   ("rank", id, request, seconds left) | ("prefetch", id, user_ids) |
                     ("scrape", id) | ("cancel", id) | ("drain",) | ("close",)
   engine -> front   ("ready", fingerprint) | ("failed", detail) | ("done", id, outcome)
@@ -32,8 +32,6 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
-
-import torch
 
 from hstu.engine import RankOutput
 from hstu.model.batch import RankingRequest
@@ -93,20 +91,6 @@ def _read_into(conn: Connection, loop: asyncio.AbstractEventLoop, handle, name: 
     threading.Thread(target=run, name=name, daemon=True).start()
 
 
-def _to_wire(outcome: Any) -> Any:
-    if isinstance(outcome, RankOutput):
-        return ("output", outcome.user_id, outcome.logits.numpy(), outcome.cached_tokens, outcome.computed_tokens,
-                outcome.task_names)
-    return outcome
-
-
-def _from_wire(outcome: Any) -> Any:
-    if isinstance(outcome, tuple) and outcome and outcome[0] == "output":
-        _, user, logits, cached, computed, tasks = outcome
-        return RankOutput(user, torch.from_numpy(logits), cached, computed, tasks)
-    return outcome
-
-
 # ------------------------------------------------------------------ the engine process
 def engine_main(conn: Connection, settings: ServerSettings, log_level: int) -> None:
     """Entry point of the spawned engine process. It ignores SIGINT and SIGTERM: a Ctrl-C or a
@@ -145,7 +129,7 @@ async def _serve_engine(conn: Connection, settings: ServerSettings) -> None:
         except Exception as exc:  # the front end gets an answer whatever happened
             logger.exception("engine call %s failed", kind)
             outcome = RankError(500, "internal", f"engine call failed: {type(exc).__name__}: {exc}")
-        out.send(("done", rid, _to_wire(outcome)))
+        out.send(("done", rid, outcome))
 
     while (message := await inbox.get()) is not None and message[0] != "close":
         kind = message[0]
@@ -216,7 +200,7 @@ class EngineProcessRuntime(Runtime):
         if message[0] == "done":
             future = self._waiting.pop(message[1], None)
             if future is not None and not future.done():
-                future.set_result(_from_wire(message[2]))
+                future.set_result(message[2])
 
     def _engine_gone(self) -> None:
         if self.state in ("loading", "ready"):

@@ -1,4 +1,5 @@
-"""The engine's short in-process API: `hstu.RankingEngine.create` and scores labelled by task."""
+"""The engine's short in-process API: `hstu.RankingEngine.create`, scores labelled by task, and
+RankOutput's pickling."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import hstu
+from hstu.engine import RankOutput
 from tests.conftest import rel_err
 
 
@@ -34,3 +37,19 @@ def test_import_hstu_does_not_import_torch():
     code = "import sys, hstu; assert 'torch' not in sys.modules; hstu.HSTUConfig; assert 'torch' not in sys.modules; hstu.RankingEngine; assert 'torch' in sys.modules"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rank_output_pickles_only_its_logits_as_numpy(dtype):
+    """Outputs cross processes (engine process, Ray replicas): a view of a batch's logits pickles
+    its own values alone, with dtype and fields intact."""
+    import pickle
+
+    batch = torch.randn(40, 3).to(dtype)
+    output = RankOutput(7, batch[10:15], 100, 20, ("click", "like", "share"))
+    data = pickle.dumps(output)
+    back = pickle.loads(data)
+    assert back.logits.dtype == dtype and torch.equal(back.logits, output.logits)
+    assert (back.user_id, back.cached_tokens, back.computed_tokens, back.task_names) == (7, 100, 20, ("click", "like", "share"))
+    assert len(data) < 5 * 3 * 4 + 400  # not the batch's 40 rows
+    assert np.allclose(back.scores, output.scores)
