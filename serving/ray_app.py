@@ -82,7 +82,12 @@ class RankingReplica:
 
     async def __init__(self, settings: ServerSettings) -> None:
         settings.check()  # on the replica's own node: its files, its GPU
-        self.runtime = ServingRuntime.standalone(settings)
+        if settings.engine_process:  # the engine in a child process: the GIL here stays Serve's
+            from hstu.serving.engine_process import EngineProcessRuntime
+
+            self.runtime = EngineProcessRuntime.standalone(settings)
+        else:
+            self.runtime = ServingRuntime.standalone(settings)
         self.name = serve.get_replica_context().replica_id.unique_id
         await self.runtime.start()
         if not self.runtime.ready:

@@ -77,6 +77,16 @@ class Runtime(ABC):
         self.detail: str | None = detail
         self.fingerprint: str | None = None
 
+    @classmethod
+    def standalone(cls, settings: ServerSettings) -> "Runtime":
+        """A runtime with its own metrics (a queue-depth gauge attached), for processes that rank
+        without the app in front of them: the engine process and each Ray ranking replica."""
+        config = settings.resolve_model_config()
+        limits = RequestLimits.for_model(config, settings.max_candidates, settings.max_body_bytes)
+        runtime = cls(settings, config, limits, ServingMetrics(settings.max_batch_size))
+        runtime.metrics.queue_depth.set_function(lambda: runtime.pending)
+        return runtime
+
     @property
     def ready(self) -> bool:
         return self.state == "ready"
@@ -122,13 +132,9 @@ class ServingRuntime(Runtime):
 
     @classmethod
     def standalone(cls, settings: ServerSettings) -> "ServingRuntime":
-        """A runtime with its own metrics (cache and queue collectors attached), for processes that
-        rank without the app in front of them: the engine process and each Ray ranking replica."""
-        config = settings.resolve_model_config()
-        limits = RequestLimits.for_model(config, settings.max_candidates, settings.max_body_bytes)
-        runtime = cls(settings, config, limits, ServingMetrics(settings.max_batch_size))
+        """Runtime.standalone, with the cache's metrics attached too."""
+        runtime = super().standalone(settings)
         runtime.metrics.watch_cache(lambda: runtime.manager)
-        runtime.metrics.queue_depth.set_function(lambda: runtime.pending)
         return runtime
 
     @property

@@ -1,7 +1,8 @@
-"""`hstu serve --replicas 1 --direct-ingress` (Ray Serve's direct ingress: the ingress replica
-serves HTTP on --port itself): it ranks a few users' growing histories over its own port, every
-answer equal to the no-cache model's, with cache hits; on a cluster named by RAY_ADDRESS it
-refuses with exit status 2. Its own local Ray cluster, in a child process."""
+"""`hstu serve --replicas 1 --direct-ingress --engine-process` (Ray Serve's direct ingress: the
+ingress replica serves HTTP on --port itself; the ranking replica runs its engine in a child
+process): it ranks a few users' growing histories over its own port, every answer equal to the
+no-cache model's, with cache hits; on a cluster named by RAY_ADDRESS it refuses with exit status
+2. Its own local Ray cluster, in a child process."""
 
 from __future__ import annotations
 
@@ -33,12 +34,12 @@ def _serve(tmp_path, port: int, env: dict[str, str] | None = None) -> subprocess
     config.write_text(json.dumps(TINY.to_dict()))
     argv = [sys.executable, "-m", "hstu.cli", "serve", "--device", "cpu", "--config", str(config), "--host", "127.0.0.1",
             "--port", str(port), "--num-pages", "512", "--page-size", "8", "--chunk-tokens", "16",
-            "--task-names", "click,like,share", "--replicas", "1", "--direct-ingress"]
+            "--task-names", "click,like,share", "--replicas", "1", "--direct-ingress", "--engine-process"]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.timeout(300)
-def test_direct_ingress_serves_on_its_port_and_matches_the_no_cache_model(tmp_path, reference):
+def test_direct_ingress_and_engine_process_replica_match_the_no_cache_model(tmp_path, reference):
     port = _free_port()
     server = _serve(tmp_path, port)
     base = f"http://127.0.0.1:{port}"
