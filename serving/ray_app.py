@@ -93,29 +93,26 @@ class RankingReplica:
         if not self.runtime.ready:
             raise RuntimeError(f"ranking replica {self.name} did not start: {self.runtime.state} ({self.runtime.detail})")
 
-    async def rank(self, request: RankingRequest, timeout_s: float, user_id: int) -> RankOutput | RankError:
-        """Scores of one request within `timeout_s`; a RankError is returned, not raised (it crosses
-        Ray as a value). `user_id` is the routing key and must be the request's."""
-        if user_id != request.user_id:
-            return RankError(500, "internal", f"routing key user_id={user_id} is not the request's user {request.user_id}")
-        try:
-            return await self.runtime.submit(request, time.monotonic() + timeout_s)
-        except RankError as exc:
-            return exc
-
     async def rank_many(
         self, requests: list[RankingRequest], timeouts_s: list[float], user_id: int, users: list[int]
     ) -> tuple[list[RankOutput | RankError], float]:
-        """rank() of several requests in one call (the ingress's CallCoalescer), all submitted to
-        the batcher at once; also the seconds spent here, so the ingress can tell Serve's share of
-        the round trip. `user_id` is the routing key (the first request's user), `users` every
+        """Scores of several requests (the ingress's CallCoalescer's call), all submitted to the
+        batcher at once, each within its `timeouts_s`; a RankError is returned, not raised (it
+        crosses Ray as a value). Also the seconds spent here, so the ingress can tell Serve's share
+        of the round trip. `user_id` is the routing key (the first request's user), `users` every
         request's (the router counts them)."""
         started = time.monotonic()
         if users != [r.user_id for r in requests] or user_id != users[0]:
             error = RankError(500, "internal", f"routing keys {user_id}, {users} are not the requests' users")
             return [error] * len(requests), 0.0
-        outcomes = await asyncio.gather(*(self.rank(r, t, r.user_id) for r, t in zip(requests, timeouts_s)))
+        outcomes = await asyncio.gather(*(self._rank_one(r, t) for r, t in zip(requests, timeouts_s)))
         return list(outcomes), time.monotonic() - started
+
+    async def _rank_one(self, request: RankingRequest, timeout_s: float) -> RankOutput | RankError:
+        try:
+            return await self.runtime.submit(request, time.monotonic() + timeout_s)
+        except RankError as exc:
+            return exc
 
     async def prefetch(self, user_id: int) -> int:
         """Start the onload of `user_id` (also the routing key, so it runs on the user's replica)."""
@@ -178,7 +175,7 @@ class RemoteRuntime(Runtime):
         self._ranking = ranking
         self._stats = router_stats(RANKING)
         metrics.registry.register(RouterCollector(self._stats))
-        self._ring, self._ring_replicas = UserRing(), ()
+        self._ring = UserRing()
         self._calls: CallCoalescer[RankingRequest] = CallCoalescer(
             self._send,
             self._lane_of,
@@ -235,10 +232,7 @@ class RemoteRuntime(Runtime):
 
     def _lane_of(self, request: RankingRequest) -> str:
         """The replica owning the request's user on the router's ring ('' before it has replicas)."""
-        replicas = self._stats.replicas
-        if replicas != self._ring_replicas:
-            self._ring.set_replicas(replicas)
-            self._ring_replicas = replicas
+        self._ring.set_replicas(self._stats.replicas)  # a no-op while they are unchanged
         return self._ring.owner(request.user_id) if len(self._ring) else ""
 
     async def _send(self, requests: list[RankingRequest], timeouts_s: list[float]) -> list[RankOutput | RankError]:
