@@ -34,7 +34,8 @@ import torch
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
 from hstu.model.ranking import InferenceRankingGR
-from hstu.ops.kvcache.manager import AsyncKVCacheManager, PreparedBatch
+from hstu.ops.kvcache.batch import BatchPlan
+from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.ops.kvcache.planner import CostModel
 
 # A batch is ranked at most this many times: the retry after a failed onload is a plain miss.
@@ -180,20 +181,23 @@ class RankingEngine:
         max_batch: int = 8,
         buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096),
         compile: bool = False,
+        capture: bool = True,
     ) -> None:
-        """Replay the paged layers as per-layer CUDA graphs for batches that fit a row bucket
-        (padded); larger batches run eagerly. Captures every bucket now, before serving.
+        """Replay the whole cached forward (features to logits) as CUDA graphs for batches that
+        fit a row bucket (padded); larger batches run eagerly. Captures every bucket now, before
+        serving (engine/graphs.py).
 
         compile: the graphs capture torch.compile'd layers, compiled once per (layer, bucket) with
-        static shapes; eager fallback batches keep the eager layers, so no batch compiles while serving.
+        static shapes; eager fallback batches keep the eager layers, so no batch compiles while
+        serving. capture=False runs the same padded static-buffer path eagerly (no CUDA needed).
         """
-        if self.cache is None or self.model.device.type != "cuda":
+        if self.cache is None or (capture and self.model.device.type != "cuda"):
             raise RuntimeError("CUDA graphs need a CUDA model with a KV cache manager")
-        from hstu.engine.graphs import PagedLayerGraphs
+        from hstu.engine.graphs import ForwardGraphs
 
         layer_fns = self._compiled_layers(dynamic=False) if compile else None
-        self.graphs = PagedLayerGraphs(
-            self.model.block, self.cache.kv_pages, self.cache.scratch_page, max_batch, buckets, layer_fns
+        self.graphs = ForwardGraphs(
+            self.model, self.cache.kv_pages, self.cache.scratch_page, max_batch, buckets, layer_fns, capture
         )
         # Every layer is one code object (paged_layer) compiled once per (layer, bucket): lift
         # Dynamo's per-code recompile limit for the captures, else the later ones run uncompiled.
@@ -225,12 +229,7 @@ class RankingEngine:
         )
         timing = ForwardTiming()
         try:
-            x = model.embed(requests, plan.cached_lens)
-            t0 = time.perf_counter()
-            prepared = cache.wait(plan)
-            timing.prepare_wait_s = time.perf_counter() - t0
-            y = self._run_block(x, prepared, timing, padded=plan.pad is not None)
-            logits = model.logits(y, plan.layout)
+            logits = self._forward(requests, plan, timing)
         except BaseException:
             cache.abort(plan)
             raise
@@ -241,19 +240,30 @@ class RankingEngine:
                 outputs[out.user_id] = out
         return failed
 
-    def _run_block(self, x: torch.Tensor, prepared: PreparedBatch, timing: ForwardTiming, padded: bool) -> torch.Tensor:
+    def _forward(self, requests: list[RankingRequest], plan: BatchPlan, timing: ForwardTiming) -> torch.Tensor:
+        """Logits of the planned batch: one graph replay when it fits a bucket, else eagerly."""
+        model = self.model
+        if plan.pad is not None:  # static inputs built while the prepare worker reserves pages
+            inputs = model.static_inputs(requests, plan.layout, plan.pad.rows)
+        else:
+            x = model.embed(requests, plan.cached_lens)
+        t0 = time.perf_counter()
+        prepared = self.cache.wait(plan)
+        timing.prepare_wait_s = time.perf_counter() - t0
+
         def ready(layer: int) -> None:
             t0 = time.perf_counter()
             prepared.ready(layer)
             timing.onload_wait_s += time.perf_counter() - t0
 
-        if self.graphs is not None:
-            y = self.graphs.run(x, prepared.metadata, ready)
-            if y is not None:
-                return y
-            if padded:  # padded metadata only fits its graph bucket
-                raise RuntimeError(f"no CUDA graph replayed the batch of {x.shape[0]} rows padded for one")
-        return self.model.block.forward_paged(x, prepared.kv_pages, prepared.metadata, ready, self.layer_fns)
+        if plan.pad is not None:
+            before_layer = ready if prepared.onload_users else None
+            logits = self.graphs.run(inputs, prepared.metadata, int(plan.layout.candidate_rows.shape[0]), before_layer)
+            if logits is None:  # padded metadata only fits its graph bucket
+                raise RuntimeError(f"no CUDA graph replayed the batch of {plan.layout.num_rows} rows padded for one")
+            return logits
+        y = model.block.forward_paged(x, prepared.kv_pages, prepared.metadata, ready, self.layer_fns)
+        return model.logits(y, plan.layout)
 
     def _split(self, requests: list[RankingRequest], logits: torch.Tensor, cached: list[int]) -> list[RankOutput]:
         parts = torch.split(logits, [r.candidates.shape[0] for r in requests])

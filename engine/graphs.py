@@ -1,24 +1,39 @@
-"""Per-layer CUDA graphs of the paged HSTU block, padded to a few row-count buckets (engine-owned).
+"""CUDA graphs of the whole cached forward, one set per row bucket (engine-owned).
 
-Why per layer: layer i must wait for its own onload event, and a stream wait on an event recorded
-by another thread cannot live inside a captured graph. So each (bucket, layer) is its own graph;
-the waits run eagerly between replays, on the same stream.
+Why: a cached forward at the seed shapes is ~1-4 ms of kernels, and the eager glue around
+per-layer graphs (embedding lookups, candidate gather, postprocessor, head, metadata views) kept
+the GPU idle most of the wall time. Here everything from the token features to the logits is
+captured, so the model thread's work per batch is: fill two host buffers, two H2D copies, replay.
 
-Compiled layers: `layer_fns` (torch.compile'd paged layers, one static shape per bucket) replace
-the eager layers inside the captures; the graphs then replay Inductor's fused kernels.
+A bucket's static inputs (refreshed per batch by one copy each):
+  meta     the packed KVCacheMetadata buffer, padded to the bucket on the prepare worker;
+  inputs   [5, rows] int64: the four embedding features of every row (table index, position,
+           time bucket, token type; RankingModel.static_inputs), then the candidate rows.
+Two captures per bucket read them:
+  whole    embed -> every layer -> candidate rows -> postprocessor -> head; one replay, for
+           batches with nothing to onload (GPU hits, misses, re-ranks);
+  segments the same work cut at layer boundaries (embed + layer 0, layer 1, ..., layer L-1 +
+           head), replayed one by one with layer i's onload wait before segment i. The wait
+           blocks the host only until the onload worker has *enqueued* layer i's copies, then
+           orders the compute stream after their event (OnloadHandle.wait), so layer i still waits
+           on the GPU for its own pages only; the cost over `whole` is L-1 launches.
+Both end in a static logits tensor [rows, num_tasks]; the engine copies out the batch's rows
+before the next replay can overwrite them.
 
 Padding (static shapes per bucket of T_pad rows, at most max_batch users):
-  rows T..T_pad-1        exist in x but belong to no user (q_offsets stops at T): never attended,
-                         their outputs are ignored;
+  rows T..T_pad-1        features of row 0's kind (index 0, position 0): embedded, attended by no
+                         user (q_offsets stops at T), their outputs ignored;
+  candidate rows M..     row 0: gathered and scored, the logits past M are ignored;
   users B..max_batch-1   kv_lens 0, q_offsets == T: no programs do work for them;
   appends Tn..T_pad-1    write into a scratch page that no user owns (the manager allocates
                          num_pages + 1 pages and never hands out the last);
   page_table             [max_batch, ceil(max_seq_len / page_size)], padded with the scratch page;
-  max_q                  = T_pad, the static upper bound the kernel's grid is sized for.
-The prepare worker builds a batch's metadata already padded to its bucket (`pad_spec`, then
-KVCacheMetadata.from_layout(pad=...)), so a replay refreshes every metadata field, whichever
-attention backend the graphs captured (torch reads q_batch/q_local, Triton q_offsets), with one
-device copy of the packed buffer; metadata not padded for a bucket runs eagerly.
+  max_q                  = T_pad, the static upper bound the attention grid is sized for.
+Metadata not padded for a bucket runs eagerly.
+
+Compiled layers: `layer_fns` (torch.compile'd paged layers, one static shape per bucket) replace
+the eager layers inside the captures. `capture=False` records nothing and replays the same
+functions eagerly over the same static buffers: the padding path, tested where CUDA is absent.
 """
 
 from __future__ import annotations
@@ -31,45 +46,53 @@ import torch
 
 from hstu.ops.kvcache.metadata import KVCacheMetadata, PadSpec
 
+Replay = Callable[[], object]
+
 
 @dataclass
 class _Bucket:
     rows: int
-    x: torch.Tensor
+    inputs: torch.Tensor
     meta: KVCacheMetadata
-    outputs: list[torch.Tensor]
-    graphs: list[torch.cuda.CUDAGraph]
+    whole: Replay
+    whole_logits: torch.Tensor
+    segments: list[Replay]
+    segment_logits: torch.Tensor
 
 
-class PagedLayerGraphs:
-    """Captures and replays the paged layers of `block` for row buckets on one CUDA device."""
+class ForwardGraphs:
+    """Captures and replays the cached forward of `model` (an InferenceRankingGR) for row buckets."""
 
     def __init__(
         self,
-        block,
+        model,
         kv_cache: torch.Tensor,
         scratch_page: int,
         max_batch: int,
         buckets: tuple[int, ...],
         layer_fns: Sequence[Callable] | None = None,
+        capture: bool = True,
     ) -> None:
-        self.block = block
-        n = len(block.layers)
+        self.model = model
+        n = len(model.block.layers)
         if layer_fns is not None and len(layer_fns) != n:
             raise ValueError(f"layer_fns has {len(layer_fns)} functions for {n} layers")
-        # layer_fns[i](x, kv_cache, meta): what each captured graph records for layer i.
-        self.layer_fns = list(layer_fns) if layer_fns is not None else [functools.partial(block.paged_layer, i) for i in range(n)]
+        # layer_fns[i](x, kv_cache, meta): what the captures record for layer i.
+        self.layer_fns = list(layer_fns) if layer_fns is not None else [
+            functools.partial(model.block.paged_layer, i) for i in range(n)
+        ]
         self.kv_cache = kv_cache
         self.scratch_page = scratch_page
         self.max_batch = max_batch
         self.bucket_sizes = tuple(sorted(buckets))
         self.page_size = kv_cache.shape[3]
-        self.max_pages = -(-block.config.max_seq_len // self.page_size)
+        self.max_pages = -(-model.config.max_seq_len // self.page_size)
         self.device = kv_cache.device
-        self.dtype = kv_cache.dtype
-        self._pool = torch.cuda.graph_pool_handle()
+        self.capture = capture
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._buckets: dict[int, _Bucket] = {}
         self.replays = 0
+        self.segmented_replays = 0
 
     def pad_spec(self, rows: int, batch: int) -> PadSpec | None:
         """The padding of a batch of `rows` rows and `batch` users; None when no bucket fits."""
@@ -80,43 +103,82 @@ class PagedLayerGraphs:
 
     def capture_all(self) -> None:
         for rows in self.bucket_sizes:
-            self._capture(rows)
+            self._buckets[rows] = self._capture(rows)
 
+    # ----------------------------------------------------------------- capture
     def _capture(self, rows: int) -> _Bucket:
-        x = torch.zeros((rows, self.block.config.embedding_dim), dtype=self.dtype, device=self.device)
         spec = PadSpec(rows, self.max_batch, self.max_pages, self.scratch_page)
         meta = KVCacheMetadata.padded_empty(spec, self.page_size).to(self.device, non_blocking=False)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up: Triton and Inductor compile, allocator settles
-            for _ in range(2):
-                h = x
-                for fn in self.layer_fns:
-                    h = fn(h, self.kv_cache, meta)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graphs, outputs, h = [], [], x
-        for fn in self.layer_fns:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
-                h = fn(h, self.kv_cache, meta)
-            graphs.append(g)
-            outputs.append(h)
-        bucket = _Bucket(rows, x, meta, outputs, graphs)
-        self._buckets[rows] = bucket
-        return bucket
+        inputs = torch.zeros((5, rows), dtype=torch.int64, device=self.device)
+        model, kv, fns = self.model, self.kv_cache, self.layer_fns
 
-    def run(self, x: torch.Tensor, meta: KVCacheMetadata, before_layer=None) -> torch.Tensor | None:
-        """Replay the layers for this batch; None when its metadata is not padded for a bucket
-        (the caller runs eagerly). The returned rows alias the bucket's static output: consume
-        them before the next run."""
+        def embed() -> torch.Tensor:
+            return model.embed_rows(inputs[:4])
+
+        def head(y: torch.Tensor) -> torch.Tensor:
+            return model.logits_at(y, inputs[4])
+
+        def whole() -> torch.Tensor:
+            h = embed()
+            for fn in fns:
+                h = fn(h, kv, meta)
+            return head(h)
+
+        if self.capture:  # warm-up off the capture: Triton and Inductor compile, allocator settles
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    whole()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+        replay_whole, whole_logits = self._record(whole)
+        segments, h = [], None
+        for i, fn in enumerate(fns):
+            def segment(i=i, fn=fn, h_in=h) -> torch.Tensor:
+                out = fn(embed() if i == 0 else h_in, kv, meta)
+                return head(out) if i == len(fns) - 1 else out
+
+            replay, h = self._record(segment)
+            segments.append(replay)
+        return _Bucket(rows, inputs, meta, replay_whole, whole_logits, segments, h)
+
+    def _record(self, fn: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
+        """(replay, static output) of fn over the bucket's static buffers."""
+        if not self.capture:
+            out = fn()
+            return (lambda: out.copy_(fn())), out
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = fn()
+        return graph.replay, out
+
+    # ------------------------------------------------------------------ replay
+    def run(
+        self,
+        inputs: torch.Tensor,
+        meta: KVCacheMetadata,
+        num_candidates: int,
+        before_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor | None:
+        """Logits [num_candidates, num_tasks] of one batch (a fresh tensor), or None when its
+        metadata is not padded for a bucket (the caller runs eagerly).
+
+        inputs: host [5, rows] int64 (RankingModel.static_inputs), pinned on CUDA; meta: host
+        metadata padded to the bucket. before_layer(i): layer i's onload wait; None when the batch
+        onloads nothing, which replays the whole forward at once."""
         bucket = self._buckets.get(meta.max_q)
-        if bucket is None or meta.layout_key != bucket.meta.layout_key or x.shape[0] > bucket.rows:
+        if bucket is None or meta.layout_key != bucket.meta.layout_key or tuple(inputs.shape) != (5, bucket.rows):
             return None
-        bucket.x[: x.shape[0]].copy_(x)
         bucket.meta.packed[0].copy_(meta.packed[0], non_blocking=True)
-        for i, graph in enumerate(bucket.graphs):
-            if before_layer is not None:
+        bucket.inputs.copy_(inputs, non_blocking=True)
+        if before_layer is None:
+            bucket.whole()
+            logits = bucket.whole_logits
+        else:
+            for i, segment in enumerate(bucket.segments):
                 before_layer(i)
-            graph.replay()
+                segment()
+            logits = bucket.segment_logits
+            self.segmented_replays += 1
         self.replays += 1
-        return bucket.outputs[-1][: x.shape[0]]
+        return logits[:num_candidates].clone()

@@ -100,11 +100,16 @@ class Preprocessor(torch.nn.Module):
         layout = JaggedLayout.build(hist, cached_lens, [r.candidates.shape[0] for r in requests])
         return self.embed(requests, cached_lens), layout
 
+    def features(self, requests: list[RankingRequest], cached_lens: list[int]) -> np.ndarray:
+        """[4, T] int64 features (batch_features) of the rows JaggedLayout.build gives."""
+        emb = self.embeddings
+        return batch_features(requests, cached_lens, self.config, emb.item_offset, emb.action_offset)
+
     def embed(self, requests: list[RankingRequest], cached_lens: list[int]) -> torch.Tensor:
         """Inputs [T, D] of the rows JaggedLayout.build gives for these cached lengths (new history
         tokens, then candidates, user by user), for callers that build the layout themselves."""
-        cfg, emb = self.config, self.embeddings
-        f = torch.from_numpy(batch_features(requests, cached_lens, cfg, emb.item_offset, emb.action_offset))
+        emb = self.embeddings
+        f = torch.from_numpy(self.features(requests, cached_lens))
         device = emb.device
         if device.type == "cuda":
             f = f.pin_memory().to(device, non_blocking=True)

@@ -88,7 +88,27 @@ class InferenceRankingGR(nn.Module):
         rows = torch.from_numpy(layout.candidate_rows)
         if y.is_cuda:  # pinned + async: no host sync on the compute stream
             rows = rows.pin_memory().to(y.device, non_blocking=True)
+        return self.logits_at(y, rows)
+
+    def logits_at(self, y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits [len(rows), num_tasks] of rows `rows` (a device tensor) of the block output y."""
         return self.head(self.postprocessor(y.index_select(0, rows)))
+
+    def embed_rows(self, features: torch.Tensor) -> torch.Tensor:
+        """Inputs [T, D] from features [4, T] (table index, position, time bucket, token type)."""
+        return self.preprocessor.embeddings(features[0], features[1], features[2], features[3])
+
+    def static_inputs(self, requests: list[RankingRequest], layout: JaggedLayout, rows: int) -> torch.Tensor:
+        """Host [5, rows] int64 (pinned on CUDA): the features of the batch's rows (embed_rows'
+        input), then its candidate rows (logits_at's), zero past the batch: the static inputs of
+        a CUDA-graph bucket of `rows` rows (engine/graphs.py), filled in one buffer, copied once."""
+        if layout.num_rows > rows:
+            raise ValueError(f"a batch of {layout.num_rows} rows does not fit a bucket of {rows}")
+        out = torch.zeros((5, rows), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        host = out.numpy()
+        host[:4, : layout.num_rows] = self.preprocessor.features(requests, layout.cached_lens)
+        host[4, : layout.candidate_rows.shape[0]] = layout.candidate_rows
+        return out
 
     @torch.inference_mode()
     def forward_no_cache(self, requests: list[RankingRequest]) -> torch.Tensor:

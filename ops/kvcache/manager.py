@@ -272,10 +272,11 @@ class AsyncKVCacheManager:
         return torch.tensor(slots, dtype=torch.int32), torch.tensor(page_rows, dtype=torch.int32).reshape(-1, ppc)
 
     def wait(self, plan: BatchPlan) -> PreparedBatch:
-        """Join the prepare job (re-raising its error); the metadata moves to the device."""
+        """Join the prepare job (re-raising its error); the metadata moves to the device, except
+        metadata padded for a CUDA-graph bucket: the graph copies its packed host buffer itself."""
         if plan._prepared is None:
             prepared: PreparedBatch = plan._future.result()
-            if self.device.type != "cpu":
+            if self.device.type != "cpu" and plan.pad is None:
                 prepared.metadata = prepared.metadata.to(self.device, non_blocking=True)
             plan._prepared = prepared
         return plan._prepared

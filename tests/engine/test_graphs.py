@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import fields
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,3 +83,50 @@ def test_cuda_graphs_with_the_torch_attention_match_eager(tiny_config, book):
         assert graphed.graphs.replays >= 3
         graphed.close()
         eager.close()
+
+
+def _static_engine(config, host_bytes: int = 1 << 20):
+    from hstu.engine import RankingEngine
+    from hstu.model.ranking import InferenceRankingGR
+    from hstu.ops.kvcache.config import KVCacheConfig
+    from hstu.ops.kvcache.manager import AsyncKVCacheManager
+
+    kv = KVCacheConfig.for_model(config, page_size=4, num_pages=256, chunk_tokens=8, host_capacity_bytes=host_bytes)
+    return RankingEngine(InferenceRankingGR(config), AsyncKVCacheManager(kv))
+
+
+def test_the_static_forward_path_matches_no_cache_through_hits_onloads_and_fallbacks(tiny_config, book):
+    """The whole-forward graph path without CUDA (capture=False replays eagerly over the same
+    static, padded buffers): whole replays for GPU hits and misses, segmented replays with the
+    per-layer onload waits for host-tier users, eager fallbacks for batches that fit no bucket."""
+    engine = _static_engine(tiny_config)
+    engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96), capture=False)
+    for step in range(8):
+        users = [(step + u) % 5 for u in range(3)] if step % 3 else [0, 1, 2, 3]  # 4 users: eager
+        reqs = [book.request(u, 2 + step % 4, 2 + u) for u in users]
+        if step == 5:
+            engine.cache.drain()
+            engine.cache.evict_gpu(users[:2])  # onloaded from the host tier, layer by layer
+        out = engine.forward(reqs)
+        torch.testing.assert_close(out, engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
+    graphs = engine.graphs
+    assert graphs.replays >= 4 and graphs.segmented_replays >= 1
+    assert engine.cache.stats.snapshot()["host_hits"] >= 1
+    engine.close()
+
+
+def test_static_inputs_pad_features_and_candidate_rows_to_the_bucket(tiny_config, book):
+    from hstu.model.ranking import InferenceRankingGR
+    from hstu.ops.kvcache.layout import JaggedLayout
+
+    model = InferenceRankingGR(tiny_config)
+    reqs = [book.request(0, 3, 2), book.request(1, 2, 4)]
+    hist = [r.history_tokens(tiny_config) for r in reqs]
+    layout = JaggedLayout.build(hist, [2, 0], [2, 4])
+    inputs = model.static_inputs(reqs, layout, rows=40).numpy()
+    T, M = layout.num_rows, layout.candidate_rows.shape[0]
+    np.testing.assert_array_equal(inputs[:4, :T], model.preprocessor.features(reqs, [2, 0]))
+    np.testing.assert_array_equal(inputs[4, :M], layout.candidate_rows)
+    assert not inputs[:, T:].any() and not inputs[4, M:].any()
+    with pytest.raises(ValueError, match=f"a batch of {T} rows does not fit a bucket of 8"):
+        model.static_inputs(reqs, layout, rows=8)
