@@ -12,7 +12,7 @@ import torch
 from hstu.model.identity import HistoryIdentity
 from hstu.ops.kvcache.handle import OnloadHandle
 from hstu.ops.kvcache.layout import JaggedLayout
-from hstu.ops.kvcache.metadata import KVCacheMetadata, PadSpec
+from hstu.ops.kvcache.metadata import KVCacheMetadata, PackedMetadata, PadSpec
 
 
 @dataclass
@@ -20,7 +20,8 @@ class PreparedBatch:
     """A batch whose pages are reserved: what the block needs, and what finish() commits."""
 
     pages: list[list[int]]
-    metadata: KVCacheMetadata
+    # On the device after AsyncKVCacheManager.wait, except for CUDA-graph batches: packed on the host.
+    metadata: KVCacheMetadata | PackedMetadata
     handle: OnloadHandle
     kv_pages: torch.Tensor
     onload_users: list[int]

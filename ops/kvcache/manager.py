@@ -5,7 +5,7 @@ Interface (the engine, engine/engine.py, is its only caller; one model thread dr
                    sync, microseconds: cached length per user (GPU tier, else host tier, reused
                    only when the stored digest equals the request's, model/identity.py), the
                    batch's row layout, and the prepare job started on the prepare worker: reserve
-                   pages (pins users, evicts LRU unpinned users), build KVCacheMetadata, hand the
+                   pages (pins users, evicts LRU unpinned users), pack the metadata (pack_layout), hand the
                    host->GPU copies to the onload worker (one event per layer on the onload stream).
   wait(plan) -> PreparedBatch
                    joins the prepare job (re-raising its error); metadata on the device, the page
@@ -55,7 +55,7 @@ from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.handle import OnloadHandle
 from hstu.ops.kvcache.host_tier import Prefetcher, admitted, split_host_prefixes
 from hstu.ops.kvcache.layout import JaggedLayout
-from hstu.ops.kvcache.metadata import KVCacheMetadata, PadSpec
+from hstu.ops.kvcache.metadata import PadSpec, pack_layout
 from hstu.ops.kvcache.planner import CostModel
 from hstu.ops.kvcache.stats import CacheStats
 from hstu.ops.kvcache.transfers import OffloadJob, TierTransfers
@@ -245,7 +245,9 @@ class AsyncKVCacheManager:
             with self._index_lock:
                 self.host.unpin(list(plan.onload_slots))
             raise
-        metadata = KVCacheMetadata.from_layout(pages, plan.layout, self.config.page_size, pin=self.is_cuda, pad=plan.pad)
+        metadata = pack_layout(pages, plan.layout, self.config.page_size, pin=self.is_cuda, pad=plan.pad)
+        if not self.is_cuda:  # the host is the device: views over the same buffer
+            metadata = metadata.to(self.device)
         onload_users = list(plan.onload_slots)
         if not onload_users:
             handle = OnloadHandle.completed(self.config.num_layers)

@@ -17,6 +17,8 @@ field past the batch's own entries (a field without a rule is an error):
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -101,63 +103,19 @@ class KVCacheMetadata:
         pad: PadSpec | None = None,
     ) -> "KVCacheMetadata":
         """Host-side metadata from each user's page list (covering history_lens tokens), padded
-        to `pad`'s static shapes when given."""
-        B = len(page_lists)
-        for b in range(B):
-            need = -(-history_lens[b] // page_size)
-            if len(page_lists[b]) != need:
-                raise ValueError(f"user {b}: {len(page_lists[b])} pages cannot hold exactly {history_lens[b]} tokens")
-        max_pages = max((len(p) for p in page_lists), default=1) or 1
-        table = np.zeros((B, max_pages), dtype=np.int32)
-        for b, pages in enumerate(page_lists):
-            table[b, : len(pages)] = pages
-            table[b, len(pages) :] = pages[0] if pages else 0
-        counts = np.asarray([len(p) for p in page_lists], dtype=np.int64)
-        hist = np.asarray(history_lens, dtype=np.int64)
-        # Absolute position of each appended token -> its page slot.
-        append_pos = q_pos[append_rows]
-        append_user = q_batch[append_rows]
-        append_pages = table[append_user, append_pos // page_size] if append_rows.size else np.zeros(0, np.int32)
-        arrays = dict(
-            page_table=table,
-            page_indices=np.concatenate([np.asarray(p, dtype=np.int32) for p in page_lists]) if B else np.zeros(0, np.int32),
-            page_indptr=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
-            last_page_len=(hist - (counts - 1) * page_size).astype(np.int32),
-            kv_lens=hist.astype(np.int32),
-            cached_lens=np.asarray(cached_lens, dtype=np.int32),
-            q_offsets=q_offsets.astype(np.int32),
-            q_batch=q_batch.astype(np.int64),
-            q_local=q_local.astype(np.int64),
-            q_pos=q_pos.astype(np.int64),
-            append_rows=append_rows.astype(np.int64),
-            append_page_ids=np.asarray(append_pages, dtype=np.int32),
-            append_offsets=(append_pos % page_size).astype(np.int32),
+        to `pad`'s static shapes when given (views into the packed buffer of pack_metadata)."""
+        packed = pack_metadata(
+            page_lists, history_lens, cached_lens, q_offsets, q_batch, q_local, q_pos, append_rows, page_size, pin, pad
         )
-        q_counts = np.diff(q_offsets)
-        max_q = int(q_counts.max()) if q_counts.size else 0
-        if pad is not None:
-            arrays, max_q = _padded(arrays, pad), pad.rows
-        buffer, layout = _pack(arrays, pin)
-        return cls(**_views(buffer, layout), max_q=max_q, packed=(buffer, layout))
+        return packed.to(packed.buffer.device)
 
     @classmethod
     def from_layout(
         cls, page_lists: list[list[int]], layout, page_size: int, pin: bool = False, pad: PadSpec | None = None
     ) -> "KVCacheMetadata":
         """from_pages for a JaggedLayout (its lengths and row arrays)."""
-        return cls.from_pages(
-            page_lists,
-            layout.history_lens,
-            layout.cached_lens,
-            layout.q_offsets,
-            layout.q_batch,
-            layout.q_local,
-            layout.q_pos,
-            layout.history_rows,
-            page_size,
-            pin=pin,
-            pad=pad,
-        )
+        packed = pack_layout(page_lists, layout, page_size, pin, pad)
+        return packed.to(packed.buffer.device)
 
     @classmethod
     def padded_empty(cls, pad: PadSpec, page_size: int) -> "KVCacheMetadata":
@@ -184,40 +142,141 @@ class KVCacheMetadata:
         return KVCacheMetadata(**moved, max_q=self.max_q)
 
 
-def _padded(arrays: dict[str, np.ndarray], pad: PadSpec) -> dict[str, np.ndarray]:
-    """Every array at the bucket's static shape, filled past the batch's entries by `_PADDING`."""
-    missing = set(arrays) - set(_PADDING)
-    if missing:
-        raise RuntimeError(f"no CUDA-graph padding rule for metadata fields {sorted(missing)}")
-    B, P, T = pad.max_batch, pad.max_pages, pad.rows
-    sizes = {"page_indices": B * P, "page_indptr": B + 1, "q_offsets": B + 1}
-    sizes.update(dict.fromkeys(("last_page_len", "kv_lens", "cached_lens"), B))
-    sizes.update(dict.fromkeys(("q_batch", "q_local", "q_pos", "append_rows", "append_page_ids", "append_offsets"), T))
-    out = {}
-    for name, a in arrays.items():
-        fill = _PADDING[name]
-        if name == "page_table":
-            if a.shape[0] > B or a.shape[1] > P:
-                raise ValueError(f"page_table {a.shape} does not fit the bucket's ({B}, {P})")
-            table = np.full((B, P), pad.scratch_page, dtype=a.dtype)
-            table[: a.shape[0], : a.shape[1]] = a
-            out[name] = table
-            continue
-        n, size = a.shape[0], sizes[name]
-        if n > size:
-            raise ValueError(f"metadata field {name} has {n} entries; the bucket holds {size}")
-        if fill == "scratch":
-            padded = np.full(size, pad.scratch_page, dtype=a.dtype)
-        elif fill == "last":
-            padded = np.full(size, a[-1] if n else 0, dtype=a.dtype)
-        elif fill == "row":
-            padded = np.arange(size, dtype=a.dtype)
-        else:
-            padded = np.full(size, fill, dtype=a.dtype)
-        padded[:n] = a
-        out[name] = padded
-    return out
+@dataclass(frozen=True)
+class PackedMetadata:
+    """One batch's metadata as the prepare worker builds it: every field in one host buffer
+    (pinned on CUDA). `to(device)` gives the KVCacheMetadata views (one copy); a CUDA-graph
+    bucket copies `buffer` into its own static buffer and needs no views at all."""
 
+    buffer: torch.Tensor
+    layout: tuple[tuple[str, int, torch.dtype, tuple[int, ...]], ...]
+    max_q: int
+
+    @property
+    def packed(self) -> tuple[torch.Tensor, tuple]:
+        return self.buffer, self.layout
+
+    @property
+    def layout_key(self) -> tuple:
+        return self.layout
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> KVCacheMetadata:
+        moved = self.buffer.to(device, non_blocking=non_blocking)
+        return KVCacheMetadata(**_views(moved, self.layout), max_q=self.max_q, packed=(moved, self.layout))
+
+
+def pack_layout(page_lists, layout, page_size: int, pin: bool = False, pad: PadSpec | None = None) -> PackedMetadata:
+    """pack_metadata for a JaggedLayout (its lengths and row arrays)."""
+    return pack_metadata(
+        page_lists, layout.history_lens, layout.cached_lens, layout.q_offsets, layout.q_batch, layout.q_local,
+        layout.q_pos, layout.history_rows, page_size, pin, pad,
+    )
+
+
+def pack_metadata(
+    page_lists: list[list[int]],
+    history_lens: list[int],
+    cached_lens: list[int],
+    q_offsets: np.ndarray,
+    q_batch: np.ndarray,
+    q_local: np.ndarray,
+    q_pos: np.ndarray,
+    append_rows: np.ndarray,
+    page_size: int,
+    pin: bool = False,
+    pad: PadSpec | None = None,
+) -> PackedMetadata:
+    """Every field of the batch's metadata written straight into one host buffer (padded to
+    `pad`'s static shapes when given): one pass of array arithmetic over the flat page list, no
+    per-field intermediate copies and no tensor views on the host."""
+    B = len(page_lists)
+    counts = np.fromiter(map(len, page_lists), np.int64, B)
+    hist = np.asarray(history_lens, dtype=np.int64).reshape(-1)
+    need = -(-hist // page_size)
+    if counts.shape != need.shape or (counts != need).any():
+        b = int(np.flatnonzero(counts != need)[0]) if counts.shape == need.shape else min(B, hist.shape[0])
+        got = int(counts[b]) if b < B else 0
+        raise ValueError(f"user {b}: {got} pages cannot hold exactly {history_lens[b] if b < len(history_lens) else 0} tokens")
+    flat = np.fromiter(itertools.chain.from_iterable(page_lists), np.int32, int(counts.sum()))
+    indptr = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    max_pages = int(counts.max()) if B else 1
+    T, Tn = int(q_batch.shape[0]), int(append_rows.shape[0])
+    rows = np.repeat(np.arange(B), counts)
+    cols = np.arange(flat.shape[0]) - indptr[:-1][rows]
+    q_counts = np.diff(q_offsets)
+    max_q = int(q_counts.max()) if q_counts.size else 0
+    if pad is not None:
+        if B > pad.max_batch or max_pages > pad.max_pages:
+            raise ValueError(f"page_table ({B}, {max_pages}) does not fit the bucket's ({pad.max_batch}, {pad.max_pages})")
+        for name, n, size in (("q_batch", T, pad.rows), ("append_rows", Tn, pad.rows)):
+            if n > size:
+                raise ValueError(f"metadata field {name} has {n} entries; the bucket holds {size}")
+        nB, nP, nT, nTn, max_q = pad.max_batch, pad.max_pages, pad.rows, pad.rows, pad.rows
+    else:
+        nB, nP, nT, nTn = B, max(max_pages, 1), T, Tn
+    i32, i64 = np.dtype(np.int32), np.dtype(np.int64)
+    shapes = {
+        "page_table": (i32, (nB, nP)), "page_indices": (i32, (nB * nP if pad else flat.shape[0],)),
+        "page_indptr": (i32, (nB + 1,)), "last_page_len": (i32, (nB,)), "kv_lens": (i32, (nB,)),
+        "cached_lens": (i32, (nB,)), "q_offsets": (i32, (nB + 1,)), "q_batch": (i64, (nT,)),
+        "q_local": (i64, (nT,)), "q_pos": (i64, (nT,)), "append_rows": (i64, (nTn,)),
+        "append_page_ids": (i32, (nTn,)), "append_offsets": (i32, (nTn,)),
+    }
+    layout, total = [], 0
+    for name, (dtype, shape) in shapes.items():
+        layout.append((name, total, _TORCH_DTYPES[dtype], shape))
+        total += -(-dtype.itemsize * math.prod(shape) // _ALIGN) * _ALIGN
+    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    raw = buffer.numpy()
+    out = {
+        name: raw[offset : offset + dtype.itemsize * math.prod(shape)].view(dtype).reshape(shape)
+        for (name, offset, _, _), (dtype, shape) in zip(layout, shapes.values())
+    }
+    scratch = pad.scratch_page if pad is not None else 0
+    table = out["page_table"]
+    if pad is not None:
+        table.fill(scratch)
+    elif B:
+        table[:] = flat[indptr[:-1]][:, None]  # padded with each user's first page
+    table[rows, cols] = flat
+    append_pos = q_pos[append_rows]
+    values = {
+        "page_indices": flat,
+        "page_indptr": indptr,
+        "last_page_len": hist - (counts - 1) * page_size,
+        "kv_lens": hist,
+        "cached_lens": np.asarray(cached_lens, dtype=np.int64),
+        "q_offsets": q_offsets,
+        "q_batch": q_batch,
+        "q_local": q_local,
+        "q_pos": q_pos,
+        "append_rows": append_rows,
+        "append_page_ids": table[q_batch[append_rows], append_pos // page_size] if Tn else append_pos,
+        "append_offsets": append_pos % page_size,
+    }
+    for name, v in values.items():
+        fill = _PADDING[name]
+        _put(out[name], v, scratch if fill == "scratch" else fill)
+    return PackedMetadata(buffer, tuple(layout), max_q)
+
+
+def _put(dest: np.ndarray, values: np.ndarray, fill: int | str) -> None:
+    """dest[:n] = values, the rest by its padding rule (`_PADDING`, "scratch" resolved): a value,
+    "last" or "row"."""
+    n = values.shape[0]
+    dest[:n] = values
+    if n == dest.shape[0]:
+        return
+    if fill == "last":
+        dest[n:] = values[-1] if n else 0
+    elif fill == "row":
+        dest[n:] = np.arange(n, dest.shape[0])
+    else:
+        dest[n:] = fill
+
+
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
 
 # Bytes: every packed array starts 16-byte aligned, as a separate allocation would. Triton
 # specialises a kernel on whether each pointer is 16-byte aligned: 8-byte offsets made the eager
@@ -225,23 +284,9 @@ def _padded(arrays: dict[str, np.ndarray], pad: PadSpec) -> dict[str, np.ndarray
 _ALIGN = 16
 
 
-def _pack(arrays: dict[str, np.ndarray], pin: bool) -> tuple[torch.Tensor, list]:
-    """Copy the arrays into one uint8 host buffer (pinned if asked); return it and the layout."""
-    layout, total = [], 0
-    for name, a in arrays.items():
-        layout.append((name, total, torch.from_numpy(a[:0]).dtype, tuple(a.shape)))
-        total += -(-a.nbytes // _ALIGN) * _ALIGN
-    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
-    host = buffer.numpy()
-    for (name, offset, _, _), a in zip(layout, arrays.values()):
-        host[offset : offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    return buffer, layout
-
-
-def _views(buffer: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:
+def _views(buffer: torch.Tensor, layout) -> dict[str, torch.Tensor]:
     """The typed, shaped tensors of `layout` as views into `buffer` (host or device)."""
-    out = {}
-    for name, offset, dtype, shape in layout:
-        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        out[name] = buffer.narrow(0, offset, nbytes).view(dtype).view(shape)
-    return out
+    return {
+        name: buffer[offset : offset + dtype.itemsize * math.prod(shape)].view(dtype).view(shape)
+        for name, offset, dtype, shape in layout
+    }

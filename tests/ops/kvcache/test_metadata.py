@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hstu.ops.kvcache.layout import JaggedLayout
@@ -47,3 +48,37 @@ def test_metadata_built_field_by_field_still_moves():
     moved = plain.to("cpu")
     assert moved.packed is None
     assert all(torch.equal(moved.tensors()[k], v) for k, v in meta.tensors().items())
+
+
+def test_padded_metadata_holds_the_unpadded_values_then_each_fields_padding_rule():
+    from hstu.ops.kvcache.metadata import _PADDING, PadSpec
+
+    layout = JaggedLayout.build([9, 5, 3], [4, 0, 0], [2, 1, 3])
+    pages = [[0, 1, 2], [3, 4], [5]]
+    plain = KVCacheMetadata.from_layout(pages, layout, 4)
+    spec = PadSpec(rows=24, max_batch=5, max_pages=4, scratch_page=77)
+    padded = KVCacheMetadata.from_layout(pages, layout, 4, pad=spec)
+    assert padded.max_q == 24 and padded.page_table.shape == (5, 4)
+    assert padded.page_table[:3, :3].tolist() == [[0, 1, 2], [3, 4, 77], [5, 77, 77]]
+    assert (padded.page_table[3:] == 77).all()
+    for name, t in plain.tensors().items():
+        if name == "page_table":
+            continue
+        p, n = padded.tensors()[name], t.shape[0]
+        assert torch.equal(p[:n], t), name
+        fill = _PADDING[name]
+        rest = p[n:]
+        if fill == "scratch":
+            assert (rest == 77).all(), name
+        elif fill == "last":
+            assert (rest == t[-1]).all(), name
+        elif fill == "row":
+            assert rest.tolist() == list(range(n, p.shape[0])), name
+        else:
+            assert (rest == fill).all(), name
+
+
+def test_a_page_list_that_does_not_cover_its_history_is_rejected():
+    layout = JaggedLayout.build([9, 5], [0, 0], [1, 1])
+    with pytest.raises(ValueError, match="user 1: 1 pages cannot hold exactly 5 tokens"):
+        KVCacheMetadata.from_layout([[0, 1, 2], [3]], layout, 4)
