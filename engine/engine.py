@@ -80,10 +80,18 @@ def _unpickle_rank_output(user_id, logits, bfloat16, cached_tokens, computed_tok
 
 @dataclass
 class ForwardTiming:
-    """Host seconds one cached forward spent blocked on the cache (prepare join, onload waits)."""
+    """Host seconds of one cached forward on the model thread, by phase: plan (lookup, layout,
+    prepare job started or run), inputs (embedding, or a graph's static inputs), blocked on the
+    prepare job and on per-layer onloads, forward (the block and head launched, or the graph
+    replayed), finish (commit, offload started, outputs split) and the whole batch."""
 
+    plan_s: float = 0.0
+    inputs_s: float = 0.0
     prepare_wait_s: float = 0.0
     onload_wait_s: float = 0.0
+    forward_s: float = 0.0
+    finish_s: float = 0.0
+    total_s: float = 0.0
 
 
 class RankingEngine:
@@ -220,6 +228,8 @@ class RankingEngine:
         """Rank one batch into `outputs`; returns the users whose onload failed (to rank again)."""
         cache, model = self.cache, self.model
         model_id = model.identity
+        timing = ForwardTiming()
+        t0 = time.perf_counter()
         plan = cache.plan(
             [r.user_id for r in requests],
             [r.history_tokens(self.config) for r in requests],
@@ -227,29 +237,34 @@ class RankingEngine:
             [r.candidates.shape[0] for r in requests],
             pad_for=self.graphs.pad_spec if self.graphs is not None else None,
         )
-        timing = ForwardTiming()
+        timing.plan_s = time.perf_counter() - t0
         try:
             logits = self._forward(requests, plan, timing)
         except BaseException:
             cache.abort(plan)
             raise
+        t1 = time.perf_counter()
         failed = set(cache.finish(plan))
-        self.timings.append(timing)
         for out in self._split(requests, logits, plan.cached_lens):
             if out.user_id not in failed:
                 outputs[out.user_id] = out
+        t2 = time.perf_counter()
+        timing.finish_s, timing.total_s = t2 - t1, t2 - t0
+        self.timings.append(timing)
         return failed
 
     def _forward(self, requests: list[RankingRequest], plan: BatchPlan, timing: ForwardTiming) -> torch.Tensor:
         """Logits of the planned batch: one graph replay when it fits a bucket, else eagerly."""
         model = self.model
-        if plan.pad is not None:  # static inputs built while the prepare worker reserves pages
-            inputs = model.static_inputs(requests, plan.layout, plan.pad.rows)
+        t0 = time.perf_counter()
+        if plan.pad is not None:  # written into the bucket's staging slot, after the metadata
+            model.static_inputs(requests, plan.layout, self.graphs.inputs_of(plan.pad))
         else:
             x = model.embed(requests, plan.cached_lens)
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         prepared = self.cache.wait(plan)
-        timing.prepare_wait_s = time.perf_counter() - t0
+        t2 = time.perf_counter()
+        timing.inputs_s, timing.prepare_wait_s = t1 - t0, t2 - t1
 
         def ready(layer: int) -> None:
             t0 = time.perf_counter()
@@ -258,12 +273,14 @@ class RankingEngine:
 
         if plan.pad is not None:
             before_layer = ready if prepared.onload_users else None
-            logits = self.graphs.run(inputs, prepared.metadata, int(plan.layout.candidate_rows.shape[0]), before_layer)
+            logits = self.graphs.run(plan.pad, prepared.metadata, int(plan.layout.candidate_rows.shape[0]), before_layer)
             if logits is None:  # padded metadata only fits its graph bucket
                 raise RuntimeError(f"no CUDA graph replayed the batch of {plan.layout.num_rows} rows padded for one")
-            return logits
-        y = model.block.forward_paged(x, prepared.kv_pages, prepared.metadata, ready, self.layer_fns)
-        return model.logits(y, plan.layout)
+        else:
+            y = model.block.forward_paged(x, prepared.kv_pages, prepared.metadata, ready, self.layer_fns)
+            logits = model.logits(y, plan.layout)
+        timing.forward_s = time.perf_counter() - t2 - timing.onload_wait_s
+        return logits
 
     def _split(self, requests: list[RankingRequest], logits: torch.Tensor, cached: list[int]) -> list[RankOutput]:
         parts = torch.split(logits, [r.candidates.shape[0] for r in requests])

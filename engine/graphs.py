@@ -5,10 +5,14 @@ per-layer graphs (embedding lookups, candidate gather, postprocessor, head, meta
 the GPU idle most of the wall time. Here everything from the token features to the logits is
 captured, so the model thread's work per batch is: fill two host buffers, two H2D copies, replay.
 
-A bucket's static inputs (refreshed per batch by one copy each):
-  meta     the packed KVCacheMetadata buffer, padded to the bucket on the prepare worker;
+A bucket's static inputs, one device buffer refreshed per batch by one H2D copy:
+  meta     the packed KVCacheMetadata, padded to the bucket by the prepare job;
   inputs   [5, rows] int64: the four embedding features of every row (table index, position,
-           time bucket, token type; RankingModel.static_inputs), then the candidate rows.
+           time bucket, token type; InferenceRankingGR.static_inputs), then the candidate rows.
+The host side is a ring of staging buffers of the same layout per bucket (pinned on CUDA):
+pad_spec hands the next one to the plan (the prepare job packs the metadata into its start, the
+model thread writes the inputs after it), so no batch allocates pinned memory. A slot is handed
+out again only after the copy that read it completed (an event per slot).
 Two captures per bucket read them:
   whole    embed -> every layer -> candidate rows -> postprocessor -> head; one replay, for
            batches with nothing to onload (GPU hits, misses, re-ranks);
@@ -44,20 +48,26 @@ from typing import Callable, Sequence
 
 import torch
 
-from hstu.ops.kvcache.metadata import KVCacheMetadata, PadSpec
+from hstu.ops.kvcache.metadata import KVCacheMetadata, PackedMetadata, PadSpec, _views
 
 Replay = Callable[[], object]
+
+
+_STAGING_SLOTS = 3  # batches in flight on the host side per bucket, plus one being copied
 
 
 @dataclass
 class _Bucket:
     rows: int
-    inputs: torch.Tensor
-    meta: KVCacheMetadata
+    device_buffer: torch.Tensor  # [meta bytes | inputs], what one copy refreshes
+    meta: KVCacheMetadata  # views into device_buffer
+    staging: list[torch.Tensor]
+    copied: list["torch.cuda.Event | None"]
     whole: Replay
     whole_logits: torch.Tensor
     segments: list[Replay]
     segment_logits: torch.Tensor
+    next_slot: int = 0
 
 
 class ForwardGraphs:
@@ -95,11 +105,24 @@ class ForwardGraphs:
         self.segmented_replays = 0
 
     def pad_spec(self, rows: int, batch: int) -> PadSpec | None:
-        """The padding of a batch of `rows` rows and `batch` users; None when no bucket fits."""
+        """The padding of a batch of `rows` rows and `batch` users, with the bucket's next free
+        staging slot; None when no bucket fits (the batch runs eagerly)."""
         if batch > self.max_batch:
             return None
-        bucket = next((b for b in self.bucket_sizes if b >= rows), None)
-        return None if bucket is None else PadSpec(bucket, self.max_batch, self.max_pages, self.scratch_page)
+        rows = next((b for b in self.bucket_sizes if b >= rows), None)
+        if rows is None:
+            return None
+        bucket = self._buckets[rows]
+        i = bucket.next_slot
+        bucket.next_slot = (i + 1) % len(bucket.staging)
+        if bucket.copied[i] is not None:
+            bucket.copied[i].synchronize()  # its last batch's copy (batches ago) has completed
+        return PadSpec(rows, self.max_batch, self.max_pages, self.scratch_page, bucket.staging[i])
+
+    def inputs_of(self, pad: PadSpec) -> torch.Tensor:
+        """The [5, rows] int64 inputs region of a staging slot (after the packed metadata)."""
+        meta_bytes = self._buckets[pad.rows].meta.packed[0].numel()
+        return pad.staging[meta_bytes:].view(torch.int64).view(5, pad.rows)
 
     def capture_all(self) -> None:
         for rows in self.bucket_sizes:
@@ -108,8 +131,14 @@ class ForwardGraphs:
     # ----------------------------------------------------------------- capture
     def _capture(self, rows: int) -> _Bucket:
         spec = PadSpec(rows, self.max_batch, self.max_pages, self.scratch_page)
-        meta = KVCacheMetadata.padded_empty(spec, self.page_size).to(self.device, non_blocking=False)
-        inputs = torch.zeros((5, rows), dtype=torch.int64, device=self.device)
+        empty = KVCacheMetadata.padded_empty(spec, self.page_size)
+        meta_bytes, layout = empty.packed[0].numel(), empty.packed[1]
+        total = meta_bytes + 5 * rows * 8
+        device_buffer = torch.zeros(total, dtype=torch.uint8, device=self.device)
+        device_buffer[:meta_bytes].copy_(empty.packed[0])
+        meta = KVCacheMetadata(**_views(device_buffer[:meta_bytes], layout), max_q=rows, packed=(device_buffer[:meta_bytes], layout))
+        inputs = device_buffer[meta_bytes:].view(torch.int64).view(5, rows)
+        staging = [torch.zeros(total, dtype=torch.uint8, pin_memory=self.capture) for _ in range(_STAGING_SLOTS)]
         model, kv, fns = self.model, self.kv_cache, self.layer_fns
 
         def embed() -> torch.Tensor:
@@ -140,7 +169,8 @@ class ForwardGraphs:
 
             replay, h = self._record(segment)
             segments.append(replay)
-        return _Bucket(rows, inputs, meta, replay_whole, whole_logits, segments, h)
+        copied = [None] * len(staging)
+        return _Bucket(rows, device_buffer, meta, staging, copied, replay_whole, whole_logits, segments, h)
 
     def _record(self, fn: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
         """(replay, static output) of fn over the bucket's static buffers."""
@@ -155,22 +185,31 @@ class ForwardGraphs:
     # ------------------------------------------------------------------ replay
     def run(
         self,
-        inputs: torch.Tensor,
-        meta: KVCacheMetadata,
+        pad: PadSpec,
+        meta: KVCacheMetadata | PackedMetadata,
         num_candidates: int,
         before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor | None:
         """Logits [num_candidates, num_tasks] of one batch (a fresh tensor), or None when its
-        metadata is not padded for a bucket (the caller runs eagerly).
+        metadata is not the bucket's (the caller runs eagerly).
 
-        inputs: host [5, rows] int64 (RankingModel.static_inputs), pinned on CUDA; meta: host
-        metadata padded to the bucket. before_layer(i): layer i's onload wait; None when the batch
-        onloads nothing, which replays the whole forward at once."""
-        bucket = self._buckets.get(meta.max_q)
-        if bucket is None or meta.layout_key != bucket.meta.layout_key or tuple(inputs.shape) != (5, bucket.rows):
+        pad: the plan's PadSpec, whose staging slot holds the packed metadata `meta` and the
+        inputs (inputs_of). before_layer(i): layer i's onload wait; None when the batch onloads
+        nothing, which replays the whole forward at once."""
+        bucket = self._buckets.get(pad.rows)
+        if (
+            bucket is None
+            or meta.max_q != pad.rows
+            or meta.layout_key != bucket.meta.layout_key
+            or meta.packed[0].data_ptr() != pad.staging.data_ptr()
+        ):
             return None
-        bucket.meta.packed[0].copy_(meta.packed[0], non_blocking=True)
-        bucket.inputs.copy_(inputs, non_blocking=True)
+        slot = next(i for i, t in enumerate(bucket.staging) if t is pad.staging)
+        bucket.device_buffer.copy_(pad.staging, non_blocking=True)
+        if self.capture:
+            if bucket.copied[slot] is None:
+                bucket.copied[slot] = torch.cuda.Event()
+            bucket.copied[slot].record()
         if before_layer is None:
             bucket.whole()
             logits = bucket.whole_logits

@@ -98,16 +98,19 @@ class InferenceRankingGR(nn.Module):
         """Inputs [T, D] from features [4, T] (table index, position, time bucket, token type)."""
         return self.preprocessor.embeddings(features[0], features[1], features[2], features[3])
 
-    def static_inputs(self, requests: list[RankingRequest], layout: JaggedLayout, rows: int) -> torch.Tensor:
-        """Host [5, rows] int64 (pinned on CUDA): the features of the batch's rows (embed_rows'
-        input), then its candidate rows (logits_at's), zero past the batch: the static inputs of
-        a CUDA-graph bucket of `rows` rows (engine/graphs.py), filled in one buffer, copied once."""
+    def static_inputs(self, requests: list[RankingRequest], layout: JaggedLayout, out: torch.Tensor) -> torch.Tensor:
+        """Fill `out`, a host [5, rows] int64 tensor (a CUDA-graph bucket's staging, engine/graphs.py),
+        with the features of the batch's rows (embed_rows' input), then its candidate rows
+        (logits_at's), zero past the batch; returns `out`."""
+        rows = out.shape[1]
         if layout.num_rows > rows:
             raise ValueError(f"a batch of {layout.num_rows} rows does not fit a bucket of {rows}")
-        out = torch.zeros((5, rows), dtype=torch.int64, pin_memory=self.device.type == "cuda")
         host = out.numpy()
-        host[:4, : layout.num_rows] = self.preprocessor.features(requests, layout.cached_lens)
-        host[4, : layout.candidate_rows.shape[0]] = layout.candidate_rows
+        T, M = layout.num_rows, layout.candidate_rows.shape[0]
+        host[:4, :T] = self.preprocessor.features(requests, layout.cached_lens)
+        host[:4, T:] = 0
+        host[4, :M] = layout.candidate_rows
+        host[4, M:] = 0
         return out
 
     @torch.inference_mode()

@@ -4,7 +4,7 @@
     python -m hstu.scripts.profile_forward --device cuda --cuda-graphs --batch 1 --out out/profile
 
 For each batch size: N cached forwards (GPU-resident prefix, new tokens + candidates), each after
-an untimed prefill, profiled twice: cProfile (host functions by own time; the model thread's
+an untimed prefill, measured three times: the engine's own per-phase host timings, cProfile (host functions by own time; the model thread's
 Python work) and torch.profiler (sum of device kernel time over the forward's wall time = GPU
 busy share). Prints a short table last and writes profile.json.
 """
@@ -16,6 +16,7 @@ import cProfile
 import dataclasses
 import logging
 import pstats
+import statistics
 import time
 from pathlib import Path
 
@@ -54,6 +55,24 @@ def _forwards(engine: RankingEngine, shape: BenchShape, batch: int, n: int, devi
             r.identity(engine.model.identity).prefix(r.history_tokens(engine.config))
         sync(device)
         yield requests
+
+
+_PHASES = ("plan_s", "inputs_s", "prepare_wait_s", "onload_wait_s", "forward_s", "finish_s", "total_s")
+
+
+def phase_profile(engine, shape, batch, n, device) -> dict:
+    """Median host ms per phase of the model thread (RankingEngine.timings), no profiler attached;
+    total is the engine's whole batch, wall adds the device sync after it."""
+    walls = []
+    for requests in _forwards(engine, shape, batch, n, device):
+        t0 = time.perf_counter()
+        engine.rank(requests)
+        sync(device)
+        walls.append(time.perf_counter() - t0)
+    timings = list(engine.timings)[-n:]
+    out = {p.removesuffix("_s") + "_ms": statistics.median(getattr(t, p) for t in timings) * 1e3 for p in _PHASES}
+    out["wall_ms"] = statistics.median(walls) * 1e3
+    return out
 
 
 def host_profile(engine, shape, batch, n, device) -> dict:
@@ -110,6 +129,7 @@ def main(args: argparse.Namespace) -> int:
         for _ in _forwards(engine, shape, batch, 3, device):  # warm-up: compiles, allocator
             pass
         doc[str(batch)] = {
+            "phases": phase_profile(engine, shape, batch, args.forwards, device),
             "host": host_profile(engine, shape, batch, args.forwards, device),
             "device": device_profile(engine, shape, batch, args.forwards, device),
         }
@@ -127,6 +147,11 @@ def format_table(doc: dict, batches: list[int]) -> str:
         busy = f"{100 * d['gpu_busy_share']:.0f}% ({d['kernel_busy_ms_per_forward']:.2f} ms)" if d else "-"
         rows.append([str(batch), f"{h['wall_ms_per_forward']:.2f}", f"{h['profiled_host_ms_per_forward']:.2f}", busy])
     parts = [report.format_table(rows)]
+    phases = [["batch", *(p.removesuffix("_s") for p in _PHASES), "wall"]] + [
+        [str(b), *(f"{doc[str(b)]['phases'][k]:.3f}" for k in [p.removesuffix("_s") + "_ms" for p in _PHASES] + ["wall_ms"])]
+        for b in batches
+    ]
+    parts.append("model thread ms per forward, medians by phase (no profiler):\n" + report.format_table(phases))
     for batch in batches:
         top = [["function", "own ms per forward", "calls per forward"]] + [
             [row["function"], f"{row['own_ms_per_forward']:.3f}", f"{row['calls_per_forward']:.1f}"]

@@ -1,8 +1,9 @@
 """KVCacheMetadata: everything the paged block needs to know about one batch's pages.
 
 Built on the host by the prepare worker (numpy, pinned when CUDA) and moved to the device in one
-go: from_pages packs every array into one host buffer, so the move is one H2D copy (not 13 small
-ones, each a launch on the model thread) and the views are rebuilt on the device. The block only
+go: pack_metadata writes every array into one host buffer (PackedMetadata), so the move is one
+H2D copy (not 13 small ones, each a launch on the model thread) and the views are built on the
+device only; a CUDA-graph batch copies the buffer into its bucket's and needs no views. The block only
 reads it. Layout of rows follows ops/kvcache/layout.py's JaggedLayout: per user, its
 new history tokens then its candidates.
 
@@ -27,12 +28,15 @@ import torch
 
 @dataclass(frozen=True)
 class PadSpec:
-    """Static shapes of one CUDA-graph bucket: rows, users, pages per user, and the scratch page."""
+    """Static shapes of one CUDA-graph bucket: rows, users, pages per user, and the scratch page;
+    `staging`, when set, is the host buffer (pinned on CUDA) the padded metadata is packed into,
+    at its start (the bucket's own staging slot, engine/graphs.py)."""
 
     rows: int
     max_batch: int
     max_pages: int
     scratch_page: int
+    staging: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 _PADDING: dict[str, int | str] = {
@@ -227,7 +231,13 @@ def pack_metadata(
     for name, (dtype, shape) in shapes.items():
         layout.append((name, total, _TORCH_DTYPES[dtype], shape))
         total += -(-dtype.itemsize * math.prod(shape) // _ALIGN) * _ALIGN
-    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    staging = pad.staging if pad is not None else None
+    if staging is None:
+        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    elif staging.numel() < total:
+        raise ValueError(f"staging buffer of {staging.numel()} bytes cannot hold {total} bytes of metadata")
+    else:
+        buffer = staging[:total]
     raw = buffer.numpy()
     out = {
         name: raw[offset : offset + dtype.itemsize * math.prod(shape)].view(dtype).reshape(shape)

@@ -123,10 +123,11 @@ def test_static_inputs_pad_features_and_candidate_rows_to_the_bucket(tiny_config
     reqs = [book.request(0, 3, 2), book.request(1, 2, 4)]
     hist = [r.history_tokens(tiny_config) for r in reqs]
     layout = JaggedLayout.build(hist, [2, 0], [2, 4])
-    inputs = model.static_inputs(reqs, layout, rows=40).numpy()
+    stale = torch.full((5, 40), 7, dtype=torch.int64)  # a staging slot's previous batch
+    inputs = model.static_inputs(reqs, layout, stale).numpy()
     T, M = layout.num_rows, layout.candidate_rows.shape[0]
     np.testing.assert_array_equal(inputs[:4, :T], model.preprocessor.features(reqs, [2, 0]))
     np.testing.assert_array_equal(inputs[4, :M], layout.candidate_rows)
     assert not inputs[:, T:].any() and not inputs[4, M:].any()
     with pytest.raises(ValueError, match=f"a batch of {T} rows does not fit a bucket of 8"):
-        model.static_inputs(reqs, layout, rows=8)
+        model.static_inputs(reqs, layout, torch.zeros((5, 8), dtype=torch.int64))
