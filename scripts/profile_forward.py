@@ -63,13 +63,13 @@ _PHASES = ("plan_s", "inputs_s", "prepare_wait_s", "onload_wait_s", "forward_s",
 def phase_profile(engine, shape, batch, n, device) -> dict:
     """Median host ms per phase of the model thread (RankingEngine.timings), no profiler attached;
     total is the engine's whole batch, wall adds the device sync after it."""
-    walls = []
+    walls, timings = [], []
     for requests in _forwards(engine, shape, batch, n, device):
         t0 = time.perf_counter()
         engine.rank(requests)
         sync(device)
         walls.append(time.perf_counter() - t0)
-    timings = list(engine.timings)[-n:]
+        timings.append(engine.timings[-1])  # the timed forward's, not the untimed prefill's
     out = {p.removesuffix("_s") + "_ms": statistics.median(getattr(t, p) for t in timings) * 1e3 for p in _PHASES}
     out["wall_ms"] = statistics.median(walls) * 1e3
     return out

@@ -4,10 +4,9 @@ Interface (the engine, engine/engine.py, is its only caller; one model thread dr
   plan(users, history_lens, identities, num_candidates) -> BatchPlan
                    sync, microseconds: cached length per user (GPU tier, else host tier, reused
                    only when the stored digest equals the request's, model/identity.py), the
-                   batch's row layout, and the prepare job started on the prepare worker (run
-                   in place for a CUDA-graph batch, which has nothing to overlap it with): reserve
-                   pages (pins users, evicts LRU unpinned users), pack the metadata (pack_layout), hand the
-                   host->GPU copies to the onload worker (one event per layer on the onload stream).
+                   batch's row layout, and the prepare job started on the prepare worker: reserve
+                   pages (pins users, evicts LRU unpinned users), pack the metadata (pack_layout),
+                   hand the host->GPU copies to the onload worker (one event per layer on the onload stream).
   wait(plan) -> PreparedBatch
                    joins the prepare job (re-raising its error); metadata on the device, the page
                    tensor and a per-layer ready hook for the block.
@@ -43,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -133,13 +132,7 @@ class AsyncKVCacheManager:
             if self.is_cuda:
                 after = torch.cuda.Event()
                 after.record(torch.cuda.current_stream(self.device))
-            if plan.pad is not None:
-                # A CUDA-graph batch embeds inside its graph: the model thread has no device work
-                # to launch meanwhile, only Python that shares the GIL with the worker, so handing
-                # the job over would add two thread wake-ups and overlap nothing.
-                plan._future = _completed(self._prepare, plan, after)
-            else:
-                plan._future = self._prepare_pool.submit(self._prepare, plan, after)
+            plan._future = self._prepare_pool.submit(self._prepare, plan, after)
         except BaseException:
             with self._index_lock:
                 self.host.unpin(list(plan.onload_slots))
@@ -388,12 +381,3 @@ class AsyncKVCacheManager:
         self._prepare_pool.shutdown(wait=True)
         self.transfers.close()
 
-
-def _completed(fn: Callable, *args) -> Future:
-    """fn(*args) run now, as a finished Future (its error re-raised by result(), as a worker's)."""
-    future: Future = Future()
-    try:
-        future.set_result(fn(*args))
-    except BaseException as error:
-        future.set_exception(error)
-    return future

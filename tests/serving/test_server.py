@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 import uvicorn
 
@@ -351,7 +352,9 @@ async def test_openapi_examples_are_requests_that_rank(reference):
         bodies = [schemas[name]["examples"][0] for name in ("RankRequest", "RankRequestColumns")]
         answers = [await client.post("/v1/rank", json=body) for body in bodies]
     assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
-    assert response_scores(answers[0].json()).tolist() == response_scores(answers[1].json()).tolist()
+    # One user and history: the second answer re-ranks over the first's cached K/V, so the two
+    # agree to the fp32 oracle's tolerance, not bit for bit (other matmul shapes).
+    np.testing.assert_allclose(response_scores(answers[1].json()), response_scores(answers[0].json()), rtol=1e-5, atol=1e-6)
     assert set(schemas["RankResponse"]["examples"][0]) == set(answers[0].json())
 
 
