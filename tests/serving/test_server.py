@@ -421,7 +421,7 @@ async def test_model_metadata_before_the_model_is_loaded_has_no_fingerprint_and_
 @anyio
 async def test_prefetch_over_http_puts_a_host_tier_user_back_on_the_gpu(reference):
     user = Timeline(41)
-    async with serving() as (app, client):
+    async with serving(tiny_settings(planner=True)) as (app, client):
         for events in (20, 24):  # seen twice: its chunks are admitted to the host tier
             assert (await client.post("/v1/rank", json=user.payload(events))).status_code == 200
         manager = app.state.runtime.manager
