@@ -76,7 +76,7 @@ class ServerSettings:
     on_shorter_history: str = "invalidate"
     # Split host-tier prefixes between onload and recompute (measured costs). Off by default: on
     # the H200 (benchmarks/RESULTS.md, ninth session) its start-up fit underestimates recompute
-    # and its splits ran a host-tier batch of 8 at 0.77-0.84x of no cache, pure onload at 1.01-1.07x.
+    # and its splits ran a host-tier batch of 8 at 0.77-0.99x of no cache, pure onload at 1.01-1.21x.
     planner: bool = False
     h2d_gb_per_s: float | None = None  # overrides the measured host->device bandwidth
     offload_min_seen: int = 2  # offload a user's chunks once it was seen this often
