@@ -92,25 +92,10 @@ class KVCacheMetadata:
     )
 
     @classmethod
-    def from_pages(
-        cls,
-        page_lists: list[list[int]],
-        history_lens: list[int],
-        cached_lens: list[int],
-        q_offsets: np.ndarray,
-        q_batch: np.ndarray,
-        q_local: np.ndarray,
-        q_pos: np.ndarray,
-        append_rows: np.ndarray,
-        page_size: int,
-        pin: bool = False,
-        pad: PadSpec | None = None,
-    ) -> "KVCacheMetadata":
-        """Host-side metadata from each user's page list (covering history_lens tokens), padded
-        to `pad`'s static shapes when given (views into the packed buffer of pack_metadata)."""
-        packed = pack_metadata(
-            page_lists, history_lens, cached_lens, q_offsets, q_batch, q_local, q_pos, append_rows, page_size, pin, pad
-        )
+    def from_pages(cls, *args, **kwargs) -> "KVCacheMetadata":
+        """pack_metadata(*args, **kwargs) (page lists, lengths, row arrays, page size, pin, pad)
+        as views over its buffer, where that buffer lives."""
+        packed = pack_metadata(*args, **kwargs)
         return packed.to(packed.buffer.device)
 
     @classmethod
