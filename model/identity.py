@@ -58,15 +58,21 @@ def token_records(contextual: np.ndarray, item_ids: np.ndarray, actions: np.ndar
     return rec
 
 
+_MAX_TAILS = 8  # tail digests kept per identity (a few lengths are asked for per batch)
+
+
 class HistoryIdentity:
     """Prefix digests of one history under one model; block digests are computed once, lazily."""
 
-    __slots__ = ("_bytes", "_chain", "num_tokens")
+    __slots__ = ("_bytes", "_chain", "num_tokens", "_tails")
 
     def __init__(self, model_id: bytes, records: np.ndarray) -> None:
         self._bytes = memoryview(np.ascontiguousarray(records, dtype="<i8")).cast("B")
         self.num_tokens = int(records.shape[0])
         self._chain = [_h(_ROOT, model_id)]
+        # prefix(length) digests of lengths off a block boundary: a batch asks for the same
+        # one or two (cached, whole history) several times (lookup, extension check, commit).
+        self._tails: dict[int, bytes] = {}
 
     @property
     def records(self) -> np.ndarray:
@@ -85,6 +91,7 @@ class HistoryIdentity:
         out._bytes = memoryview(joined).cast("B")
         out.num_tokens = int(joined.shape[0])
         out._chain = self._chain[: length // BLOCK_TOKENS + 1]
+        out._tails = {}
         return out
 
     def __reduce__(self):
@@ -107,8 +114,14 @@ class HistoryIdentity:
         head = self._block(b)
         if rest == 0:
             return head
-        start = b * BLOCK_TOKENS * 16
-        return _h(_TAIL, head, self._bytes[start : start + rest * 16])
+        digest = self._tails.get(length)
+        if digest is None:
+            start = b * BLOCK_TOKENS * 16
+            digest = _h(_TAIL, head, self._bytes[start : start + rest * 16])
+            if len(self._tails) >= _MAX_TAILS:
+                self._tails.clear()
+            self._tails[length] = digest
+        return digest
 
 
 def _restored_identity(data: bytes, chain: list[bytes], num_tokens: int) -> HistoryIdentity:
@@ -116,6 +129,7 @@ def _restored_identity(data: bytes, chain: list[bytes], num_tokens: int) -> Hist
     out._bytes = memoryview(data).cast("B")
     out._chain = chain
     out.num_tokens = num_tokens
+    out._tails = {}
     return out
 
 

@@ -203,3 +203,15 @@ def test_an_extended_identity_equals_the_identity_of_the_whole_history(kept):
         assert extended.prefix(length) == whole.prefix(length), length
     with pytest.raises(ValueError, match="prefix length"):
         held.extended(held.num_tokens + 1, records[:1])
+
+
+def test_remembered_tail_digests_equal_fresh_ones_past_the_memo_bound():
+    from hstu.model.identity import _MAX_TAILS, HistoryIdentity
+
+    records = np.arange(2 * 1300, dtype=np.int64).reshape(-1, 2)
+    ident = HistoryIdentity(b"m", records)
+    lengths = [7 + 37 * i for i in range(3 * _MAX_TAILS)]
+    first = [ident.prefix(n) for n in lengths]
+    again = [ident.prefix(n) for n in lengths]
+    fresh = [HistoryIdentity(b"m", records).prefix(n) for n in lengths]
+    assert first == again == fresh and len(set(first)) == len(lengths)
