@@ -39,7 +39,9 @@ from tests.serving.test_incremental import as_events, full_columns, increment  #
 
 USERS = 20
 ROUNDS = 10
-SETTINGS = tiny_settings(num_pages=512, max_batch_size=4)  # room for every user: a miss means a moved user
+# Room for every user: a miss means a moved user. The deadline is past the default 10 s: on a
+# loaded 2-core runner, requests retried after the replica kill took longer (504s seen once).
+SETTINGS = tiny_settings(num_pages=512, max_batch_size=4, request_timeout_ms=60_000.0)
 SERVE_CONFIG = Path(__file__).parents[2] / "deploy" / "ray-serve.yaml"
 
 
@@ -176,7 +178,7 @@ def _replica_actor(name: str):
 
 def test_scaling_two_to_three_replicas_moves_only_the_new_replicas_users(cluster, reference):
     """The users who recompute after scaling out are exactly those the ring hands to the new
-    replica: about a third (200 users, so the bound allows the binomial spread around 1/3)."""
+    replica: about a third (the bound allows the spread of random replica names and 200 users)."""
     deploy(cluster, 2)
     users = 200
     first, second = rounds(30_000, users, 2)
@@ -192,7 +194,9 @@ def test_scaling_two_to_three_replicas_moves_only_the_new_replicas_users(cluster
     expected = {p["user_id"] for p in second if old.owner(p["user_id"]) != new.owner(p["user_id"])}
     assert moved == expected
     assert {new.owner(u) for u in moved} == after - before
-    assert 0 < len(moved) <= 0.45 * users, f"{len(moved)} of {users} users moved to another replica"
+    # Replica names are random, so is the new replica's arc: over 300 simulated name sets the moved
+    # share had mean 0.33, 99th percentile 0.43 and max 0.475 (0.45 failed once here).
+    assert 0 < len(moved) <= 0.5 * users, f"{len(moved)} of {users} users moved to another replica"
 
 
 def test_incremental_requests_are_rebuilt_at_the_ingress_and_hit_the_users_replica(cluster, reference):
