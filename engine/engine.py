@@ -81,7 +81,7 @@ def _unpickle_rank_output(user_id, logits, bfloat16, cached_tokens, computed_tok
 @dataclass
 class ForwardTiming:
     """Host seconds of one cached forward on the model thread, by phase: plan (lookup, layout,
-    prepare job started or run), inputs (embedding, or a graph's static inputs), blocked on the
+    prepare job started), inputs (embedding, or a graph's static inputs), blocked on the
     prepare job and on per-layer onloads, forward (the block and head launched, or the graph
     replayed), finish (commit, offload started, outputs split) and the whole batch."""
 

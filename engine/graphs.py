@@ -3,7 +3,7 @@
 Why: a cached forward at the seed shapes is ~1-4 ms of kernels, and the eager glue around
 per-layer graphs (embedding lookups, candidate gather, postprocessor, head, metadata views) kept
 the GPU idle most of the wall time. Here everything from the token features to the logits is
-captured, so the model thread's work per batch is: fill two host buffers, two H2D copies, replay.
+captured, so the model thread's work per batch is: fill a staging slot, one H2D copy, replay.
 
 A bucket's static inputs, one device buffer refreshed per batch by one H2D copy:
   meta     the packed KVCacheMetadata, padded to the bucket by the prepare job;
@@ -48,7 +48,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from hstu.ops.kvcache.metadata import KVCacheMetadata, PackedMetadata, PadSpec, _views
+from hstu.ops.kvcache.metadata import KVCacheMetadata, PackedMetadata, PadSpec
 
 Replay = Callable[[], object]
 
@@ -136,7 +136,7 @@ class ForwardGraphs:
         total = meta_bytes + 5 * rows * 8
         device_buffer = torch.zeros(total, dtype=torch.uint8, device=self.device)
         device_buffer[:meta_bytes].copy_(empty.packed[0])
-        meta = KVCacheMetadata(**_views(device_buffer[:meta_bytes], layout), max_q=rows, packed=(device_buffer[:meta_bytes], layout))
+        meta = PackedMetadata(device_buffer[:meta_bytes], layout, rows).to(self.device)  # views, no copy
         inputs = device_buffer[meta_bytes:].view(torch.int64).view(5, rows)
         staging = [torch.zeros(total, dtype=torch.uint8, pin_memory=self.capture) for _ in range(_STAGING_SLOTS)]
         model, kv, fns = self.model, self.kv_cache, self.layer_fns

@@ -4,8 +4,8 @@
     python -m hstu.scripts.profile_forward --device cuda --cuda-graphs --batch 1 --out out/profile
 
 For each batch size: N cached forwards (GPU-resident prefix, new tokens + candidates), each after
-an untimed prefill, measured three times: the engine's own per-phase host timings, cProfile (host functions by own time; the model thread's
-Python work) and torch.profiler (sum of device kernel time over the forward's wall time = GPU
+an untimed prefill, measured three times: the engine's own per-phase host timings, cProfile
+(host functions by own time; the model thread's Python work) and torch.profiler (sum of device kernel time over the forward's wall time = GPU
 busy share). Prints a short table last and writes profile.json.
 """
 

@@ -20,7 +20,7 @@ class PreparedBatch:
     """A batch whose pages are reserved: what the block needs, and what finish() commits."""
 
     pages: list[list[int]]
-    # On the device after AsyncKVCacheManager.wait, except for CUDA-graph batches: packed on the host.
+    # Packed on the host; on the device after AsyncKVCacheManager.wait, except for CUDA-graph batches.
     metadata: KVCacheMetadata | PackedMetadata
     handle: OnloadHandle
     kv_pages: torch.Tensor

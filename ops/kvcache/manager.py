@@ -246,8 +246,6 @@ class AsyncKVCacheManager:
                 self.host.unpin(list(plan.onload_slots))
             raise
         metadata = pack_layout(pages, plan.layout, self.config.page_size, pin=self.is_cuda, pad=plan.pad)
-        if not self.is_cuda:  # the host is the device: views over the same buffer
-            metadata = metadata.to(self.device)
         onload_users = list(plan.onload_slots)
         if not onload_users:
             handle = OnloadHandle.completed(self.config.num_layers)
@@ -274,11 +272,12 @@ class AsyncKVCacheManager:
         return torch.tensor(slots, dtype=torch.int32), torch.tensor(page_rows, dtype=torch.int32).reshape(-1, ppc)
 
     def wait(self, plan: BatchPlan) -> PreparedBatch:
-        """Join the prepare job (re-raising its error); the metadata moves to the device, except
-        metadata padded for a CUDA-graph bucket: the graph copies its packed host buffer itself."""
+        """Join the prepare job (re-raising its error); the metadata moves to the device (views over
+        the same buffer on CPU), except metadata padded for a CUDA-graph bucket: the graph copies
+        its packed host buffer itself."""
         if plan._prepared is None:
             prepared: PreparedBatch = plan._future.result()
-            if self.device.type != "cpu" and plan.pad is None:
+            if plan.pad is None:
                 prepared.metadata = prepared.metadata.to(self.device, non_blocking=True)
             plan._prepared = prepared
         return plan._prepared
@@ -380,4 +379,3 @@ class AsyncKVCacheManager:
         self._closed = True
         self._prepare_pool.shutdown(wait=True)
         self.transfers.close()
-

@@ -3,9 +3,9 @@
 Built on the host by the prepare worker (numpy, pinned when CUDA) and moved to the device in one
 go: pack_metadata writes every array into one host buffer (PackedMetadata), so the move is one
 H2D copy (not 13 small ones, each a launch on the model thread) and the views are built on the
-device only; a CUDA-graph batch copies the buffer into its bucket's and needs no views. The block only
-reads it. Layout of rows follows ops/kvcache/layout.py's JaggedLayout: per user, its
-new history tokens then its candidates.
+device only; a CUDA-graph batch copies the buffer into its bucket's and needs no views. The block
+only reads it. Layout of rows follows ops/kvcache/layout.py's JaggedLayout: per user, its new
+history tokens then its candidates.
 
 Padded metadata (for a CUDA-graph bucket, `PadSpec`): every array is padded on the host to the
 bucket's static shape, so the graph's static metadata is refreshed by one copy of the packed
@@ -181,11 +181,12 @@ def pack_metadata(
     B = len(page_lists)
     counts = np.fromiter(map(len, page_lists), np.int64, B)
     hist = np.asarray(history_lens, dtype=np.int64).reshape(-1)
-    need = -(-hist // page_size)
-    if counts.shape != need.shape or (counts != need).any():
-        b = int(np.flatnonzero(counts != need)[0]) if counts.shape == need.shape else min(B, hist.shape[0])
-        got = int(counts[b]) if b < B else 0
-        raise ValueError(f"user {b}: {got} pages cannot hold exactly {history_lens[b] if b < len(history_lens) else 0} tokens")
+    if hist.shape[0] != B:
+        raise ValueError(f"{B} page lists for {hist.shape[0]} history lengths")
+    short = np.flatnonzero(counts != -(-hist // page_size))
+    if short.size:
+        b = int(short[0])
+        raise ValueError(f"user {b}: {int(counts[b])} pages cannot hold exactly {int(hist[b])} tokens")
     flat = np.fromiter(itertools.chain.from_iterable(page_lists), np.int32, int(counts.sum()))
     indptr = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(counts, out=indptr[1:])
