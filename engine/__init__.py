@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["ForwardTiming", "RankingEngine", "RankOutput"]
+__all__ = ["ForwardTiming", "PendingRank", "RankingEngine", "RankOutput"]
 
 
 def __getattr__(name: str):

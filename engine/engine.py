@@ -21,6 +21,7 @@ graphs and compiled layers, and the lock. The cache manager owns its worker thre
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -76,6 +77,30 @@ class RankOutput:
 def _unpickle_rank_output(user_id, logits, bfloat16, cached_tokens, computed_tokens, task_names) -> RankOutput:
     tensor = torch.from_numpy(logits)
     return RankOutput(user_id, tensor.view(torch.bfloat16) if bfloat16 else tensor, cached_tokens, computed_tokens, task_names)
+
+
+class PendingRank:
+    """A launched batch: its outputs, whose logits are on their way to host memory.
+
+    Why: reading logits on the host waits for the GPU. A caller that launches batch N + 1 before
+    reading batch N (rank_async) overlaps N + 1's host work (lookup, metadata, launches) with N's
+    kernels, so the GPU does not idle while the model thread prepares the next batch."""
+
+    def __init__(self, outputs: list[RankOutput], copied: "torch.cuda.Event | None") -> None:
+        self._outputs = outputs
+        self._copied = copied
+
+    def done(self) -> bool:
+        """Whether result() would return without waiting."""
+        return self._copied is None or self._copied.query()
+
+    def result(self) -> list[RankOutput]:
+        """Per-user outputs with host logits, in request order; waits for the copy (a CUDA error
+        of the batch's kernels is raised here)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        return self._outputs
 
 
 @dataclass
@@ -135,6 +160,28 @@ class RankingEngine:
             if self.cache is None:
                 return self._split(requests, self.model.dense_logits(requests), [0] * len(requests))
             return self._rank_cached(requests)
+
+    @torch.inference_mode()
+    def rank_async(self, requests: list[RankingRequest], dtype: torch.dtype | None = None) -> PendingRank:
+        """rank(), returning once the batch is launched: the logits (one batch, one copy, as
+        `dtype` if given) go to pinned host memory behind the batch's kernels, and
+        PendingRank.result() waits for them. Batches keep their order on the device (one compute
+        stream), so a later batch may be launched, and the cache may hand out pages of this one's
+        users, before it completes."""
+        outputs = self.rank(requests)
+        if self.model.device.type != "cuda":
+            if dtype is not None:
+                outputs = [dataclasses.replace(o, logits=o.logits.to(dtype)) for o in outputs]
+            return PendingRank(outputs, None)
+        logits = torch.cat([o.logits for o in outputs])
+        if dtype is not None:
+            logits = logits.to(dtype)
+        host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+        host.copy_(logits, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        parts = torch.split(host, [o.logits.shape[0] for o in outputs])
+        return PendingRank([dataclasses.replace(o, logits=p) for o, p in zip(outputs, parts)], copied)
 
     @torch.inference_mode()
     def forward(self, requests: list[RankingRequest]) -> torch.Tensor:

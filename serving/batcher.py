@@ -4,10 +4,13 @@ Invariants:
   - A batch never holds two requests of the same user. A request whose user is already in the
     batch being formed waits in `_carry`; carried requests go first into the next batch, so each
     user's requests run in arrival order, one batch after another.
-  - Batches run one at a time, in formation order, on one model thread (`_executor`); the event
-    loop only forms batches and resolves futures. Batch N+1 is formed while batch N runs and
-    keeps growing until N ends (or it is full, then it queues behind N), so a busy model thread
-    always starts on the largest batch the arrivals allow.
+  - Batches are launched one at a time, in formation order, on one model thread (`_executor`);
+    the event loop only forms batches and resolves futures. Batch N+1 is formed while batch N is
+    launched and keeps growing until the model thread is free (or it is full, then it queues
+    behind N), so a busy model thread always starts on the largest batch the arrivals allow.
+  - A launch may return a PendingRank (the GPU still computing): the completion thread waits for
+    its logits while the model thread launches the next batch, so one batch's host work overlaps
+    the previous one's kernels. At most `_MAX_IN_FLIGHT` batches are between formed and answered.
   - With the model thread idle, a batch is closed when it holds `max_batch_size` requests or
     `max_wait_s` after its oldest request arrived; the wait is skipped while requests arrive
     further apart than max_wait_s (it would add latency without adding requests).
@@ -31,7 +34,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import time
@@ -41,16 +43,16 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from hstu.model.batch import RankingRequest
-from hstu.engine import RankOutput
+from hstu.engine import PendingRank, RankOutput
 from hstu.ops.kvcache.manager import CacheCapacityError
 from hstu.serving.errors import RETRY_AFTER_S, RankError, classify
 from hstu.serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 
-RankFn = Callable[[list[RankingRequest]], Sequence[RankOutput]]
+RankFn = Callable[[list[RankingRequest]], "Sequence[RankOutput] | PendingRank"]
 _CLOSE = object()
-_MAX_IN_FLIGHT = 2  # batches with the model thread: one running, one formed behind it
+_MAX_IN_FLIGHT = 3  # batches past formation: one completing on the GPU, one launching, one formed behind
 _GAP_WEIGHT = 0.2  # weight of the latest inter-arrival gap in the running mean
 
 
@@ -73,7 +75,31 @@ class _Ran:
     outcomes: list[tuple[_Item, RankOutput | RankError]]
     dropped: list[_Item]  # not run: its future was already done when the batch started
     started: float
-    seconds: float | None  # model time; None when nothing ran
+    seconds: float | None  # from the batch's start to its outputs on the host; None when nothing ran
+    pending: tuple[list[_Item], PendingRank] | None = None  # launched, outputs not yet on the host
+
+    def settle(self) -> "_Ran":
+        """On the completion thread: wait for the pending outputs (see _settle)."""
+        if self.pending is not None:
+            items, pending = self.pending
+            self.outcomes += zip(items, _settle(pending, len(items)))
+            self.pending = None
+            self.seconds = time.monotonic() - self.started
+        return self
+
+
+def _settle(outputs: "Sequence[RankOutput] | PendingRank", expected: int) -> list[RankOutput | RankError]:
+    """Outcome per request of a rank_fn result: a launched batch's error (a CUDA fault shows when
+    its logits are read) answers each of its requests 500, as does an output count that differs."""
+    try:
+        outputs = list(outputs.result() if isinstance(outputs, PendingRank) else outputs)
+    except Exception as exc:
+        logger.exception("a launched batch of %d requests failed", expected)
+        return [RankError(500, "internal", f"batch failed: {type(exc).__name__}: {exc}") for _ in range(expected)]
+    if len(outputs) != expected:
+        detail = f"model returned {len(outputs)} outputs for {expected} requests"
+        return [RankError(500, "internal", detail) for _ in range(expected)]
+    return outputs
 
 
 class Batcher:
@@ -105,6 +131,7 @@ class Batcher:
         self._closing = False
         self._input_done = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hstu-model")
+        self._completer = ThreadPoolExecutor(1, thread_name_prefix="hstu-complete")
         self._task: asyncio.Task | None = None
         self._getter: asyncio.Task | None = None
         self._last_arrival: float | None = None
@@ -195,6 +222,7 @@ class Batcher:
                 self._refuse_all(f"the server shut down before this request finished (deadline {timeout_s}s)")
                 await self._task
         self._executor.shutdown(wait=True)
+        self._completer.shutdown(wait=True)
 
     def _refuse_all(self, detail: str) -> None:
         live = [item for item in self._live if not item.future.done()]
@@ -206,13 +234,14 @@ class Batcher:
     async def _run(self) -> None:
         """Form a batch, hand it to the model thread, form the next while it runs.
 
-        At most `_MAX_IN_FLIGHT` batches are with the model thread (one running, one queued
-        behind it), so a full batch starts the moment the previous one ends, with no event-loop
-        round trip in between, and the queue of formed batches stays bounded."""
+        At most `_MAX_IN_FLIGHT` batches are past formation (one completing, one launching, one
+        queued behind it), so a full batch starts the moment the model thread is free, with no
+        event-loop round trip in between, and the queue of formed batches stays bounded."""
         loop = asyncio.get_running_loop()
-        in_flight: deque[asyncio.Future] = deque()
+        in_flight: deque[asyncio.Future] = deque()  # each batch until answered
+        launches: deque[asyncio.Future] = deque()  # each batch until the model thread is done with it
         while True:
-            batch = await self._collect(in_flight)
+            batch = await self._collect(launches)
             while len(in_flight) >= _MAX_IN_FLIGHT or (in_flight and not batch):
                 await asyncio.wait((in_flight[0],))
                 in_flight.popleft()
@@ -220,21 +249,28 @@ class Batcher:
                 if self._input_done:
                     return
                 continue
-            done = loop.run_in_executor(self._executor, self._run_batch, batch)
-            done.add_done_callback(functools.partial(self._deliver, batch))
-            in_flight.append(done)
-            while in_flight and in_flight[0].done():
-                in_flight.popleft()
+            launched = loop.run_in_executor(self._executor, self._run_batch, batch)
+            launches.append(launched)
+            in_flight.append(asyncio.ensure_future(self._complete(batch, launched)))
+            for queue in (in_flight, launches):
+                while queue and queue[0].done():
+                    queue.popleft()
 
-    def _deliver(self, batch: list[_Item], done: asyncio.Future) -> None:
-        """On the loop: answer a finished batch's requests (unless a timer already did), the
-        refusals the model thread decided, and the metrics."""
+    async def _complete(self, batch: list[_Item], launched: asyncio.Future) -> None:
+        """Wait for the launch, then (on the completion thread) for its outputs; deliver them."""
         try:
-            ran = done.result()
+            ran = await launched
+            if ran.pending is not None:
+                ran = await asyncio.get_running_loop().run_in_executor(self._completer, ran.settle)
         except Exception as exc:  # _run_batch maps errors itself; this is a last line of defence
             logger.exception("batch of %d requests failed outside the model call", len(batch))
             error = RankError(500, "internal", f"batch failed: {type(exc).__name__}: {exc}")
             ran = _Ran([(item, error) for item in batch], [], time.monotonic(), None)
+        self._deliver(batch, ran)
+
+    def _deliver(self, batch: list[_Item], ran: _Ran) -> None:
+        """On the loop: answer a finished batch's requests (unless a timer already did), the
+        refusals the model thread decided, and the metrics."""
         for item in ran.dropped:
             self._abandoned(item)  # counts it unless a timer already did
         if self.metrics is not None and ran.seconds is not None:
@@ -254,7 +290,7 @@ class Batcher:
             else:
                 item.future.set_result(outcome)
 
-    async def _collect(self, in_flight: deque[asyncio.Future]) -> list[_Item]:
+    async def _collect(self, launches: deque[asyncio.Future]) -> list[_Item]:
         """The next batch: carried requests first, then the queue. It closes when full, or when
         the model thread is idle and the batch's wait is over (see `_wait_s`); while the model
         thread is busy it keeps filling, since waiting then costs nothing."""
@@ -265,7 +301,7 @@ class Batcher:
             self._offer(carried.popleft(), batch, users)
         self._carry.extend(carried)
         while len(batch) < self.max_batch_size and not self._input_done:
-            busy = next((f for f in in_flight if not f.done()), None)
+            busy = next((f for f in launches if not f.done()), None)
             if not self._queue.empty() and self._getter is None:
                 item = self._queue.get_nowait()
             else:
@@ -349,15 +385,21 @@ class Batcher:
                 admitted.append(item)
             else:
                 outcomes.append((item, refusal))
+        pending = None
         if admitted:
-            outcomes += zip(admitted, self._execute([item.request for item in admitted]))
+            result = self._execute([item.request for item in admitted])
+            if isinstance(result, PendingRank):
+                pending = (admitted, result)
+            else:
+                outcomes += zip(admitted, result)
         seconds = time.monotonic() - started if admitted else None
-        return _Ran(outcomes, dropped, started, seconds)
+        return _Ran(outcomes, dropped, started, seconds, pending)
 
-    def _execute(self, requests: list[RankingRequest]) -> list[RankOutput | RankError]:
-        """Outcome per request, in order; runs on the model thread."""
+    def _execute(self, requests: list[RankingRequest]) -> "list[RankOutput | RankError] | PendingRank":
+        """Outcome per request, in order, or the launched batch; runs on the model thread. A batch
+        split after an error completes each half before the next (the rare path)."""
         try:
-            outputs = list(self.rank_fn(requests))
+            outputs = self.rank_fn(requests)
         except CacheCapacityError as exc:
             if len(requests) == 1:
                 return [classify(exc, requests[0].user_id)]
@@ -365,15 +407,13 @@ class Batcher:
             if self.metrics is not None:
                 self.metrics.batch_splits.inc()
             mid = len(requests) // 2
-            return self._execute(requests[:mid]) + self._execute(requests[mid:])
+            halves = (requests[:mid], requests[mid:])
+            return [outcome for half in halves for outcome in _settle(self._execute(half), len(half))]
         except Exception as exc:
             if len(requests) == 1:
                 return [classify(exc, requests[0].user_id)]
             logger.info(
                 "batch of %d failed (%s: %s); retrying its requests one by one", len(requests), type(exc).__name__, exc
             )
-            return [outcome for r in requests for outcome in self._execute([r])]
-        if len(outputs) != len(requests):
-            detail = f"model returned {len(outputs)} outputs for {len(requests)} requests"
-            return [RankError(500, "internal", detail) for _ in requests]
-        return outputs
+            return [outcome for r in requests for outcome in _settle(self._execute([r]), 1)]
+        return outputs if isinstance(outputs, PendingRank) else _settle(outputs, len(requests))

@@ -31,7 +31,7 @@ from prometheus_client import generate_latest
 
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
-from hstu.engine import RankingEngine, RankOutput
+from hstu.engine import PendingRank, RankingEngine, RankOutput
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.serving.batcher import Batcher
@@ -177,13 +177,11 @@ class ServingRuntime(Runtime):
         self.metrics.ready.set(1)
         logger.info("ready after %.2fs (device %s, dtype %s)", time.monotonic() - started, s.device, self.config.dtype)
 
-    def _rank(self, requests: list[RankingRequest]) -> list[RankOutput]:
-        """Runs on the model thread; logits come back on the CPU so the event loop never syncs a GPU.
-        One copy for the whole batch, not one (and one sync) per request."""
-        outputs = self.engine.rank(requests)
-        host = torch.cat([o.logits for o in outputs]).float().cpu()
-        parts = torch.split(host, [o.logits.shape[0] for o in outputs])
-        return [dataclasses.replace(o, logits=p) for o, p in zip(outputs, parts)]
+    def _rank(self, requests: list[RankingRequest]) -> PendingRank:
+        """Runs on the model thread and returns once the batch is launched; the batcher's
+        completion thread reads the float32 logits on the host (one copy for the whole batch), so
+        neither the event loop nor the model thread waits for the GPU."""
+        return self.engine.rank_async(requests, dtype=torch.float32)
 
     def _load(self) -> None:
         s, cfg = self.settings, self.config

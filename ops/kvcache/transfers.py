@@ -121,15 +121,20 @@ class TierTransfers:
 
     def prefetch_async(self, user: int, slot_ids: torch.Tensor, page_ids: torch.Tensor, length: int, digest: bytes) -> None:
         """Onload a user's whole host prefix into its reserved (pinned) pages outside any batch, then
-        commit it (length, digest) and drop the pins; a plan for the user joins it first."""
-        future = self._onload_pool.submit(self._prefetch, user, slot_ids, page_ids, length, digest)
+        commit it (length, digest) and drop the pins; a plan for the user joins it first. The copies
+        wait for the compute stream's work so far: free pages may still be read by a batch the
+        engine launched and has not waited for (their owner evicted or invalidated since)."""
+        compute_done = self._compute_event()
+        future = self._onload_pool.submit(self._prefetch, user, slot_ids, page_ids, length, digest, compute_done)
         with self._offloads_lock:
             self._offloads[user] = future
 
-    def _prefetch(self, user, slot_ids, page_ids, length, digest) -> None:
+    def _prefetch(self, user, slot_ids, page_ids, length, digest, compute_done) -> None:
         stream = self._onload_stream
         try:
             with torch.cuda.stream(stream):
+                if stream is not None:
+                    stream.wait_event(compute_done)
                 for layer in range(self.config.num_layers):
                     onload_kvcache(self.kv_pages, self.host_arena, slot_ids, page_ids, layer)
             if stream is not None:
@@ -152,14 +157,19 @@ class TierTransfers:
     # ---------------------------------------------------------------- offload
     def offload_async(self, jobs: list[OffloadJob]) -> None:
         """Offload the jobs' newly full chunks after the compute stream's work so far."""
-        compute_done = None
-        if self.device.type == "cuda":
-            compute_done = torch.cuda.Event()
-            compute_done.record(torch.cuda.current_stream(self.device))
+        compute_done = self._compute_event()
         future = self._offload_pool.submit(self._offload, jobs, compute_done)
         with self._offloads_lock:
             for job in jobs:
                 self._offloads[job.user] = future
+
+    def _compute_event(self) -> "torch.cuda.Event | None":
+        """An event after the work enqueued so far on the caller's (compute) stream; None off CUDA."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def _offload(self, jobs: list[OffloadJob], compute_done) -> None:
         ppc, chunk = self.config.pages_per_chunk, self.config.chunk_tokens

@@ -53,3 +53,26 @@ def test_rank_output_pickles_only_its_logits_as_numpy(dtype):
     assert (back.user_id, back.cached_tokens, back.computed_tokens, back.task_names) == (7, 100, 20, ("click", "like", "share"))
     assert len(data) < 5 * 3 * 4 + 400  # not the batch's 40 rows
     assert np.allclose(back.scores, output.scores)
+
+
+def test_rank_async_gives_the_outputs_of_rank_in_the_asked_dtype(tiny_config):
+    """Off CUDA the launch is the whole forward; result() hands back rank()'s outputs, as float32
+    when asked (what the server's completion thread reads)."""
+    from tests.conftest import HistoryBook
+
+    def engine():
+        return hstu.RankingEngine.create(tiny_config, page_size=4, num_pages=64, chunk_tokens=8)
+
+    sync, launched = engine(), engine()
+    book_a, book_b = HistoryBook(tiny_config, seed=4), HistoryBook(tiny_config, seed=4)
+    for step in range(3):
+        users = [1, 2] if step % 2 else [2, 3, 4]
+        expected = sync.rank([book_a.request(u, 3 + step) for u in users])
+        pending = launched.rank_async([book_b.request(u, 3 + step) for u in users], dtype=torch.float64)
+        assert pending.done()
+        got = pending.result()
+        assert [o.user_id for o in got] == users and all(o.logits.dtype == torch.float64 for o in got)
+        for a, b in zip(expected, got):
+            assert torch.equal(a.logits.double(), b.logits) and a.cached_tokens == b.cached_tokens
+    sync.close()
+    launched.close()

@@ -131,3 +131,41 @@ def test_rerank_of_unchanged_histories_on_cuda_computes_only_candidates(cuda_gra
     assert rel_err(out.logits, engine.forward_no_cache(batch)) < 1e-5
     assert (out.cached_tokens, out.computed_tokens) == (64, 16), "onloaded whole, candidates computed"
     engine.close()
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "cuda_graphs"])
+def test_pipelined_batches_with_eviction_and_prefetch_match_no_cache(cuda_graphs):
+    """rank_async launches up to three batches before reading the first: pages freed by one batch
+    (evicted, invalidated, prefetched into) must not be overwritten while an earlier launched batch
+    still reads them. Every batch's logits equal the no-cache model's (fp32)."""
+    from collections import deque
+
+    cfg = cuda_pipeline_model("float32")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=160, chunk_tokens=32)
+    kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=160, chunk_tokens=32, host_capacity_bytes=200 * kv.chunk_bytes)
+    engine = RankingEngine(InferenceRankingGR(cfg, device="cuda"), AsyncKVCacheManager(kv, device="cuda"))
+    if cuda_graphs:
+        engine.enable_cuda_graphs(max_batch=5, buckets=(256, 1024))
+    book = HistoryBook(cfg, seed=21)
+    pending, done = deque(), []
+    batches = book.random_batches(seed=22, rounds=50, num_users=30, max_users=5, new_events=(4, 60), candidates=(8, 48))
+    for step, reqs in enumerate(batches):
+        for r in reqs:
+            if len(book.histories[r.user_id][0]) > 500:
+                book.histories.pop(r.user_id)
+        pending.append((reqs, engine.rank_async(reqs)))
+        if step % 5 == 2:
+            engine.prefetch(list(range(30)))
+        if len(pending) > 3:
+            reqs, launched = pending.popleft()
+            done.append((reqs, launched.result()))
+    done += [(reqs, launched.result()) for reqs, launched in pending]
+    engine.cache.drain()
+    stats = engine.cache.stats.snapshot()
+    for reqs, outputs in done:
+        assert all(o.logits.device.type == "cpu" for o in outputs)
+        logits = torch.cat([o.logits for o in outputs]).cuda()
+        assert rel_err(logits, engine.forward_no_cache(reqs)) < 1e-5
+    assert stats["gpu_evictions"] > 0 and stats["host_hits"] > 0, stats
+    engine.close()

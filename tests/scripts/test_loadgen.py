@@ -31,7 +31,7 @@ def test_loadgen_verify_counts_every_wrong_answer_and_exits_non_zero(tmp_path, m
     rank = ServingRuntime._rank
 
     def shifted(self, requests):
-        return [dataclasses.replace(o, logits=o.logits + 0.5) for o in rank(self, requests)]
+        return [dataclasses.replace(o, logits=o.logits + 0.5) for o in rank(self, requests).result()]
 
     monkeypatch.setattr(ServingRuntime, "_rank", shifted)
     with live_server(tiny_settings()) as (_, _, url):

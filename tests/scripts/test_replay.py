@@ -201,7 +201,7 @@ def test_verify_counts_every_mismatching_answer_and_exits_non_zero(tmp_path, mon
     rank = ServingRuntime._rank
 
     def shifted(self, requests):
-        return [dataclasses.replace(o, logits=o.logits + 0.5) for o in rank(self, requests)]
+        return [dataclasses.replace(o, logits=o.logits + 0.5) for o in rank(self, requests).result()]
 
     monkeypatch.setattr(ServingRuntime, "_rank", shifted)
     with local_server(served_settings()) as url:

@@ -215,3 +215,73 @@ async def test_a_lone_request_skips_the_wait_once_arrivals_are_sparse():
     await batcher.close()
     assert waited[0] >= 0.08, f"with no arrival history a lone request waits max_wait_s: {waited}"
     assert waited[-1] < 0.05, f"after gaps of 0.3s > max_wait_s it is dispatched at once: {waited}"
+
+
+class _Gate:
+    """Stands in for a launched batch's copy event: synchronize() blocks until released, then
+    optionally raises (a kernel fault surfaces when the logits are read)."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.released = threading.Event()
+        self.error = error
+
+    def query(self) -> bool:
+        return self.released.is_set()
+
+    def synchronize(self) -> None:
+        assert self.released.wait(5.0), "gate never released"
+        if self.error is not None:
+            raise self.error
+
+
+async def test_the_next_batch_launches_while_the_previous_one_completes():
+    """A launch returning a PendingRank frees the model thread: batch 2 launches before batch 1's
+    outputs are read, and each request still gets its own output."""
+    from hstu.engine import PendingRank
+
+    model = FakeModel()
+    gates: list[_Gate] = []
+
+    def launch(requests):
+        gates.append(_Gate())
+        return PendingRank(model.rank(requests), gates[-1])
+
+    batcher = Batcher(launch, max_batch_size=2, max_wait_s=0.0, max_queue=100)
+    batcher.start()
+    first = asyncio.create_task(submit_all(batcher, [request(1, 1), request(2, 2)]))
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if gates:
+            break
+    second = asyncio.create_task(submit_all(batcher, [request(3, 3), request(4, 4)]))
+    for _ in range(100):  # batch 1 is still pending: batch 2 must launch anyway
+        await asyncio.sleep(0.01)
+        if len(gates) == 2:
+            break
+    assert len(gates) == 2 and not first.done(), "the second batch waited for the first one's outputs"
+    for gate in gates:
+        gate.released.set()
+    outputs = await first + await second
+    await batcher.close()
+    assert [int(o.logits[0, 0]) for o in outputs] == [1, 2, 3, 4]
+
+
+async def test_a_batch_that_fails_when_its_outputs_are_read_answers_500_and_the_next_batch_is_served():
+    from hstu.engine import PendingRank
+
+    model = FakeModel()
+    calls = []
+
+    def launch(requests):
+        calls.append(requests)
+        gate = _Gate(RuntimeError("CUDA error: an illegal memory access") if len(calls) == 1 else None)
+        gate.released.set()
+        return PendingRank(model.rank(requests), gate)
+
+    batcher = Batcher(launch, max_batch_size=2, max_wait_s=0.0, max_queue=100)
+    batcher.start()
+    failed = await submit_all(batcher, [request(1, 1), request(2, 2)])
+    served = await submit_all(batcher, [request(3, 3)])
+    await batcher.close()
+    assert all(isinstance(e, RankError) and e.status == 500 and "illegal memory access" in e.detail for e in failed), failed
+    assert int(served[0].logits[0, 0]) == 3
