@@ -7,8 +7,12 @@ In-process (default): the workload (scripts/workload.py) is cut into batches of 
             each lookup misses and the whole history is recomputed (and its manager has the
             smallest host tier, so almost nothing is offloaded).
 Each pass starts with one warm-up batch of never-seen users (lazy initialisation and kernel
-compilation stay out of the numbers). A request's latency is its batch's wall time (rank() plus a
-device sync). `--verify` checks every cached result against forward_no_cache (dense reference).
+compilation stay out of the numbers). Batches are pipelined as the server's batcher runs them
+(`--pipeline K`, default 2: up to K batches launched before the oldest one's logits are read, so
+one batch's host work overlaps the previous one's kernels); a request's latency is from its batch's
+launch to its logits on the host. `--pipeline 1` ranks and synchronises one batch at a time (a
+request's latency is then its batch's rank() plus a device sync). `--verify` checks every cached
+result against forward_no_cache (dense reference), outside the timed pass.
 
 Server mode (`--server URL`, loopback only): the replay first reads the server's model metadata
 (GET /v2/models/hstu) and adopts its model config, so the workload fits the served model; then the
@@ -94,6 +98,7 @@ class ReplaySettings:
     progress: bool = True
     cuda_graphs: bool = False
     compile_layers: bool = False
+    pipeline: int = 2
 
 
 def _passes(
@@ -114,7 +119,10 @@ def _passes(
         return [result], None
     kv_cfg = settings.cache.build(model_cfg, settings.workload, settings.batch_size)
     batches = list(distinct_user_batches(requests, settings.batch_size))
-    common = dict(progress=settings.progress, cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers)
+    common = dict(
+        progress=settings.progress, cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers,
+        pipeline=settings.pipeline,
+    )
     results = [run_pass("cached", model_cfg, kv_cfg, batches, device, fresh_users=False, verify=settings.verify, **common)]
     if settings.uncached:
         results.append(run_pass("uncached", model_cfg, uncached_cache_config(kv_cfg), batches, device, fresh_users=True, **common))
@@ -150,6 +158,7 @@ def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
             "device": str(device),
             "cuda_graphs": settings.cuda_graphs,
             "compile_layers": settings.compile_layers,
+            "pipeline": None if settings.server else settings.pipeline,
             "server": settings.server,
             "server_weights_fingerprint": None if meta is None else meta["weights_fingerprint"],
             "concurrency": settings.concurrency if settings.server else None,
@@ -223,7 +232,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--incremental", action="store_true",
                    help="--server mode: send only the events after each user's last answered history (hstu.client incremental)")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--cuda-graphs", action="store_true", help="per-layer CUDA graphs for the paged layers (CUDA only)")
+    p.add_argument("--cuda-graphs", action="store_true", help="whole-forward CUDA graphs per row bucket (CUDA only)")
+    p.add_argument(
+        "--pipeline", type=int, default=d.pipeline, metavar="K",
+        help="in-process: batches launched before the oldest one's logits are read (1: rank and sync each batch)",
+    )
     p.add_argument("--compile", action="store_true", help="CUDA graphs of torch.compile'd layers (implies --cuda-graphs)")
     p.add_argument("--out", type=Path, default=Path("out/replay"))
     p.set_defaults(func=main)
@@ -266,6 +279,7 @@ def settings_from_args(args: argparse.Namespace) -> ReplaySettings:
         progress=not args.no_progress,
         cuda_graphs=args.cuda_graphs or args.compile,
         compile_layers=args.compile,
+        pipeline=args.pipeline,
     )
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,12 +154,20 @@ def run_pass(
     progress: bool = True,
     cuda_graphs: bool = False,
     compile_layers: bool = False,
+    pipeline: int = 1,
 ) -> PassResult:
     """Rank every batch through a new model + cache manager; `fresh_users` makes every lookup miss.
 
-    A request's latency is its batch's time in rank() plus a device sync (verify excluded).
-    cuda_graphs: replay the paged layers as per-layer CUDA graphs (batches past the graphs' row
-    buckets run eagerly); compile_layers: the graphs capture torch.compile'd layers."""
+    pipeline 1: each batch is ranked and the device synchronised before the next (a request's
+    latency is its batch's time in rank() plus the sync). pipeline k > 1: up to k batches are
+    launched (RankingEngine.rank_async) before the oldest one's logits are read, as the server's
+    batcher does, so a batch's host work overlaps the previous one's kernels; a request's latency
+    is then from its batch's launch to its logits on the host, and the pass's time is the wall
+    time from the first launch to the last result. Verification never counts.
+    cuda_graphs: whole-forward CUDA graphs per row bucket (batches past the buckets run eagerly);
+    compile_layers: the graphs capture torch.compile'd layers."""
+    if pipeline < 1:
+        raise ValueError(f"pipeline must be >= 1 batch in flight, got {pipeline}")
     manager = AsyncKVCacheManager(cache_config, device)
     try:
         model = RankingEngine(InferenceRankingGR(model_config, device), manager)
@@ -177,22 +187,45 @@ def run_pass(
         tally = VerifyTally(model_config.dtype, "cached logits")
         bar = tqdm(total=sum(len(b) for b in batches), desc=name, unit="req", disable=not progress, leave=False)
         ranked_s = 0.0
-        for index, batch in enumerate(batches):
-            if fresh_users:
-                batch = as_users(batch, ids.take(len(batch)))
-            ms, outputs = wall_ms(lambda: model.rank(batch), device)
-            ranked_s += ms / 1e3
-            records += [
+        ranked: list[tuple[list[RankingRequest], list]] = []  # verified after a pipelined pass
+        in_flight: deque[tuple[int, list[RankingRequest], Any, float]] = deque()
+
+        def record(index: int, batch: list[RankingRequest], outputs: list, ms: float) -> None:
+            records.extend(
                 RequestRecord(r.user_id, r.history_tokens(model_config), r.candidates.shape[0], o.cached_tokens,
                               index, len(batch), ms)
                 for r, o in zip(batch, outputs)
-            ]
-            if verify:
-                reference = torch.split(model.forward_no_cache(batch), [r.candidates.shape[0] for r in batch])
-                for r, o, ref in zip(batch, outputs, reference):
-                    tally.check(r.user_id, o.logits, ref)
+            )
             bar.update(len(batch))
+
+        def read_oldest() -> None:
+            index, batch, launched, t0 = in_flight.popleft()
+            outputs = launched.result()
+            record(index, batch, outputs, (time.perf_counter() - t0) * 1e3)
+            if verify:
+                ranked.append((batch, outputs))
+
+        started = time.perf_counter()
+        for index, batch in enumerate(batches):
+            if fresh_users:
+                batch = as_users(batch, ids.take(len(batch)))
+            if pipeline > 1:
+                in_flight.append((index, batch, model.rank_async(batch), time.perf_counter()))
+                if len(in_flight) >= pipeline:
+                    read_oldest()
+                continue
+            ms, outputs = wall_ms(lambda: model.rank(batch), device)
+            ranked_s += ms / 1e3
+            record(index, batch, outputs, ms)
+            if verify:
+                _verify(model, batch, outputs, tally)
+        while in_flight:
+            read_oldest()
+        if pipeline > 1:
+            ranked_s = time.perf_counter() - started
         bar.close()
+        for batch, outputs in ranked:
+            _verify(model, batch, outputs, tally)
         manager.drain()
         after = manager.stats.snapshot()
         stats = {k: after[k] - before[k] for k in after}
@@ -202,6 +235,12 @@ def run_pass(
     if verify:
         result.mismatches, result.max_abs_diff = tally.mismatches, tally.max_abs_diff
     return result
+
+
+def _verify(model: RankingEngine, batch: list[RankingRequest], outputs: list, tally: VerifyTally) -> None:
+    reference = torch.split(model.forward_no_cache(batch), [r.candidates.shape[0] for r in batch])
+    for r, o, ref in zip(batch, outputs, reference):
+        tally.check(r.user_id, o.logits.to(ref.device), ref)
 
 
 def uncached_cache_config(cache_config: KVCacheConfig) -> KVCacheConfig:

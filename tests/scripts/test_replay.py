@@ -133,6 +133,23 @@ def test_uncached_pass_never_reuses_anything():
     assert result.stats["misses"] == 6
 
 
+def test_a_pipelined_pass_ranks_like_a_synchronous_one():
+    """--pipeline 3 launches batches before reading earlier ones: same cached lengths, same
+    batches, every result verified (after the timed pass)."""
+    kv = CACHE.build(MODEL, WORKLOAD, 2)
+    requests = list(Workload(WORKLOAD, MODEL))
+    batches = list(rp.distinct_user_batches(requests, 2))
+    runs = {
+        k: rp.run_pass("cached", MODEL, kv, batches, torch.device("cpu"), fresh_users=False, verify=True, progress=False, pipeline=k)
+        for k in (1, 3)
+    }
+    shape = lambda r: [(x.user_id, x.cached_tokens, x.batch_index) for x in r.records]  # noqa: E731
+    assert shape(runs[1]) == shape(runs[3]) and len(runs[3].records) == WORKLOAD.num_requests
+    assert runs[3].mismatches == 0 and runs[3].wall_s > 0
+    with pytest.raises(ValueError, match="pipeline must be >= 1 batch in flight, got 0"):
+        rp.run_pass("cached", MODEL, kv, batches, torch.device("cpu"), fresh_users=False, progress=False, pipeline=0)
+
+
 def test_seed_preset_resolves_to_the_benchmark_model_and_fits_the_history_limit():
     parser = argparse.ArgumentParser()
     rp.add_parser(parser.add_subparsers())
