@@ -198,15 +198,24 @@ class RankingEngine:
 
     def calibrate(self, cost: CostModel | None = None) -> CostModel | None:
         """Turn on the compute-or-load planner with `cost`, or with costs measured now on this
-        device (ops/kvcache/costs.py: H2D bandwidth, per-row and per-pair layer cost). A
-        measurement that cannot tell compute cost apart leaves the planner off (returns None)."""
-        from hstu.ops.kvcache.costs import measure_costs
+        device: the H2D bandwidth (ops/kvcache/costs.py) and the per-layer compute cost of this
+        engine's whole forward (engine/calibration.py; call it before serving: it ranks synthetic
+        users through the cache). A measurement that cannot tell compute cost apart, or a cache
+        too small to measure with, leaves the planner off (returns None)."""
+        from hstu.engine.calibration import measure_forward_costs
+        from hstu.ops.kvcache.costs import measure_h2d
 
         if self.cache is None:
             raise RuntimeError("the planner splits host-tier prefixes: it needs a KV cache")
+        if cost is None:
+            self.cache.cost_model = None  # the calibration batches onload nothing and split nothing
+            fitted = measure_forward_costs(self)
+            if fitted is None or (fitted[1] <= 0 and fitted[2] <= 0):
+                return None
+            kv = self.cache.config
+            fixed, per_row, per_pair = fitted
+            cost = CostModel(measure_h2d(self.model.device), kv.page_bytes // kv.page_size, per_row, per_pair, fixed)
         with self._lock:
-            if cost is None:
-                cost = measure_costs(self.model.block, self.cache.config, self.model.device, self.config.max_seq_len)
             self.cache.cost_model = cost
         return cost
 

@@ -40,7 +40,7 @@ import torch
 
 from hstu.ops.attention import ATTENTION_BACKENDS, use_attention_backend
 from hstu.scripts import report
-from hstu.scripts.bench_e2e import EndToEnd
+from hstu.scripts.bench_e2e import EndToEnd, split_sweep
 from hstu.scripts.block_bench import bench_block
 from hstu.scripts.bench_shapes import TINY_SHAPE, BenchShape, check_memory, make_requests, memory_plan
 from hstu.scripts.timing import Timer
@@ -104,6 +104,7 @@ def _run_bench(
         "seed_reference": SEED_REFERENCE,
         "block": {},
         "e2e": {},
+        "split": {},
         "errors": [],
     }
     path = out_dir / "bench.json"
@@ -143,6 +144,8 @@ def _run_bench(
                 section("block", batch, lambda: bench_block(shape, e2e.cached.model, batch, timer, warmup, repeats, device))
             if "e2e" in sections:
                 section("e2e", batch, lambda: e2e.run(batch, timer, warmup, repeats))
+            if "split" in sections:
+                section("split", batch, lambda: split_sweep(e2e, batch, timer, warmup, repeats))
     finally:
         e2e.close()
     save()
@@ -230,7 +233,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         p.add_argument(flag, dest=field, type=int, default=None, help=f"default {getattr(d, field)}")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help=f"default {' '.join(map(str, d.batch_sizes))}")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=f"default {d.dtype}")
-    p.add_argument("--sections", nargs="+", choices=["block", "e2e"], default=["block", "e2e"])
+    p.add_argument(
+        "--sections", nargs="+", choices=["block", "e2e", "split"], default=["block", "e2e"],
+        help="split: the host-tier batch at fixed onload/recompute splits against the cost model's predictions",
+    )
     p.add_argument("--attention", choices=ATTENTION_BACKENDS, default="auto", help="torch: bypass the Triton kernel")
     p.add_argument("--cuda-graphs", action="store_true", help="end-to-end models replay per-layer CUDA graphs (CUDA only)")
     p.add_argument("--compile", action="store_true", help="those graphs capture torch.compile'd layers (implies --cuda-graphs)")

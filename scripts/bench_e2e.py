@@ -10,7 +10,9 @@ import torch
 
 from hstu.engine import RankingEngine, RankOutput
 from hstu.model.ranking import InferenceRankingGR
+from hstu.model.batch import RankingRequest
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
+from hstu.ops.kvcache.planner import FixedSplit, UserShape, predict
 from hstu.scripts.bench_shapes import BenchShape, make_requests
 from hstu.scripts.compare import compare_logits
 from hstu.scripts.timing import Timer, summarize
@@ -210,3 +212,80 @@ class EndToEnd:
         out["exposed_cache_share"] = (host_ms - gpu_ms) / host_ms
         out["check_failures"] = failures
         return out
+
+
+SPLIT_FRACTIONS = (0.0, 0.25, 0.5, 0.625, 0.75, 1.0)
+
+
+def _truncated(requests: list[RankingRequest], tokens: int, shape: BenchShape, config) -> list[RankingRequest]:
+    """Each request's history cut to its first `tokens` tokens (contextual tokens included)."""
+    events = (tokens - shape.num_contextual) // 2
+    return [
+        RankingRequest.create(r.user_id, r.item_ids[:events], r.actions[:events], r.timestamps[:events], r.candidates,
+                              r.contextual, config)
+        for r in requests
+    ]
+
+
+def split_sweep(e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: int) -> dict[str, Any]:
+    """Compute or load, measured: the host-tier batch (every user's cached prefix evicted to the
+    host) ranked with a fixed share f of each prefix onloaded and the rest recomputed, for each f
+    in SPLIT_FRACTIONS; beside it the same batch with those f prefix tokens already on the GPU
+    (the split's compute alone, no onload), the uncached batch, and what the cost model predicts
+    for each split. Where the measured curve has its minimum is what the planner should pick."""
+    shape, mgr = e2e.shape, e2e.cached_mgr
+    prefix, full = make_requests(shape, e2e.model_config, batch)
+    chunk, cached = shape.chunk_tokens, shape.cached_tokens
+    failures: list[str] = []
+    state: dict[str, Any] = {}
+
+    def fresh_full() -> None:
+        state["requests"] = as_users(full, e2e.ids.take(len(full)))
+
+    def prefilled(tokens: int, drop_gpu: bool) -> Callable[[], None]:
+        def setup() -> None:
+            ids = e2e.ids.take(len(full))
+            e2e.cached.rank(as_users(_truncated(prefix, tokens, shape, e2e.model_config) if tokens < cached else prefix, ids))
+            mgr.drain()
+            if drop_gpu:
+                mgr.evict_gpu(ids)
+            state["requests"] = as_users(full, ids)
+
+        return setup
+
+    def rank(model: RankingEngine) -> Callable[[], list[RankOutput]]:
+        return lambda: model.rank(state["requests"])
+
+    times, reference = timer.measure(rank(e2e.uncached), fresh_full, warmup, repeats)
+    uncached_ms = summarize(times)["median_ms"]
+    out: dict[str, Any] = {"uncached_ms": uncached_ms, "splits": []}
+    users = [UserShape(cached, 0, shape.history_tokens, shape.num_candidates)] * batch
+    L = e2e.model_config.num_layers
+    for f in SPLIT_FRACTIONS:
+        onload = FixedSplit(f).choose(users, L, chunk).onload_tokens
+        row: dict[str, Any] = {"fraction": f, "onload_tokens_per_user": onload[0]}
+        mgr.cost_model = FixedSplit(f)
+        try:
+            times, outputs = timer.measure(rank(e2e.cached), prefilled(cached, True), warmup, repeats)
+        finally:
+            mgr.cost_model = None
+        row["host_tier_ms"] = summarize(times)["median_ms"]
+        row["host_tier_vs_uncached"] = uncached_ms / row["host_tier_ms"]
+        _compare(f"split {f} vs uncached", outputs, [o.logits for o in reference], e2e.model_config.dtype, failures)
+        if 0 < onload[0] < cached:  # the split's compute with its onloaded share already on the GPU
+            times, _ = timer.measure(rank(e2e.cached), prefilled(onload[0], False), warmup, repeats)
+            row["gpu_prefix_ms"] = summarize(times)["median_ms"]
+        if e2e.cost is not None:
+            row["predicted_ms"], row["predicted_onload_ms"], row["predicted_compute_ms"] = (
+                t * 1e3 for t in predict(users, onload, e2e.cost, L)
+            )
+        out["splits"].append(row)
+    if e2e.cost is not None:
+        chosen = e2e.cost.choose(users, L, chunk)
+        out["planner_onload_tokens_per_user"] = chosen.onload_tokens[0]
+        out["planner_predicted_ms"] = chosen.predicted_s * 1e3
+        out["cost_model"] = e2e.cost.as_dict()
+    best = min(out["splits"], key=lambda r: r["host_tier_ms"])
+    out["best_fraction"], out["best_vs_uncached"] = best["fraction"], best["host_tier_vs_uncached"]
+    out["check_failures"] = failures
+    return out

@@ -17,14 +17,13 @@ import torch
 from hstu.ops.kvcache.admission import FrequencyAdmission
 from hstu.ops.kvcache.batch import BatchPlan
 from hstu.ops.kvcache.config import KVCacheConfig
-from hstu.ops.kvcache.planner import CostModel, UserShape
-from hstu.ops.kvcache.planner import plan as plan_split
+from hstu.ops.kvcache.planner import CostModel, FixedSplit, UserShape
 from hstu.ops.kvcache.stats import CacheStats
 from hstu.ops.kvcache.transfers import TierTransfers
 
 
 def split_host_prefixes(
-    plan: BatchPlan, num_candidates: list[int], config: KVCacheConfig, cost_model: CostModel | None, stats: CacheStats
+    plan: BatchPlan, num_candidates: list[int], config: KVCacheConfig, cost_model: CostModel | FixedSplit | None, stats: CacheStats
 ) -> list[int]:
     """Keep only the planner's share of each host-tier prefix in `plan` (the rest is recomputed);
     with no cost model every host prefix is onloaded whole. Returns the users that now onload
@@ -43,7 +42,7 @@ def split_host_prefixes(
             )
             for b, s in enumerate(plan.sources)
         ]
-        chosen = plan_split(shapes, cost_model, config.num_layers, config.chunk_tokens)
+        chosen = cost_model.choose(shapes, config.num_layers, config.chunk_tokens)
         onload = [min(chosen.onload_tokens[b], plan.cached_lens[b]) for b in host]
     chunk, unpin = config.chunk_tokens, []
     for b, p in zip(host, onload):

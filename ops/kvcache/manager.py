@@ -56,7 +56,7 @@ from hstu.ops.kvcache.handle import OnloadHandle
 from hstu.ops.kvcache.host_tier import Prefetcher, admitted, split_host_prefixes
 from hstu.ops.kvcache.layout import JaggedLayout
 from hstu.ops.kvcache.metadata import PadSpec, pack_layout
-from hstu.ops.kvcache.planner import CostModel
+from hstu.ops.kvcache.planner import CostModel, FixedSplit
 from hstu.ops.kvcache.stats import CacheStats
 from hstu.ops.kvcache.transfers import OffloadJob, TierTransfers
 
@@ -103,8 +103,9 @@ class AsyncKVCacheManager:
             self._count_evictions, onload_fault,
         )
         self.admission = FrequencyAdmission(config.offload_min_seen)
-        # Compute-or-load split of host-tier prefixes (ops/kvcache/planner.py); None: pure onload.
-        self.cost_model: CostModel | None = None
+        # Compute-or-load split of host-tier prefixes (ops/kvcache/planner.py): the planner's cost
+        # model, or a fixed split; None: pure onload.
+        self.cost_model: CostModel | FixedSplit | None = None
         self._prefetcher = Prefetcher(c, self.gpu, self.host, self.transfers, self.stats, self._index_lock)
         self._closed = False
 

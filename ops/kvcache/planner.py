@@ -44,6 +44,29 @@ class CostModel:
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
+    def choose(self, users: list["UserShape"], num_layers: int, chunk_tokens: int) -> "Plan":
+        """The split minimising the predicted finish (plan below)."""
+        return plan(users, self, num_layers, chunk_tokens)
+
+
+@dataclass(frozen=True)
+class FixedSplit:
+    """Onload the same fraction of every host-tier prefix (whole chunks, rounded down), whatever
+    it costs: for measuring the real time of each split against the cost model's prediction
+    (`hstu bench --sections split`), and for pinning a split that measured best on a device."""
+
+    fraction: float
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"fraction must be in [0, 1], got {self.fraction}")
+
+    def choose(self, users: list["UserShape"], num_layers: int, chunk_tokens: int) -> "Plan":
+        if self.fraction == 1.0:
+            return Plan([u.host_tokens for u in users], float("nan"), float("nan"), float("nan"))
+        onload = [int(u.host_tokens // chunk_tokens * self.fraction) * chunk_tokens for u in users]
+        return Plan(onload, float("nan"), float("nan"), float("nan"))
+
 
 @dataclass(frozen=True)
 class UserShape:
@@ -65,7 +88,7 @@ class Plan:
     compute_s: float
 
 
-def _layer_work(users: list[UserShape], onload: list[int]) -> tuple[int, int]:
+def layer_work(users: list[UserShape], onload: list[int]) -> tuple[int, int]:
     """(rows, attention pairs) one layer computes when user u reuses `onload[u]` host tokens."""
     rows = pairs = 0
     for u, p in zip(users, onload):
@@ -78,7 +101,7 @@ def _layer_work(users: list[UserShape], onload: list[int]) -> tuple[int, int]:
 
 def predict(users: list[UserShape], onload: list[int], cost: CostModel, num_layers: int) -> tuple[float, float, float]:
     """(finish time of the last layer, total onload time, total compute time) for this split."""
-    rows, pairs = _layer_work(users, onload)
+    rows, pairs = layer_work(users, onload)
     load_layer = sum(onload) * cost.bytes_per_token_layer / cost.h2d_bytes_per_s
     compute_layer = cost.fixed_s + rows * cost.per_row_s + pairs * cost.per_pair_s
     finish = 0.0

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-import hstu.ops.kvcache.host_tier as host_tier_module
 from hstu.engine import RankingEngine
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
-from hstu.ops.kvcache.costs import measure_costs
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
-from hstu.ops.kvcache.planner import CostModel, Plan, UserShape, plan, predict
+from hstu.ops.kvcache.planner import CostModel, FixedSplit, UserShape, plan, predict
 from tests.conftest import rel_err
 
 CHUNK, LAYERS = 128, 8
@@ -65,14 +62,12 @@ def _engine(config, **kv):
 
 
 @pytest.mark.parametrize("onload_chunks", [0, 1, 2, 3])
-def test_every_split_point_matches_the_no_cache_model(tiny_config, book, monkeypatch, onload_chunks):
+def test_every_split_point_matches_the_no_cache_model(tiny_config, book, onload_chunks):
     engine = _engine(tiny_config)
     mgr = engine.cache
     engine.rank([book.request(1, 11)])  # 24 tokens: three full 8-token chunks in the host tier
     mgr.evict_gpu([1])
-    forced = lambda users, cost, layers, chunk: Plan([onload_chunks * 8] * len(users), 0.0, 0.0, 0.0)  # noqa: E731
-    monkeypatch.setattr(host_tier_module, "plan_split", forced)
-    mgr.cost_model = _cost(55)
+    mgr.cost_model = FixedSplit(onload_chunks / 3)
     req = book.request(1, 2)
     (out,) = engine.rank([req])
     assert out.cached_tokens == onload_chunks * 8
@@ -84,11 +79,40 @@ def test_every_split_point_matches_the_no_cache_model(tiny_config, book, monkeyp
     engine.close()
 
 
-def test_measured_costs_on_this_device_drive_the_planner(tiny_config):
+def test_costs_measured_through_the_engine_drive_the_planner_and_leave_no_trace(tiny_config):
+    """calibrate() times whole forwards of synthetic users: a positive compute cost, and every
+    calibration user gone from both tiers afterwards (nothing served is evicted by them)."""
     engine = _engine(tiny_config)
-    cost = measure_costs(engine.model.block, engine.cache.config, torch.device("cpu"), tiny_config.max_seq_len)
+    empty = engine.cache.occupancy()
+    cost = engine.calibrate()
+    assert cost is not None and engine.cache.cost_model is cost
     assert cost.h2d_bytes_per_s > 0 and cost.per_row_s + cost.per_pair_s > 0
+    assert engine.cache.occupancy() == empty
     users = [UserShape(64, 0, 80, 8)]
     chosen = plan(users, cost, tiny_config.num_layers, 8)
     assert 0 <= chosen.onload_tokens[0] <= 64 and chosen.predicted_s > 0
     engine.close()
+
+
+def test_the_fit_recovers_known_costs_and_never_goes_negative():
+    import numpy as np
+
+    from hstu.engine.calibration import _nonnegative_fit
+
+    rng = np.random.default_rng(0)
+    a = np.column_stack([np.ones(6), rng.uniform(1e3, 4e4, 6), rng.uniform(1e5, 1e8, 6)])
+    y = a @ np.array([1e-4, 2e-8, 3e-12])
+    assert np.allclose(_nonnegative_fit(a, y), [1e-4, 2e-8, 3e-12], rtol=1e-6)
+    # Costs that fall with the pairs would fit a negative per-pair cost: clamped to a plain fit.
+    y_bad = a @ np.array([1e-4, 2e-8, 0.0]) - a[:, 2] * 1e-13
+    assert (_nonnegative_fit(a, y_bad) >= 0).all()
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.5, 1.0])
+def test_a_fixed_split_onloads_that_share_in_whole_chunks(fraction):
+    chosen = FixedSplit(fraction).choose(SEED_USERS[:2] + [UserShape(100, 0, 300, 4)], LAYERS, CHUNK)
+    whole = 3968 // CHUNK
+    expected = [int(whole * fraction) * CHUNK] * 2 + [100 if fraction == 1.0 else 0]
+    assert chosen.onload_tokens == expected
+    with pytest.raises(ValueError, match="fraction must be in"):
+        FixedSplit(1.5)
