@@ -3,8 +3,8 @@
 # present), build, every `cuda` test (kernels, Triton attention, pipeline oracle, CUDA graphs,
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
-# STAGES picks the stages (default: the first six; also profile, rest, rest_engine, rest_ray, rest_ray_direct, bench_export,
-# bench_compiled), e.g.
+# STAGES picks the stages (default: the first six; also split, replay_sync, pytest_pipeline, profile, rest, rest_engine,
+# rest_ray, rest_ray_direct, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
 # are listed last and make the exit status non-zero. scripts/gpu_check.sh covers the kernels alone
@@ -42,6 +42,15 @@ stage replay 100 python3 -m hstu.cli replay --preset seed --device cuda --verify
 stage bench_graphs 90 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e --out "$OUT/bench_graphs"
 stage replay_graphs 120 python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress \
   --out "$OUT/replay_graphs"
+# issue 11: every onload/recompute split of the host-tier batch against the planner's prediction
+stage split 240 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e split --warmup 2 --repeats 8 \
+  --out "$OUT/split"
+# the replay ranking and synchronising one batch at a time (replay_graphs pipelines two)
+stage replay_sync 120 python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress \
+  --pipeline 1 --out "$OUT/replay_sync"
+# the GPU pipeline tests alone: oracle with eviction, pipelined batches, re-rank, graph padding
+stage pytest_pipeline 200 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/model/test_cuda_pipeline.py \
+  tests/engine/test_graphs.py -k "not compiled_layers"
 stage profile 120 python3 -m hstu.cli profile --device cuda --cuda-graphs --batch 1 8 --forwards 10 --out "$OUT/profile"
 stage rest 300 bash scripts/gpu_rest.sh "$OUT/rest"
 # the same server with its engine in a child process (compare with "rest" in the same call)
