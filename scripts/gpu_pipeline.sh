@@ -3,7 +3,8 @@
 # present), build, every `cuda` test (kernels, Triton attention, pipeline oracle, CUDA graphs,
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
-# STAGES picks the stages (default: the first six; also split, replay_sync, pytest_pipeline, profile, rest, rest_engine,
+# STAGES picks the stages (default: the first six; also split, replay_sync, pytest_pipeline, profile_split, replay_ab,
+# profile, rest, rest_engine,
 # rest_ray, rest_ray_direct, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
@@ -51,6 +52,24 @@ stage replay_sync 120 python3 -m hstu.cli replay --preset seed --device cuda --c
 # the GPU pipeline tests alone: oracle with eviction, pipelined batches, re-rank, graph padding
 stage pytest_pipeline 200 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/model/test_cuda_pipeline.py \
   tests/engine/test_graphs.py -k "not compiled_layers"
+# issue 11: where a split batch's time goes (batch 8, a quarter of the history recomputed): GPU-resident
+# prefix eager and in a graph, then the prefix in the host tier (3/4 onloaded), then pure onload in graphs
+profile_split() {
+  local p="python3 -m hstu.cli profile --device cuda --batch 8 --forwards 5"
+  $p --cached-tokens 3072 --out "$OUT/profile_gpu_prefix_eager" \
+    && $p --cached-tokens 3072 --cuda-graphs --out "$OUT/profile_gpu_prefix_graphs" \
+    && $p --onload-fraction 0.75 --out "$OUT/profile_split_eager" \
+    && $p --onload-fraction 1.0 --cuda-graphs --out "$OUT/profile_onload_graphs"
+}
+stage profile_split 240 profile_split
+# the seed replay synchronised per batch and pipelined, alternately, twice (one machine, one call)
+replay_ab() {
+  for k in 1 2 1 2; do
+    python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --no-progress --pipeline $k --out "/tmp/replay_ab" \
+      | grep -E "requests/s|speedup req" | sed "s/^/pipeline $k: /" || return 1
+  done
+}
+stage replay_ab 200 replay_ab
 stage profile 120 python3 -m hstu.cli profile --device cuda --cuda-graphs --batch 1 8 --forwards 10 --out "$OUT/profile"
 stage rest 300 bash scripts/gpu_rest.sh "$OUT/rest"
 # the same server with its engine in a child process (compare with "rest" in the same call)

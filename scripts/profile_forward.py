@@ -5,8 +5,11 @@
 
 For each batch size: N cached forwards (GPU-resident prefix, new tokens + candidates), each after
 an untimed prefill, measured three times: the engine's own per-phase host timings, cProfile
-(host functions by own time; the model thread's Python work) and torch.profiler (sum of device kernel time over the forward's wall time = GPU
-busy share). Prints a short table last and writes profile.json.
+(host functions by own time; the model thread's Python work) and torch.profiler (union of
+compute kernel time over the forward's wall time = GPU busy share; the top kernels and copies by
+device time). `--cached-tokens` shortens the GPU-resident prefix (the forward recomputes the
+rest); `--onload-fraction F` puts the prefix in the host tier and onloads its share F. Prints a
+short table last and writes profile.json.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from hstu.engine import RankingEngine
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
+from hstu.ops.kvcache.planner import FixedSplit
 from hstu.scripts import report
 from hstu.scripts.bench_shapes import TINY_SHAPE, BenchShape, make_requests
 from hstu.scripts.timing import sync
@@ -44,12 +48,19 @@ def _engine(shape: BenchShape, device: torch.device, batch: int, cuda_graphs: bo
 
 
 def _forwards(engine: RankingEngine, shape: BenchShape, batch: int, n: int, device: torch.device):
-    """Yield n times: prefill (untimed), then the caller times one cached forward."""
+    """Yield n times: prefill (untimed), then the caller times one cached forward. With the
+    engine's cache given an onload split (FixedSplit), the prefix is evicted to the host tier
+    first, so the forward onloads that share of it and recomputes the rest."""
     prefix, full = make_requests(shape, engine.config, batch)
+    split = engine.cache.cost_model
     for _ in range(n):
         users = _IDS.take(len(full))
+        engine.cache.cost_model = None
         engine.rank(as_users(prefix, users))
+        engine.cache.cost_model = split
         engine.cache.drain()
+        if split is not None:
+            engine.cache.evict_gpu(users)
         requests = as_users(full, users)
         for r in requests:  # digests as the server computes them: off the model thread
             r.identity(engine.model.identity).prefix(r.history_tokens(engine.config))
@@ -100,13 +111,17 @@ def device_profile(engine, shape, batch, n, device) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     busy, wall = 0.0, 0.0
+    by_kernel: dict[str, float] = {}
     for requests in _forwards(engine, shape, batch, n, device):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
             engine.rank(requests)
             torch.cuda.synchronize(device)
             wall += time.perf_counter() - t0
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        for e in events:
+            by_kernel[e.name] = by_kernel.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+        kernels = [e for e in events if not e.name.startswith(("Memcpy", "Memset"))]  # copies are not compute
         spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
         merged, end = 0.0, None
         for s, e in spans:  # union of kernel intervals (streams may overlap)
@@ -117,15 +132,26 @@ def device_profile(engine, shape, batch, n, device) -> dict:
                 merged += e - end
                 end = e
         busy += merged / 1e3
-    return {"kernel_busy_ms_per_forward": busy / n, "wall_ms_per_forward": wall / n * 1e3, "gpu_busy_share": busy / wall / 1e3}
+    top = sorted(by_kernel.items(), key=lambda kv: kv[1], reverse=True)[:12]
+    return {
+        "kernel_busy_ms_per_forward": busy / n,
+        "wall_ms_per_forward": wall / n * 1e3,
+        "gpu_busy_share": busy / wall / 1e3,
+        "top_kernels": [{"kernel": name[:120], "ms_per_forward": ms / n} for name, ms in top],
+    }
 
 
 def main(args: argparse.Namespace) -> int:
     shape = TINY_SHAPE if args.tiny else BenchShape()
+    if args.cached_tokens is not None:
+        shape = dataclasses.replace(shape, cached_tokens=args.cached_tokens)
     device = torch.device(args.device)
-    doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": dataclasses.asdict(shape), "cuda_graphs": args.cuda_graphs}
+    doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": dataclasses.asdict(shape), "cuda_graphs": args.cuda_graphs,
+           "onload_fraction": args.onload_fraction}
     for batch in args.batch:
         engine = _engine(dataclasses.replace(shape, batch_sizes=(batch,)), device, batch, args.cuda_graphs)
+        if args.onload_fraction is not None:
+            engine.cache.cost_model = FixedSplit(args.onload_fraction)
         for _ in _forwards(engine, shape, batch, 3, device):  # warm-up: compiles, allocator
             pass
         doc[str(batch)] = {
@@ -158,6 +184,10 @@ def format_table(doc: dict, batches: list[int]) -> str:
             for row in doc[str(batch)]["host"]["top_own_time"][:12]
         ]
         parts.append(f"batch {batch}, top own time:\n" + report.format_table(top))
+        kernels = doc[str(batch)]["device"].get("top_kernels")
+        if kernels:
+            rows = [["kernel", "device ms per forward"]] + [[k["kernel"][:80], f"{k['ms_per_forward']:.3f}"] for k in kernels]
+            parts.append(f"batch {batch}, top kernels:\n" + report.format_table(rows))
     return "\n\n".join(parts)
 
 
@@ -169,6 +199,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--forwards", type=int, default=20)
+    p.add_argument(
+        "--cached-tokens", type=int, default=None,
+        help="tokens of the history on the GPU (default the shape's; fewer: the forward recomputes the rest)",
+    )
+    p.add_argument(
+        "--onload-fraction", type=float, default=None, metavar="F",
+        help="the cached prefix in the host tier instead: onload its share F, recompute the rest",
+    )
     p.add_argument("--out", type=Path, default=Path("out/profile"))
     p.set_defaults(func=main)
     return p
