@@ -13,7 +13,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HSTU_BUILD_DIR=/tmp/hstu_build MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/out}"
+export OUT="${OUT:-$PWD/out}"
 LOG="$OUT/gpu_pipeline.log"
 mkdir -p "$OUT"
 failed=()
@@ -61,7 +61,7 @@ profile_split() {
     && $p --onload-fraction 0.75 --out "$OUT/profile_split_eager" \
     && $p --onload-fraction 1.0 --cuda-graphs --out "$OUT/profile_onload_graphs"
 }
-stage profile_split 240 profile_split
+stage profile_split 240 bash -c "$(declare -f profile_split); profile_split"
 # the seed replay synchronised per batch and pipelined, alternately, twice (one machine, one call)
 replay_ab() {
   for k in 1 2 1 2; do
@@ -69,7 +69,7 @@ replay_ab() {
       | grep -E "requests/s|speedup req" | sed "s/^/pipeline $k: /" || return 1
   done
 }
-stage replay_ab 200 replay_ab
+stage replay_ab 200 bash -c "$(declare -f replay_ab); replay_ab"
 stage profile 120 python3 -m hstu.cli profile --device cuda --cuda-graphs --batch 1 8 --forwards 10 --out "$OUT/profile"
 stage rest 300 bash scripts/gpu_rest.sh "$OUT/rest"
 # the same server with its engine in a child process (compare with "rest" in the same call)
