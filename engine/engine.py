@@ -42,6 +42,14 @@ from hstu.ops.kvcache.planner import CostModel
 # A batch is ranked at most this many times: the retry after a failed onload is a plain miss.
 _MAX_ATTEMPTS = 2
 
+# Row buckets of the CUDA graphs. Past 4096 rows too: an eager batch is host-bound well beyond that
+# (on the H200 a batch of 8 recomputing 1024 tokens each, 10k rows, spent 12 ms launching 8 ms of
+# kernels), and split host-tier batches and misses land there; padding costs only the linear
+# layers' work on the padded rows (attention skips them).
+DEFAULT_GRAPH_BUCKETS = (256, 512, 1024, 2048, 4096, 6144, 8192, 12288, 16384)
+# With torch.compile'd layers each (layer, bucket) compiles once at start-up: fewer buckets.
+DEFAULT_COMPILED_GRAPH_BUCKETS = (256, 512, 1024, 2048, 4096)
+
 
 @dataclass
 class RankOutput:
@@ -243,7 +251,7 @@ class RankingEngine:
     def enable_cuda_graphs(
         self,
         max_batch: int = 8,
-        buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096),
+        buckets: tuple[int, ...] | None = None,
         compile: bool = False,
         capture: bool = True,
     ) -> None:
@@ -254,7 +262,10 @@ class RankingEngine:
         compile: the graphs capture torch.compile'd layers, compiled once per (layer, bucket) with
         static shapes; eager fallback batches keep the eager layers, so no batch compiles while
         serving. capture=False runs the same padded static-buffer path eagerly (no CUDA needed).
+        buckets: row counts, default DEFAULT_GRAPH_BUCKETS (DEFAULT_COMPILED_GRAPH_BUCKETS with compile).
         """
+        if buckets is None:
+            buckets = DEFAULT_COMPILED_GRAPH_BUCKETS if compile else DEFAULT_GRAPH_BUCKETS
         if self.cache is None or (capture and self.model.device.type != "cuda"):
             raise RuntimeError("CUDA graphs need a CUDA model with a KV cache manager")
         from hstu.engine.graphs import ForwardGraphs

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from hstu.engine import RankingEngine, RankOutput
+from hstu.engine.engine import DEFAULT_GRAPH_BUCKETS
 from hstu.model.ranking import InferenceRankingGR
 from hstu.model.batch import RankingRequest
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
@@ -92,18 +93,21 @@ class EndToEnd:
         self.cached = RankingEngine(InferenceRankingGR(self.model_config, device), self.cached_mgr)
         self.uncached = RankingEngine(InferenceRankingGR(self.model_config, device), self.uncached_mgr)
         self.ids = FreshUserIds()
-        # The planner's cost model, measured once here (None: planner off, or unmeasurable).
-        self.cost = self.cached.calibrate() if planner else None
-        self.cached_mgr.cost_model = None
         self.cuda_graphs = cuda_graphs
         if cuda_graphs:
-            # One bucket per measured row count: cached (new + candidates) and full (history + candidates) rows.
+            # The serving buckets, plus one per measured row count: cached (new + candidates) and
+            # full (history + candidates) rows.
             rows = {b * (shape.new_tokens + shape.num_candidates) for b in shape.batch_sizes}
             rows |= {b * (shape.history_tokens + shape.num_candidates) for b in shape.batch_sizes}
+            rows |= set(DEFAULT_GRAPH_BUCKETS)
             for model in (self.cached, self.uncached):
                 model.enable_cuda_graphs(
                     max_batch=max(shape.batch_sizes), buckets=tuple(sorted(rows)), compile=compile_layers
                 )
+        # The planner's cost model, measured once here through the forward it will plan for (graphs
+        # included; None: planner off, or unmeasurable).
+        self.cost = self.cached.calibrate() if planner else None
+        self.cached_mgr.cost_model = None
 
     def _replays(self, model: RankingEngine) -> int:
         return model.graphs.replays if model.graphs is not None else 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -27,9 +28,23 @@ class PreparedBatch:
     onload_users: list[int]
     # Digest of each user's whole history, for the commit: finished on the prepare worker.
     digests: list[bytes]
+    # Submits the host->GPU copies to the onload worker; None once submitted (or nothing to onload).
+    _start_onload: Callable[[], None] | None = field(default=None, repr=False)
+
+    def start_onload(self) -> None:
+        """Hand the copies to the onload worker, once, from the model thread after the batch's own
+        host->device inputs were enqueued. Why then: copies share the device's copy engines in
+        enqueue order, so a batch's metadata and features enqueued behind all layers' onloads
+        held its first layer (and so every later one) until every onload had landed; on the H200
+        a batch that onloaded 3/4 of its prefix took load + compute instead of their overlap."""
+        start, self._start_onload = self._start_onload, None
+        if start is not None:
+            start()
 
     def ready(self, layer: int) -> None:
-        """Block hook: order the compute stream after layer's onload (raises on timeout)."""
+        """Block hook: order the compute stream after layer's onload (raises on timeout); the
+        first call starts the onload."""
+        self.start_onload()
         self.handle.wait(layer)
 
 

@@ -6,10 +6,12 @@ Interface (the engine, engine/engine.py, is its only caller; one model thread dr
                    only when the stored digest equals the request's, model/identity.py), the
                    batch's row layout, and the prepare job started on the prepare worker: reserve
                    pages (pins users, evicts LRU unpinned users), pack the metadata (pack_layout),
-                   hand the host->GPU copies to the onload worker (one event per layer on the onload stream).
+                   list the host->GPU copies.
   wait(plan) -> PreparedBatch
                    joins the prepare job (re-raising its error); metadata on the device, the page
-                   tensor and a per-layer ready hook for the block.
+                   tensor and a per-layer ready hook for the block, whose first call hands the
+                   copies to the onload worker (one event per layer on the onload stream), so they
+                   queue behind the batch's own inputs copy (PreparedBatch.start_onload).
   finish(plan) -> failed users
                    after the block ran: commits new lengths and digests, invalidates users whose
                    onload failed (the caller recomputes them), offloads newly full chunks (the
@@ -40,6 +42,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -129,11 +132,7 @@ class AsyncKVCacheManager:
                     self.host.unpin(unpin)
             plan.layout = JaggedLayout.build(plan.history_lens, plan.cached_lens, num_candidates)
             plan.pad = pad_for(plan.layout.num_rows, len(user_ids)) if pad_for is not None else None
-            after = None
-            if self.is_cuda:
-                after = torch.cuda.Event()
-                after.record(torch.cuda.current_stream(self.device))
-            plan._future = self._prepare_pool.submit(self._prepare, plan, after)
+            plan._future = self._prepare_pool.submit(self._prepare, plan)
         except BaseException:
             with self._index_lock:
                 self.host.unpin(list(plan.onload_slots))
@@ -233,7 +232,7 @@ class AsyncKVCacheManager:
         return cached
 
     # ---------------------------------------------------------------- prepare
-    def _prepare(self, plan: BatchPlan, compute_done: "torch.cuda.Event | None") -> PreparedBatch:
+    def _prepare(self, plan: BatchPlan) -> PreparedBatch:
         try:
             keep = [c if s == "gpu" else 0 for c, s in zip(plan.cached_lens, plan.sources)]
             try:
@@ -248,14 +247,15 @@ class AsyncKVCacheManager:
             raise
         metadata = pack_layout(pages, plan.layout, self.config.page_size, pin=self.is_cuda, pad=plan.pad)
         onload_users = list(plan.onload_slots)
+        start = None
         if not onload_users:
             handle = OnloadHandle.completed(self.config.num_layers)
         else:
             handle = OnloadHandle(self.config.num_layers, self.device, self.config.onload_timeout_s)
             slot_ids, page_ids = self._onload_plan(plan, pages)
-            self.transfers.onload_async(handle, onload_users, slot_ids, page_ids, compute_done)
+            start = functools.partial(self.transfers.onload_async, handle, onload_users, slot_ids, page_ids)
         digests = [ident.prefix(n) for ident, n in zip(plan.identities, plan.history_lens)]
-        return PreparedBatch(pages, metadata, handle, self.kv_pages, onload_users, digests)
+        return PreparedBatch(pages, metadata, handle, self.kv_pages, onload_users, digests, start)
 
     def _reserve(self, plan: BatchPlan, keep: list[int]) -> list[list[int]]:
         with self._index_lock:
@@ -289,6 +289,7 @@ class AsyncKVCacheManager:
         stream, host commit once the copy completed, then unpin), and return the users whose
         onload failed, which the caller must recompute."""
         prepared = self.wait(plan)
+        prepared.start_onload()  # (a forward that never asked for a layer: the copies still run)
         handle = prepared.handle
         handle.wait_done()
         failed = sorted(prepared.onload_users) if handle.failed else []
@@ -335,6 +336,7 @@ class AsyncKVCacheManager:
         except BaseException:  # prepare failed: it released its own pins
             return
         try:
+            prepared.start_onload()  # its worker drops the host pins; the pages stay reserved until it is done
             prepared.handle.wait_done()
         finally:
             with self._index_lock:

@@ -1,7 +1,8 @@
 """TierTransfers: the copies between the cache tiers, each on its own worker thread and stream.
 
   onload   host chunks -> reserved GPU pages, layer by layer on the onload stream (after the
-           compute stream's work so far), one event per layer in the batch's OnloadHandle; the
+           compute stream's work so far, the batch's own inputs copy included: the model thread
+           starts it, PreparedBatch.start_onload), one event per layer in the batch's OnloadHandle; the
            users' host pins are dropped once the copies completed, before the handle reports done.
   offload  a batch's newly full chunks: host slots reserved, all layers gathered in one op on the
            offload stream, copied into the slots, committed to the host index only after the copy
@@ -76,16 +77,11 @@ class TierTransfers:
         self._offloads_lock = threading.Lock()
 
     # ----------------------------------------------------------------- onload
-    def onload_async(
-        self,
-        handle: OnloadHandle,
-        users: list[int],
-        slot_ids: torch.Tensor,
-        page_ids: torch.Tensor,
-        compute_done: "torch.cuda.Event | None",
-    ) -> None:
-        """Start copying host slots `slot_ids` into page rows `page_ids` [n, pages_per_chunk]."""
-        self._onload_pool.submit(self._onload, handle, users, slot_ids, page_ids, compute_done)
+    def onload_async(self, handle: OnloadHandle, users: list[int], slot_ids: torch.Tensor, page_ids: torch.Tensor) -> None:
+        """Start copying host slots `slot_ids` into page rows `page_ids` [n, pages_per_chunk], after
+        the work enqueued so far on the caller's (compute) stream: the reserved pages may have been
+        read by a batch launched before and not yet finished on the device."""
+        self._onload_pool.submit(self._onload, handle, users, slot_ids, page_ids, self._compute_event())
 
     def _onload(self, handle, users, slot_ids, page_ids, compute_done) -> None:
         stream = self._onload_stream

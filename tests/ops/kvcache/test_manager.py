@@ -181,6 +181,25 @@ def test_failed_forward_leaves_no_pins(tiny_config, book, monkeypatch):
     _check(model, [book.request(1, 2)])
 
 
+def test_a_forward_failing_before_its_first_layer_releases_the_pending_onload(tiny_config, book, monkeypatch):
+    """The onload starts at the first layer's wait; a batch that fails before it (here in the
+    embedding) still runs its worker through abort, so the host pins and page pins are dropped
+    and the user is served from the host tier next time."""
+    model, mgr = _setup(tiny_config)
+    _check(model, [book.request(1, 11)])
+    mgr.drain()
+    mgr.evict_gpu([1])
+    monkeypatch.setattr(model.model, "embed", lambda *a: (_ for _ in ()).throw(RuntimeError("embedding failed")))
+    with pytest.raises(RuntimeError, match="embedding failed"):
+        model.rank([book.request(1, 2)])
+    monkeypatch.undo()
+    mgr.drain()
+    assert mgr.gpu.pin_count(1) == 0 and mgr.host.pin_count(1) == 0
+    before = mgr.stats.snapshot()["host_hits"]
+    out = _check(model, [book.request(1, 2)])
+    assert mgr.stats.snapshot()["host_hits"] == before + 1 and out[0].cached_tokens > 0
+
+
 def test_prepare_overlaps_embedding(tiny_config, book, monkeypatch):
     """A slow prepare and a slow embedding together take about the max, not the sum."""
     model, mgr = _setup(tiny_config)
