@@ -303,6 +303,7 @@ class RankingEngine:
             [r.identity(model_id) for r in requests],
             [r.candidates.shape[0] for r in requests],
             pad_for=self.graphs.pad_spec if self.graphs is not None else None,
+            graph_rows=self.graphs.bucket_sizes[-1] if self.graphs is not None else None,
         )
         timing.plan_s = time.perf_counter() - t0
         try:

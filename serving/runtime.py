@@ -223,6 +223,7 @@ class ServingRuntime(Runtime):
                 logger.warning("compute-or-load planner off: the cost measurement showed no per-token compute cost")
             else:
                 logger.info("compute-or-load planner costs: %s", cost.as_dict())
+            self.manager.stats.reset()  # the calibration's synthetic users are no traffic
 
     def prefetch(self, user_ids: list[int]) -> int:
         """Start onloads for users expected soon, on the model thread between batches (awaitable)."""

@@ -74,10 +74,11 @@ class ServerSettings:
     cuda_graphs: bool = False
     compile_layers: bool = False
     on_shorter_history: str = "invalidate"
-    # Split host-tier prefixes between onload and recompute (measured costs). Off by default: on
-    # the H200 (benchmarks/RESULTS.md, ninth session) its start-up fit underestimates recompute
-    # and its splits ran a host-tier batch of 8 at 0.77-0.99x of no cache, pure onload at 1.01-1.21x.
-    planner: bool = False
+    # Split host-tier prefixes between onload and recompute, with costs measured at start-up
+    # through the engine's own forward. On the H200 (benchmarks/RESULTS.md, tenth session) it ran
+    # a host-tier batch of 8 at 1.21x of no cache where pure onload ran at 0.93x (batch 1: the same
+    # pure onload); the ninth session's block-only fit lost (0.77-0.99x).
+    planner: bool = True
     h2d_gb_per_s: float | None = None  # overrides the measured host->device bandwidth
     offload_min_seen: int = 2  # offload a user's chunks once it was seen this often
     offload_mb_per_s: float | None = None  # D2H pacing budget (None: unlimited)

@@ -120,13 +120,15 @@ class AsyncKVCacheManager:
         identities: list[HistoryIdentity],
         num_candidates: list[int],
         pad_for: Callable[[int, int], PadSpec | None] | None = None,
+        graph_rows: int | None = None,
     ) -> BatchPlan:
         """Look the users up, lay out the batch's rows and start preparing it on the worker.
 
-        pad_for(rows, users): the CUDA-graph bucket padding of the metadata, if any."""
+        pad_for(rows, users): the CUDA-graph bucket padding of the metadata, if any; graph_rows:
+        the largest bucket (the planner keeps its splits within it)."""
         plan = self._lookup(user_ids, history_lens, identities)
         try:
-            unpin = split_host_prefixes(plan, num_candidates, self.config, self.cost_model, self.stats)
+            unpin = split_host_prefixes(plan, num_candidates, self.config, self.cost_model, self.stats, graph_rows)
             if unpin:
                 with self._index_lock:
                     self.host.unpin(unpin)

@@ -116,3 +116,19 @@ def test_a_fixed_split_onloads_that_share_in_whole_chunks(fraction):
     assert chosen.onload_tokens == expected
     with pytest.raises(ValueError, match="fraction must be in"):
         FixedSplit(1.5)
+
+
+def test_with_graphs_no_split_runs_past_the_largest_bucket():
+    """A split whose rows exceed the largest CUDA-graph bucket would run eagerly: skipped, while
+    pure onload and pure recompute stay candidates whatever their rows."""
+    cost = _cost(55)
+    free = plan(SEED_USERS, cost, LAYERS, CHUNK)
+    rows = lambda p: 8 * (4096 - p + 256)  # noqa: E731
+    assert 0 < free.onload_tokens[0] < 3968
+    limit = rows(free.onload_tokens[0]) - 1  # the unconstrained choice no longer fits
+    bound = plan(SEED_USERS, cost, LAYERS, CHUNK, max_rows=limit)
+    p = bound.onload_tokens[0]
+    assert p in (0, 3968) or rows(p) <= limit
+    assert p != free.onload_tokens[0]
+    slow = plan(SEED_USERS, _cost(0.01), LAYERS, CHUNK, max_rows=1)
+    assert slow.onload_tokens == [0] * 8, "pure recompute stays a candidate past the limit"
