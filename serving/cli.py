@@ -30,7 +30,8 @@ _FLAGS = (
     ("--max-queue-wait-ms", "max_queue_wait_ms", float, "longest wait in the queue before 503 overloaded with Retry-After"),
     ("--request-timeout-ms", "request_timeout_ms", float, "deadline of a request from arrival; past it the answer is 504"),
     ("--max-body-bytes", "max_body_bytes", int, "largest request body, else 413 (default: sized for the longest valid request)"),
-    ("--parse-processes", "parse_processes", int, "worker processes parsing large bodies off the model's GIL (0: a thread)"),
+    ("--parse-processes", "parse_processes", int,
+     "worker processes parsing large bodies off the model's GIL (0: a thread; default 4 on CUDA, 0 on CPU)"),
     ("--shutdown-timeout-s", "shutdown_timeout_s", float, "on SIGTERM/SIGINT, time for queued requests to finish; the rest get 503"),
 )
 
@@ -77,8 +78,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "(raise, strict mode)",
     )
     p.add_argument(
-        "--engine-process", action="store_true", default=None,
-        help="run the engine (model, KV cache, batcher) in a child process, so HTTP and parsing never hold its GIL",
+        "--engine-process", action=argparse.BooleanOptionalAction, default=None,
+        help="run the engine (model, KV cache, batcher) in a child process, so HTTP and parsing never hold its GIL "
+        "(default: on for CUDA devices)",
     )
     p.add_argument("--cuda-graphs", action="store_true", default=None, help="replay the paged layers as CUDA graphs (CUDA only)")
     p.add_argument(
@@ -123,7 +125,7 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
         task_names=tuple(args.task_names.split(",")) if args.task_names else None,
         cuda_graphs=True if (args.cuda_graphs or args.compile) else None,
         compile_layers=True if args.compile else None,
-        engine_process=True if args.engine_process else None,
+        engine_process=args.engine_process,
     )
     return ServerSettings.load(args.config_file, env, **flags)
 

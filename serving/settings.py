@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from hstu.ops.kvcache.config import KVCacheConfig
 
 
+_CUDA_PARSE_PROCESSES = 4  # parse workers of a CUDA server by default
+
 _POSITIVE = (
     "page_size",
     "num_pages",
@@ -82,11 +84,20 @@ class ServerSettings:
     h2d_gb_per_s: float | None = None  # overrides the measured host->device bandwidth
     offload_min_seen: int = 2  # offload a user's chunks once it was seen this often
     offload_mb_per_s: float | None = None  # D2H pacing budget (None: unlimited)
-    engine_process: bool = False  # the engine in a child process (serving/engine_process.py)
-    parse_processes: int = 0  # worker processes parsing large bodies off the GIL (0: a thread of this process)
+    # The engine in a child process (serving/engine_process.py), and worker processes parsing large
+    # bodies off the GIL (0: a thread of this process). None: on for CUDA devices (the engine
+    # process and 4 parse workers), off on CPU; on the H200 they ran the seed workload 1.1-1.5x and
+    # 1.1-1.45x faster over REST (benchmarks/RESULTS.md, seventh and tenth sessions).
+    engine_process: bool | None = None
+    parse_processes: int | None = None
     history_store_bytes: int = 256 << 20  # histories kept for incremental requests (0: none, every request sends all)
 
     def __post_init__(self) -> None:
+        cuda = self.device.startswith("cuda")
+        if self.engine_process is None:
+            object.__setattr__(self, "engine_process", cuda)
+        if self.parse_processes is None:
+            object.__setattr__(self, "parse_processes", _CUDA_PARSE_PROCESSES if cuda else 0)
         for name in _POSITIVE:
             value = getattr(self, name)
             if value is not None and not value > 0:  # `not > 0` also refuses NaN
