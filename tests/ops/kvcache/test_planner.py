@@ -57,7 +57,7 @@ def test_cost_model_rejects_nonsense():
 
 
 def _engine(config, **kv):
-    cfg = KVCacheConfig.for_model(config, page_size=4, num_pages=128, chunk_tokens=8, **kv)
+    cfg = KVCacheConfig.for_model(config, **{"page_size": 4, "num_pages": 128, "chunk_tokens": 8, **kv})
     return RankingEngine(InferenceRankingGR(config), AsyncKVCacheManager(cfg))
 
 
@@ -132,3 +132,9 @@ def test_with_graphs_no_split_runs_past_the_largest_bucket():
     assert p != free.onload_tokens[0]
     slow = plan(SEED_USERS, _cost(0.01), LAYERS, CHUNK, max_rows=1)
     assert slow.onload_tokens == [0] * 8, "pure recompute stays a candidate past the limit"
+
+
+def test_a_cache_too_small_to_calibrate_with_leaves_the_planner_off(tiny_config):
+    engine = _engine(tiny_config, num_pages=16)  # 64 tokens: not one calibration user of ~250 tokens
+    assert engine.calibrate() is None and engine.cache.cost_model is None
+    engine.close()
