@@ -236,8 +236,8 @@ def main(args: argparse.Namespace) -> int:
     (args.out / "loadgen.json").write_text(json.dumps(doc, indent=1))
     print(f"offered {doc['offered_rate']:.0f} req/s  achieved {doc['achieved_rate']:.1f} req/s  "
           f"(200s {doc['ok_rate']:.1f}/s)  p50 {doc['latency_p50_ms']:.1f} ms  p99 {doc['latency_p99_ms']:.1f} ms  "
-          f"mean batch {doc['mean_batch_size']:.2f} ({doc['mean_batch_model_ms']:.1f} ms on the model thread, busy "
-          f"{doc['model_busy_share']:.0%})  statuses {doc['statuses']}")
+          f"mean batch {doc['mean_batch_size']:.2f} ({doc['mean_batch_model_ms']:.1f} ms from start to outputs, summing "
+          f"to {doc['model_busy_share']:.0%} of the wall)  statuses {doc['statuses']}")
     if reference is not None:
         print(f"verified {doc['verified']} answers against the no-cache model: {doc['verify_mismatches']} mismatches "
               f"(max abs logit diff {doc['verify_max_abs_diff']:.3g})")

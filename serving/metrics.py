@@ -97,7 +97,8 @@ class ServingMetrics:
         )
         self.batch_latency = Histogram(
             "hstu_batch_latency_seconds",
-            "Model time of one batch (including splits and retries)",
+            "Time of one batch from its start on the model thread to its outputs on the host (including "
+            "splits and retries; launched batches overlap, so the sum may pass the wall time)",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
