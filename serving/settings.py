@@ -77,10 +77,11 @@ class ServerSettings:
     compile_layers: bool = False
     on_shorter_history: str = "invalidate"
     # Split host-tier prefixes between onload and recompute, with costs measured at start-up
-    # through the engine's own forward. On the H200 (benchmarks/RESULTS.md, tenth session) it ran
-    # a host-tier batch of 8 at 1.21x of no cache where pure onload ran at 0.93x (batch 1: the same
-    # pure onload); the ninth session's block-only fit lost (0.77-0.99x).
-    planner: bool = True
+    # through the engine's own forward. None: on for CUDA devices, where it was measured (H200,
+    # benchmarks/RESULTS.md, tenth session: a host-tier batch of 8 at 1.21x of no cache against
+    # 0.93x for pure onload; the ninth session's block-only fit lost, 0.77-0.99x); off on CPU,
+    # where the host tier is a memory copy and the start-up measurement would only cost time.
+    planner: bool | None = None
     h2d_gb_per_s: float | None = None  # overrides the measured host->device bandwidth
     offload_min_seen: int = 2  # offload a user's chunks once it was seen this often
     offload_mb_per_s: float | None = None  # D2H pacing budget (None: unlimited)
@@ -94,6 +95,8 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         cuda = self.device.startswith("cuda")
+        if self.planner is None:
+            object.__setattr__(self, "planner", cuda)
         if self.engine_process is None:
             object.__setattr__(self, "engine_process", cuda)
         if self.parse_processes is None:

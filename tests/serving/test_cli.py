@@ -34,11 +34,11 @@ def test_serve_defaults_bind_loopback_port_8000_on_cpu_with_the_embedded_config(
     assert callable(args.func)
 
 
-def test_a_cuda_server_runs_its_engine_and_parsers_in_processes_by_default_and_flags_override():
+def test_a_cuda_server_plans_splits_and_runs_its_engine_and_parsers_in_processes_by_default_and_flags_override():
     cpu = settings_from_args(parse(["serve"]), env={})
-    assert (cpu.engine_process, cpu.parse_processes) == (False, 0)
+    assert (cpu.engine_process, cpu.parse_processes, cpu.planner) == (False, 0, False)
     cuda = settings_from_args(parse(["serve", "--device", "cuda"]), env={})
-    assert (cuda.engine_process, cuda.parse_processes) == (True, 4)
+    assert (cuda.engine_process, cuda.parse_processes, cuda.planner) == (True, 4, True)
     plain = settings_from_args(parse(["serve", "--device", "cuda", "--no-engine-process", "--parse-processes", "0"]), env={})
     assert (plain.engine_process, plain.parse_processes) == (False, 0)
     forced = settings_from_args(parse(["serve", "--engine-process"]), env={})
