@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 RankFn = Callable[[list[RankingRequest]], "Sequence[RankOutput] | PendingRank"]
 _CLOSE = object()
 _MAX_IN_FLIGHT = 3  # batches past formation: one completing on the GPU, one launching, one formed behind
+# ... while launches return outputs still on their way (CUDA); when a launch returns finished
+# outputs (CPU) there is nothing to overlap: one running, one formed behind it, settled on the loop.
+_MAX_IN_FLIGHT_SYNC = 2
 _GAP_WEIGHT = 0.2  # weight of the latest inter-arrival gap in the running mean
 
 
@@ -135,6 +138,7 @@ class Batcher:
         self._task: asyncio.Task | None = None
         self._getter: asyncio.Task | None = None
         self._last_arrival: float | None = None
+        self._overlapping = False  # a launch returned outputs still being computed
         self._arrival_gap_s = 0.0  # starts as 'busy': wait max_wait_s until arrivals prove sparse
 
     @property
@@ -242,7 +246,8 @@ class Batcher:
         launches: deque[asyncio.Future] = deque()  # each batch until the model thread is done with it
         while True:
             batch = await self._collect(launches)
-            while len(in_flight) >= _MAX_IN_FLIGHT or (in_flight and not batch):
+            limit = _MAX_IN_FLIGHT if self._overlapping else _MAX_IN_FLIGHT_SYNC
+            while len(in_flight) >= limit or (in_flight and not batch):
                 await asyncio.wait((in_flight[0],))
                 in_flight.popleft()
             if not batch:
@@ -260,7 +265,10 @@ class Batcher:
         """Wait for the launch, then (on the completion thread) for its outputs; deliver them."""
         try:
             ran = await launched
-            if ran.pending is not None:
+            if ran.pending is not None and ran.pending[1].done():
+                ran = ran.settle()  # finished at launch (CPU): no thread hop
+            elif ran.pending is not None:
+                self._overlapping = True
                 ran = await asyncio.get_running_loop().run_in_executor(self._completer, ran.settle)
         except Exception as exc:  # _run_batch maps errors itself; this is a last line of defence
             logger.exception("batch of %d requests failed outside the model call", len(batch))
