@@ -59,14 +59,6 @@ def _requests(engine, users: list[int], events: int, candidates: int, rng: np.ra
     ]
 
 
-def _prefix(requests: list[RankingRequest], events: int, config) -> list[RankingRequest]:
-    return [
-        RankingRequest.create(r.user_id, r.item_ids[:events], r.actions[:events], r.timestamps[:events], r.candidates,
-                              r.contextual, config)
-        for r in requests
-    ]
-
-
 def measure_forward_costs(engine, max_users: int = 8, repeats: int = 3) -> tuple[float, float, float] | None:
     """(fixed_s, per_row_s, per_pair_s) of one layer, from whole cached forwards of this engine;
     None when the cache cannot hold even one user at the longest calibration history."""
@@ -96,7 +88,7 @@ def measure_forward_costs(engine, max_users: int = 8, repeats: int = 3) -> tuple
         for _ in range(repeats + 1):  # the first run warms this shape up
             batch = _requests(engine, [next(ids) for _ in range(b)], e, m, rng)
             if c:
-                engine.rank(_prefix(batch, c, cfg))
+                engine.rank([r.first_events(c, cfg) for r in batch])
             cache.drain()
             _sync(device)
             t0 = time.perf_counter()

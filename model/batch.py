@@ -67,6 +67,14 @@ class RankingRequest:
         for name in ("item_ids", "actions", "timestamps", "candidates", "contextual"):
             getattr(self, name).setflags(write=False)
 
+    def first_events(self, events: int, config: HSTUConfig | None = None) -> "RankingRequest":
+        """The same request (user, contextual features, candidates) with its history cut to its
+        first `events` events: an earlier request of the same session."""
+        return RankingRequest.create(
+            self.user_id, self.item_ids[:events], self.actions[:events], self.timestamps[:events], self.candidates,
+            self.contextual, config,
+        )
+
     @property
     def num_events(self) -> int:
         return int(self.item_ids.shape[0])

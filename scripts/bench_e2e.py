@@ -10,8 +10,8 @@ import torch
 
 from hstu.engine import RankingEngine, RankOutput
 from hstu.engine.engine import DEFAULT_GRAPH_BUCKETS
-from hstu.model.ranking import InferenceRankingGR
 from hstu.model.batch import RankingRequest
+from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.ops.kvcache.planner import FixedSplit, UserShape, predict
 from hstu.scripts.bench_shapes import BenchShape, make_requests
@@ -116,27 +116,46 @@ class EndToEnd:
         self.cached_mgr.close()
         self.uncached_mgr.close()
 
+    # Untimed setups of a timed forward; each leaves the requests to rank in state["requests"].
+    def fresh_full(self, full: list[RankingRequest], state: dict[str, Any]) -> Callable[[], None]:
+        """The full requests under never-seen users (every lookup misses)."""
+
+        def setup() -> None:
+            state["requests"] = as_users(full, self.ids.take(len(full)))
+            self.uncached_mgr.drain()
+
+        return setup
+
+    def prefilled(
+        self, first: list[RankingRequest], full: list[RankingRequest], state: dict[str, Any], drop_gpu: bool
+    ) -> Callable[[], None]:
+        """New users ranked with `first` (their earlier requests), then the full requests; drop_gpu
+        leaves the cached prefixes in the host tier only. state["before"]: the counters then."""
+
+        def setup() -> None:
+            ids = self.ids.take(len(full))
+            self.cached.rank(as_users(first, ids))
+            self.cached_mgr.drain()
+            if drop_gpu:
+                self.cached_mgr.evict_gpu(ids)
+            state["requests"] = as_users(full, ids)
+            state["before"] = self.cached_mgr.stats.snapshot()
+
+        return setup
+
+    @staticmethod
+    def ranking(model: RankingEngine, state: dict[str, Any]) -> Callable[[], list[RankOutput]]:
+        return lambda: model.rank(state["requests"])
+
     def run(self, batch: int, timer: Timer, warmup: int, repeats: int) -> dict[str, Any]:
         shape, mgr = self.shape, self.cached_mgr
         prefix, full = make_requests(shape, self.model_config, batch)
         state: dict[str, Any] = {}
         out: dict[str, Any] = {}
-
-        def fresh_full() -> None:
-            state["requests"] = as_users(full, self.ids.take(len(full)))
-            self.uncached_mgr.drain()
+        fresh_full = self.fresh_full(full, state)
 
         def prefilled(drop_gpu: bool) -> Callable[[], None]:
-            def setup() -> None:
-                ids = self.ids.take(len(full))
-                self.cached.rank(as_users(prefix, ids))
-                mgr.drain()
-                if drop_gpu:
-                    mgr.evict_gpu(ids)
-                state["requests"] = as_users(full, ids)
-                state["before"] = mgr.stats.snapshot()
-
-            return setup
+            return self.prefilled(prefix, full, state, drop_gpu)
 
         def prefilled_whole() -> None:  # the whole history cached: the re-rank computes candidates only
             ids = self.ids.take(len(full))
@@ -145,7 +164,7 @@ class EndToEnd:
             state["requests"] = as_users(full, ids)
 
         def rank_with(model: RankingEngine) -> Callable[[], list[RankOutput]]:
-            return lambda: model.rank(state["requests"])
+            return self.ranking(model, state)
 
         failures: list[str] = []
         dtype = self.model_config.dtype
@@ -221,16 +240,6 @@ class EndToEnd:
 SPLIT_FRACTIONS = (0.0, 0.25, 0.5, 0.625, 0.75, 1.0)
 
 
-def _truncated(requests: list[RankingRequest], tokens: int, shape: BenchShape, config) -> list[RankingRequest]:
-    """Each request's history cut to its first `tokens` tokens (contextual tokens included)."""
-    events = (tokens - shape.num_contextual) // 2
-    return [
-        RankingRequest.create(r.user_id, r.item_ids[:events], r.actions[:events], r.timestamps[:events], r.candidates,
-                              r.contextual, config)
-        for r in requests
-    ]
-
-
 def split_sweep(e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: int) -> dict[str, Any]:
     """Compute or load, measured: the host-tier batch (every user's cached prefix evicted to the
     host) ranked with a fixed share f of each prefix onloaded and the rest recomputed, for each f
@@ -243,24 +252,17 @@ def split_sweep(e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: i
     failures: list[str] = []
     state: dict[str, Any] = {}
 
-    def fresh_full() -> None:
-        state["requests"] = as_users(full, e2e.ids.take(len(full)))
-
     def prefilled(tokens: int, drop_gpu: bool) -> Callable[[], None]:
-        def setup() -> None:
-            ids = e2e.ids.take(len(full))
-            e2e.cached.rank(as_users(_truncated(prefix, tokens, shape, e2e.model_config) if tokens < cached else prefix, ids))
-            mgr.drain()
-            if drop_gpu:
-                mgr.evict_gpu(ids)
-            state["requests"] = as_users(full, ids)
-
-        return setup
+        """Users whose first `tokens` history tokens (contextual ones included) are cached."""
+        first = prefix
+        if tokens < cached:
+            first = [r.first_events((tokens - shape.num_contextual) // 2, e2e.model_config) for r in prefix]
+        return e2e.prefilled(first, full, state, drop_gpu)
 
     def rank(model: RankingEngine) -> Callable[[], list[RankOutput]]:
-        return lambda: model.rank(state["requests"])
+        return e2e.ranking(model, state)
 
-    times, reference = timer.measure(rank(e2e.uncached), fresh_full, warmup, repeats)
+    times, reference = timer.measure(rank(e2e.uncached), e2e.fresh_full(full, state), warmup, repeats)
     uncached_ms = summarize(times)["median_ms"]
     out: dict[str, Any] = {"uncached_ms": uncached_ms, "splits": []}
     users = [UserShape(cached, 0, shape.history_tokens, shape.num_candidates)] * batch
