@@ -4,7 +4,7 @@
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
 # STAGES picks the stages (default: the first six; also split, replay_sync, pytest_pipeline, profile_split, replay_ab,
-# profile, rest, rest_engine,
+# regimes, profile, rest, rest_engine,
 # rest_ray, rest_ray_direct, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
@@ -70,6 +70,14 @@ replay_ab() {
   done
 }
 stage replay_ab 200 bash -c "$(declare -f replay_ab); replay_ab"
+# issue 11's replay regimes beside the GPU-resident seed replay: pressure (1024 GPU pages = 32k tokens; 256
+# users whose histories total 5.4x that; a 4 GiB host tier = 4x the GPU pages) and all-cold (every user new)
+regimes() {
+  local r="python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress"
+  $r --users 256 --requests 600 --num-pages 1024 --host-cache-mb 4096 --out "$OUT/replay_pressure" \
+    && $r --users 100000 --zipf-alpha 0 --out "$OUT/replay_cold"
+}
+stage regimes 240 bash -c "$(declare -f regimes); regimes"
 stage profile 120 python3 -m hstu.cli profile --device cuda --cuda-graphs --batch 1 8 --forwards 10 --out "$OUT/profile"
 stage rest 300 bash scripts/gpu_rest.sh "$OUT/rest"
 # the same server with its engine in a child process (compare with "rest" in the same call)

@@ -8,8 +8,8 @@
 #   bash scripts/gpu_rest.sh OUT_DIR      (called by gpu_pipeline.sh's "rest" stage)
 # REFERENCE=0 skips the in-process replay and SERVER_REPLAY=0 the replay over HTTP (for a second
 # server variant measured in the same call); SERVE_ARGS adds `hstu serve` flags (a variant);
-# PYSPY=1 samples the server (and its engine process) with py-spy during the last load run, when
-# py-spy is installed (collapsed stacks in OUT_DIR/pyspy.txt).
+# PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
+# during one more, longer load run (collapsed stacks per thread, idle included, in OUT_DIR/pyspy.txt).
 set -uo pipefail
 out=$1
 port=${PORT:-8123}
@@ -42,13 +42,16 @@ for order in answered sent; do  # 32 connections in each of 4 processes: more th
   python3 -m hstu.cli loadgen --server "$url" --workload replay --order "$order" --rate 3000 --requests 200 --users 64 \
     --connections 128 --processes 4 $([ $order = sent ] && echo --verify) --out "$out/loadgen_$order" || rc=1
 done
-if [ -n "${PYSPY:-}" ] && command -v py-spy > /dev/null; then
-  py-spy record --pid $server --subprocesses --threads --rate 250 --duration 6 --format raw \
-    --output "$out/pyspy.txt" > "$out/pyspy.log" 2>&1 &
-  spy=$!
-fi
 python3 -m hstu.cli loadgen --server "$url" --rate 3000 --requests 400 --users 64 --connections 32 --processes 4 \
   --out "$out/loadgen_fit" || rc=1
-[ -n "${spy:-}" ] && wait "$spy"
+if [ -n "${PYSPY:-}" ] && command -v py-spy > /dev/null; then  # a longer load (~4 s), sampled without pausing
+  py-spy record --pid $server --subprocesses --threads --idle --nonblocking --rate 200 --duration 5 --format raw \
+    --output "$out/pyspy.txt" > "$out/pyspy.log" 2>&1 &
+  spy=$!
+  sleep 0.5
+  python3 -m hstu.cli loadgen --server "$url" --workload replay --order sent --rate 3000 --requests 2000 --users 64 \
+    --connections 128 --processes 4 --out "$out/loadgen_profiled" > /dev/null || rc=1
+  wait "$spy"
+fi
 tail -5 "$out/serve.log"
 exit $rc

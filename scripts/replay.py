@@ -12,7 +12,9 @@ compilation stay out of the numbers). Batches are pipelined as the server's batc
 one batch's host work overlaps the previous one's kernels); a request's latency is from its batch's
 launch to its logits on the host. `--pipeline 1` ranks and synchronises one batch at a time (a
 request's latency is then its batch's rank() plus a device sync). `--verify` checks every cached
-result against forward_no_cache (dense reference), outside the timed pass.
+result against forward_no_cache (dense reference), outside the timed pass. The cached pass runs the
+cache as `hstu serve` does by default: host-tier admission after `--offload-min-seen` sightings,
+and on CUDA the compute-or-load planner, its costs measured before the pass (`--no-planner`: off).
 
 Server mode (`--server URL`, loopback only): the replay first reads the server's model metadata
 (GET /v2/models/hstu) and adopts its model config, so the workload fits the served model; then the
@@ -99,6 +101,7 @@ class ReplaySettings:
     cuda_graphs: bool = False
     compile_layers: bool = False
     pipeline: int = 2
+    planner: bool = False
 
 
 def _passes(
@@ -123,7 +126,10 @@ def _passes(
         progress=settings.progress, cuda_graphs=settings.cuda_graphs, compile_layers=settings.compile_layers,
         pipeline=settings.pipeline,
     )
-    results = [run_pass("cached", model_cfg, kv_cfg, batches, device, fresh_users=False, verify=settings.verify, **common)]
+    results = [
+        run_pass("cached", model_cfg, kv_cfg, batches, device, fresh_users=False, verify=settings.verify,
+                 planner=settings.planner, **common)
+    ]
     if settings.uncached:
         results.append(run_pass("uncached", model_cfg, uncached_cache_config(kv_cfg), batches, device, fresh_users=True, **common))
     return results, kv_cfg
@@ -159,6 +165,7 @@ def replay(settings: ReplaySettings, out_dir: Path) -> dict[str, Any]:
             "cuda_graphs": settings.cuda_graphs,
             "compile_layers": settings.compile_layers,
             "pipeline": None if settings.server else settings.pipeline,
+            "planner": None if settings.server else settings.planner,
             "server": settings.server,
             "server_weights_fingerprint": None if meta is None else meta["weights_fingerprint"],
             "concurrency": settings.concurrency if settings.server else None,
@@ -238,6 +245,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="in-process: batches launched before the oldest one's logits are read (1: rank and sync each batch)",
     )
     p.add_argument("--compile", action="store_true", help="CUDA graphs of torch.compile'd layers (implies --cuda-graphs)")
+    p.add_argument(
+        "--planner", action=argparse.BooleanOptionalAction, default=None,
+        help="in-process cached pass: the compute-or-load planner, costs measured first (default: on for CUDA, as hstu serve)",
+    )
+    p.add_argument("--offload-min-seen", type=int, help="host-tier admission: sightings before a user's chunks are offloaded (default: hstu serve's)")
     p.add_argument("--out", type=Path, default=Path("out/replay"))
     p.set_defaults(func=main)
     return p
@@ -261,6 +273,7 @@ def settings_from_args(args: argparse.Namespace) -> ReplaySettings:
         "num_pages": args.num_pages,
         "chunk_tokens": args.chunk_tokens,
         "host_capacity_bytes": None if args.host_capacity_mb is None else int(args.host_capacity_mb * 2**20),
+        "offload_min_seen": args.offload_min_seen,
     }
     cache = dataclasses.replace(preset_cache, **{k: v for k, v in overrides.items() if v is not None})
     if args.server:
@@ -280,6 +293,7 @@ def settings_from_args(args: argparse.Namespace) -> ReplaySettings:
         cuda_graphs=args.cuda_graphs or args.compile,
         compile_layers=args.compile,
         pipeline=args.pipeline,
+        planner=args.device.startswith("cuda") if args.planner is None else args.planner,
     )
 
 

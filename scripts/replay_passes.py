@@ -5,6 +5,7 @@ table of several passes' summaries."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections import deque
@@ -25,6 +26,9 @@ from hstu.scripts import report
 from hstu.scripts.compare import VerifyTally
 from hstu.scripts.timing import sync, wall_ms
 from hstu.scripts.workload import FreshUserIds, WorkloadConfig, as_users
+from hstu.serving.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
 
 UNCACHED_METHOD = (
     "same model, paged kernels and manager code; every request under a never-seen user id so every "
@@ -34,12 +38,14 @@ UNCACHED_METHOD = (
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """KV cache sizes for the replay; num_pages None = two batches at the history limit."""
+    """KV cache sizes for the replay; num_pages None = two batches at the history limit.
+    offload_min_seen: host-tier admission as `hstu serve` runs it by default (ServerSettings)."""
 
     page_size: int = 16
     num_pages: int | None = None
     chunk_tokens: int = 64
     host_capacity_bytes: int = 256 << 20
+    offload_min_seen: int = ServerSettings.offload_min_seen
 
     def build(self, model: HSTUConfig, workload: WorkloadConfig, batch_size: int) -> KVCacheConfig:
         per_batch = batch_size * -(-workload.history_limit(model) // self.page_size)
@@ -55,6 +61,7 @@ class CacheSettings:
             num_pages=pages,
             chunk_tokens=self.chunk_tokens,
             host_capacity_bytes=self.host_capacity_bytes,
+            offload_min_seen=self.offload_min_seen,
             on_no_new_tokens="raise",
             on_shorter_history="invalidate",
         )
@@ -155,6 +162,7 @@ def run_pass(
     cuda_graphs: bool = False,
     compile_layers: bool = False,
     pipeline: int = 1,
+    planner: bool = False,
 ) -> PassResult:
     """Rank every batch through a new model + cache manager; `fresh_users` makes every lookup miss.
 
@@ -165,7 +173,8 @@ def run_pass(
     is then from its batch's launch to its logits on the host, and the pass's time is the wall
     time from the first launch to the last result. Verification never counts.
     cuda_graphs: whole-forward CUDA graphs per row bucket (batches past the buckets run eagerly);
-    compile_layers: the graphs capture torch.compile'd layers."""
+    compile_layers: the graphs capture torch.compile'd layers; planner: the compute-or-load planner
+    with costs measured before the pass (RankingEngine.calibrate), as `hstu serve` runs on CUDA."""
     if pipeline < 1:
         raise ValueError(f"pipeline must be >= 1 batch in flight, got {pipeline}")
     manager = AsyncKVCacheManager(cache_config, device)
@@ -181,6 +190,8 @@ def run_pass(
             # (key-split) variant, which would otherwise compile inside the timed pass.
             model.rank(as_users(warmup[:1], ids.take(1)))
             sync(device)
+        if planner and model.calibrate() is None:
+            logger.warning("planner off: the cost measurement showed no per-token compute cost")
         manager.drain()
         before = manager.stats.snapshot()
         records: list[RequestRecord] = []

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from hstu.engine import RankingEngine
 from hstu.model.config import HSTUConfig
 from hstu.model.identity import model_identity
 from hstu.model.ranking import InferenceRankingGR
@@ -148,6 +149,25 @@ def test_a_pipelined_pass_ranks_like_a_synchronous_one():
     assert runs[3].mismatches == 0 and runs[3].wall_s > 0
     with pytest.raises(ValueError, match="pipeline must be >= 1 batch in flight, got 0"):
         rp.run_pass("cached", MODEL, kv, batches, torch.device("cpu"), fresh_users=False, progress=False, pipeline=0)
+
+
+def test_the_cached_pass_runs_the_servers_planner_and_admission(monkeypatch):
+    """As `hstu serve` on CUDA: the planner calibrated before the timed pass (its synthetic users
+    are not in the pass's counters), admission after two sightings; results still verified."""
+    calibrated = []
+    monkeypatch.setattr(RankingEngine, "calibrate", lambda self: calibrated.append(self.cache.config) or None)
+    kv = CACHE.build(MODEL, WORKLOAD, 2)
+    assert kv.offload_min_seen == 2
+    requests = list(Workload(WORKLOAD, MODEL))
+    result = rp.run_pass("cached", MODEL, kv, list(rp.distinct_user_batches(requests, 2)), torch.device("cpu"),
+                         fresh_users=False, verify=True, progress=False, planner=True)
+    assert calibrated == [kv] and result.mismatches == 0
+    assert result.stats["misses"] + result.stats["gpu_hits"] + result.stats["host_hits"] == WORKLOAD.num_requests
+    parser = argparse.ArgumentParser()
+    rp.add_parser(parser.add_subparsers())
+    flags = parser.parse_args(["replay", "--device", "cpu", "--offload-min-seen", "1"])
+    assert not rp.settings_from_args(flags).planner and rp.settings_from_args(flags).cache.offload_min_seen == 1
+    assert rp.settings_from_args(parser.parse_args(["replay", "--device", "cpu", "--planner"])).planner
 
 
 def test_seed_preset_resolves_to_the_benchmark_model_and_fits_the_history_limit():
