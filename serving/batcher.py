@@ -6,8 +6,9 @@ Invariants:
     user's requests run in arrival order, one batch after another.
   - Batches are launched one at a time, in formation order, on one model thread (`_executor`);
     the event loop only forms batches and resolves futures. Batch N+1 is formed while batch N is
-    launched and keeps growing until the model thread is free (or it is full, then it queues
-    behind N), so a busy model thread always starts on the largest batch the arrivals allow.
+    launched and keeps growing until it could start: the model thread free and fewer than the
+    in-flight limit of batches unanswered (or it is full, then it queues behind N), so a busy
+    model thread or GPU always starts on the largest batch the arrivals allow.
   - A launch may return a PendingRank (the GPU still computing): the completion thread waits for
     its logits while the model thread launches the next batch, so one batch's host work overlaps
     the previous one's kernels. At most `_MAX_IN_FLIGHT` batches are between formed and answered.
@@ -245,8 +246,8 @@ class Batcher:
         in_flight: deque[asyncio.Future] = deque()  # each batch until answered
         launches: deque[asyncio.Future] = deque()  # each batch until the model thread is done with it
         while True:
-            batch = await self._collect(launches)
-            limit = _MAX_IN_FLIGHT if self._overlapping else _MAX_IN_FLIGHT_SYNC
+            batch = await self._collect(launches, in_flight)
+            limit = self._in_flight_limit()
             while len(in_flight) >= limit or (in_flight and not batch):
                 await asyncio.wait((in_flight[0],))
                 in_flight.popleft()
@@ -298,10 +299,25 @@ class Batcher:
             else:
                 item.future.set_result(outcome)
 
-    async def _collect(self, launches: deque[asyncio.Future]) -> list[_Item]:
+    def _in_flight_limit(self) -> int:
+        return _MAX_IN_FLIGHT if self._overlapping else _MAX_IN_FLIGHT_SYNC
+
+    def _blocker(self, launches: deque[asyncio.Future], in_flight: deque[asyncio.Future]) -> asyncio.Future | None:
+        """What keeps a formed batch from starting now, if anything: the model thread's current
+        launch, or, with `_in_flight_limit` batches unanswered, the oldest of them."""
+        launch = next((f for f in launches if not f.done()), None)
+        if launch is not None:
+            return launch
+        unanswered = [f for f in in_flight if not f.done()]
+        return unanswered[0] if len(unanswered) >= self._in_flight_limit() else None
+
+    async def _collect(self, launches: deque[asyncio.Future], in_flight: deque[asyncio.Future]) -> list[_Item]:
         """The next batch: carried requests first, then the queue. It closes when full, or when
-        the model thread is idle and the batch's wait is over (see `_wait_s`); while the model
-        thread is busy it keeps filling, since waiting then costs nothing."""
+        it could start (see `_blocker`) and its wait is over (see `_wait_s`); while it could not
+        start anyway (the model thread busy, or the pipeline of launched batches full) it keeps
+        filling, since waiting then costs nothing. (Closing it early would leave it small: the
+        launches return before the GPU finishes, so the pipeline, not the model thread, is what
+        a batch waits for under load.)"""
         batch: list[_Item] = []
         users: dict[int, int] = {}
         carried, self._carry = self._carry, deque()
@@ -309,7 +325,7 @@ class Batcher:
             self._offer(carried.popleft(), batch, users)
         self._carry.extend(carried)
         while len(batch) < self.max_batch_size and not self._input_done:
-            busy = next((f for f in launches if not f.done()), None)
+            busy = self._blocker(launches, in_flight)
             if not self._queue.empty() and self._getter is None:
                 item = self._queue.get_nowait()
             else:

@@ -266,6 +266,46 @@ async def test_the_next_batch_launches_while_the_previous_one_completes():
     assert [int(o.logits[0, 0]) for o in outputs] == [1, 2, 3, 4]
 
 
+async def test_a_batch_keeps_growing_while_the_pipeline_of_launched_batches_is_full():
+    """Launches return at once (outputs still on the GPU): once three batches are unanswered the
+    next one cannot start, so it takes every arrival until one is answered instead of closing
+    with the first request and leaving the later ones to a batch of their own."""
+    from hstu.engine import PendingRank
+
+    model = FakeModel()
+    gates: list[_Gate] = []
+
+    def launch(requests):
+        gates.append(_Gate())
+        return PendingRank(model.rank(requests), gates[-1])
+
+    async def until(condition) -> None:
+        for _ in range(200):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    batcher = Batcher(launch, max_batch_size=4, max_wait_s=0.0, max_queue=100)
+    batcher.start()
+    tasks = []
+    for tag in (1, 2, 3):  # three batches launched and unanswered
+        tasks.append(asyncio.create_task(batcher.submit(request(tag, tag))))
+        await until(lambda: len(gates) == tag)
+    for tag in (4, 5, 6):  # arriving apart, while the pipeline is full
+        tasks.append(asyncio.create_task(batcher.submit(request(tag, tag))))
+        await asyncio.sleep(0.03)
+    assert len(gates) == 3
+    gates[0].released.set()
+    await until(lambda: len(gates) == 4)
+    for gate in gates:
+        gate.released.set()
+    outputs = await asyncio.gather(*tasks)
+    await batcher.close()
+    assert model.batches == [[(1, 1)], [(2, 2)], [(3, 3)], [(4, 4), (5, 5), (6, 6)]]
+    assert [int(o.logits[0, 0]) for o in outputs] == [1, 2, 3, 4, 5, 6]
+
+
 async def test_a_batch_that_fails_when_its_outputs_are_read_answers_500_and_the_next_batch_is_served():
     from hstu.engine import PendingRank
 
