@@ -9,7 +9,7 @@
 # REFERENCE=0 skips the in-process replay and SERVER_REPLAY=0 the replay over HTTP (for a second
 # server variant measured in the same call); SERVE_ARGS adds `hstu serve` flags (a variant);
 # PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
-# during one more, longer load run (collapsed stacks per thread, idle included, in OUT_DIR/pyspy.txt).
+# during one more, longer load run (collapsed stacks per thread, busy samples only, in OUT_DIR/pyspy.txt).
 set -uo pipefail
 out=$1
 port=${PORT:-8123}
@@ -44,13 +44,14 @@ for order in answered sent; do  # 32 connections in each of 4 processes: more th
 done
 python3 -m hstu.cli loadgen --server "$url" --rate 3000 --requests 400 --users 64 --connections 32 --processes 4 \
   --out "$out/loadgen_fit" || rc=1
-if [ -n "${PYSPY:-}" ] && command -v py-spy > /dev/null; then  # a longer load (~4 s), sampled without pausing
-  py-spy record --pid $server --subprocesses --threads --idle --nonblocking --rate 200 --duration 5 --format raw \
+if [ -n "${PYSPY:-}" ] && command -v py-spy > /dev/null; then  # a longer load, sampled without pausing the server;
+  # busy samples only (no --idle), so a thread's samples over the rate and the load's wall_s is its busy share
+  py-spy record --pid $server --subprocesses --threads --nonblocking --rate 200 --duration 120 --format raw \
     --output "$out/pyspy.txt" > "$out/pyspy.log" 2>&1 &
   spy=$!
-  sleep 0.5
   python3 -m hstu.cli loadgen --server "$url" --workload replay --order sent --rate 3000 --requests 2000 --users 64 \
     --connections 128 --processes 4 --out "$out/loadgen_profiled" > /dev/null || rc=1
+  kill -INT "$spy"
   wait "$spy"
 fi
 tail -5 "$out/serve.log"
