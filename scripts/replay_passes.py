@@ -96,10 +96,12 @@ class PassResult:
     client_observed: bool = False
 
     def mean_batch_size(self) -> float:
-        """Mean requests per batch: from the records in-process, from the server's metrics otherwise."""
+        """Mean requests per batch: from the records in-process, from the server's metrics otherwise.
+        (Per batch, not per request: a mean over the records' batch sizes weighs each batch by its
+        size, 6.6 for the seed replay's 200 requests in 43 batches, against the server's 4.7.)"""
         if "batches" in self.stats:
             return self.stats["batched_requests"] / self.stats["batches"] if self.stats["batches"] else math.nan
-        return float(np.mean([r.batch_size for r in self.records])) if self.records else math.nan
+        return len(self.records) / len({r.batch_index for r in self.records}) if self.records else math.nan
 
     def summary(self) -> dict[str, Any]:
         lat = np.asarray([r.latency_ms for r in self.records], dtype=np.float64)

@@ -14,6 +14,7 @@ from hstu.model.config import HSTUConfig
 from hstu.model.identity import model_identity
 from hstu.model.ranking import InferenceRankingGR
 from hstu.scripts import replay as rp
+from hstu.scripts.replay_passes import PassResult, RequestRecord
 from hstu.scripts import replay_server
 from hstu.scripts.workload import Workload, WorkloadConfig, count_restarts
 from tests.configs import REPLAY_MODEL
@@ -123,6 +124,12 @@ def test_parse_server_metrics_reads_the_cache_counters():
 def test_a_pool_smaller_than_one_batch_is_rejected():
     with pytest.raises(ValueError, match="cannot hold one batch"):
         rp.CacheSettings(page_size=8, num_pages=40).build(MODEL, WORKLOAD, batch_size=2)
+
+
+def test_mean_batch_size_is_requests_per_batch():
+    """As the server's metrics count it (batched requests over batches), not weighted by size."""
+    records = [RequestRecord(u, 10, 1, 0, b, size, 1.0) for u, b, size in [(1, 0, 3), (2, 0, 3), (3, 0, 3), (1, 1, 1)]]
+    assert PassResult("cached", records, 1.0, {}).mean_batch_size() == 2.0
 
 
 def test_uncached_pass_never_reuses_anything():
