@@ -32,6 +32,9 @@ _FLAGS = (
     ("--max-body-bytes", "max_body_bytes", int, "largest request body, else 413 (default: sized for the longest valid request)"),
     ("--parse-processes", "parse_processes", int,
      "worker processes parsing large bodies off the model's GIL (0: a thread; default 4 on CUDA, 0 on CPU)"),
+    ("--front-ends", "front_ends", int,
+     "HTTP front-end processes sharing --port, each forwarding parsed requests to the one engine process "
+     "(needs the engine process; incremental requests find the histories their front end saw)"),
     ("--shutdown-timeout-s", "shutdown_timeout_s", float, "on SIGTERM/SIGINT, time for queued requests to finish; the rest get 503"),
 )
 
@@ -151,12 +154,17 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         return _run_on_ray(settings, args)
 
+    logger.info("serving on http://%s:%d (docs at /docs)", args.host, args.port)
+    if settings.front_ends > 1:
+        from hstu.serving.front_ends import serve_front_ends
+
+        serve_front_ends(settings, args.host, args.port)
+        return 0
+
     from hstu.serving.app import create_app
     from hstu.serving.server import draining_server
 
-    app = create_app(settings)
-    logger.info("serving on http://%s:%d (docs at /docs)", args.host, args.port)
-    draining_server(app, args.host, args.port).run()
+    draining_server(create_app(settings), args.host, args.port).run()
     return 0
 
 

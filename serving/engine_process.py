@@ -9,15 +9,23 @@ thread spent ~3 ms per request against ~1.7 ms in process (benchmarks/RESULTS.md
 Here the front-end process keeps HTTP, parsing, digests and the history store; a spawned child
 owns a ServingRuntime (engine, KV cache, batcher, model thread) and receives parsed requests.
 
-Protocol over one multiprocessing pipe, pickled tuples (RankingRequest with its identity chain,
-so digests are not recomputed; a RankOutput pickles its logits as numpy, see RankOutput.__reduce__):
+Protocol over one multiprocessing pipe per front end, pickled tuples (RankingRequest with its
+identity chain, so digests are not recomputed; a RankOutput pickles its logits as numpy, see
+RankOutput.__reduce__):
   front -> engine   ("rank", id, request, seconds left) | ("prefetch", id, user_ids) |
-                    ("scrape", id) | ("cancel", id) | ("drain",) | ("close",)
+                    ("scrape", id) | ("cancel", id) | ("metrics", text) | ("drain",) | ("close",)
   engine -> front   ("ready", fingerprint) | ("failed", detail) | ("done", id, outcome)
 Each side reads in a thread (blocking reads never hold up a loop) and sends from one thread, so
 a full pipe never blocks an event loop. The engine's metrics come back with /metrics, labelled
 replica="engine" (as Ray replicas' are). A dead engine process answers every waiting and later
 request 503 and the front end turns not ready.
+
+Several front ends (`--front-ends N`, serving/front_ends.py): the first one (EngineProcessRuntime)
+spawns the engine with one pipe per front end; the others (EngineLinkRuntime) hold one pipe each.
+Only the first one's drain and close (or its pipe's end) stop the engine; another front end's end
+drops just its own calls. Each front end pushes its metrics text every second ("metrics"), and a
+scrape answers the engine's text with every other front end's latest, so any front end's /metrics
+shows them all, each labelled replica="front-<k>".
 """
 
 from __future__ import annotations
@@ -31,7 +39,9 @@ import signal
 import threading
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, generate_latest
 
 from hstu.engine import RankOutput
 from hstu.model.batch import RankingRequest
@@ -41,12 +51,22 @@ from hstu.serving.runtime import Runtime, ServedModel, ServingRuntime
 from hstu.serving.schemas import RequestLimits
 from hstu.serving.settings import ServerSettings
 
+if TYPE_CHECKING:
+    from hstu.serving.front_ends import FrontEndLinks
+
 logger = logging.getLogger(__name__)
 
 ENGINE_REPLICA = "engine"
 _CLOSE_TIMEOUT_S = 30.0
 _ANSWER_GRACE_S = 1.0  # past a request's deadline, before the front end gives up on the engine's 504
 _SCRAPE_TIMEOUT_S = 2.0
+_METRICS_PUSH_S = 1.0  # how often each of several front ends sends the engine its metrics text
+PRIMARY = 0  # the front end whose drain, close or end stops the engine
+
+
+def front_end_label(index: int) -> str:
+    """The replica label of front end `index`'s metrics when there are several."""
+    return f"front-{index}"
 
 
 class _Sender:
@@ -92,103 +112,130 @@ def _read_into(conn: Connection, loop: asyncio.AbstractEventLoop, handle, name: 
 
 
 # ------------------------------------------------------------------ the engine process
-def engine_main(conn: Connection, settings: ServerSettings, log_level: int) -> None:
-    """Entry point of the spawned engine process. It ignores SIGINT and SIGTERM: a Ctrl-C or a
-    service manager signals the whole process group, and the front end drives the shutdown (drain,
-    then close); when the front end dies, the pipe's end-of-file stops the engine."""
+def engine_main(conns: list[Connection], settings: ServerSettings, log_level: int) -> None:
+    """Entry point of the spawned engine process, one pipe per front end (conns[PRIMARY] first).
+    It ignores SIGINT and SIGTERM: a Ctrl-C or a service manager signals the whole process group,
+    and the primary front end drives the shutdown (drain, then close); when it dies, its pipe's
+    end-of-file stops the engine."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
-    asyncio.run(_serve_engine(conn, settings))
+    asyncio.run(_serve_engine(conns, settings))
 
 
-async def _serve_engine(conn: Connection, settings: ServerSettings) -> None:
+async def _serve_engine(conns: list[Connection], settings: ServerSettings) -> None:
     runtime = ServingRuntime.standalone(settings)
-    out = _Sender(conn, "hstu-engine-sender")
+    outs = [_Sender(conn, f"hstu-engine-sender-{i}") for i, conn in enumerate(conns)]
     await runtime.start()
     if not runtime.ready:
-        out.send(("failed", runtime.detail))
+        for out in outs:
+            out.send(("failed", runtime.detail))
         await runtime.close()
-        out.close()
+        for out in outs:
+            out.close()
         return
-    out.send(("ready", runtime.fingerprint))
+    for out in outs:
+        out.send(("ready", runtime.fingerprint))
     inbox: asyncio.Queue = asyncio.Queue()
-    _read_into(conn, asyncio.get_running_loop(), inbox.put_nowait, "hstu-engine-reader")
-    tasks: dict[int, asyncio.Task] = {}
+    loop = asyncio.get_running_loop()
+    for i, conn in enumerate(conns):
+        _read_into(conn, loop, lambda message, i=i: inbox.put_nowait((i, message)), f"hstu-engine-reader-{i}")
+    tasks: dict[tuple[int, int], asyncio.Task] = {}
+    pushed: dict[int, str] = {}  # each front end's latest metrics text
 
-    async def answer(kind: str, rid: int, *args) -> None:
+    async def answer(link: int, kind: str, rid: int, *args) -> None:
         try:
             if kind == "rank":
                 outcome = await runtime.submit(args[0], time.monotonic() + args[1])
             elif kind == "prefetch":
                 outcome = await runtime.prefetch_users(args[0])
             else:
-                outcome = await runtime.exposition()
+                own = (await runtime.exposition()).decode()
+                outcome = {ENGINE_REPLICA: own, **{front_end_label(i): t for i, t in pushed.items() if i != link}}
         except RankError as exc:
             outcome = exc
         except Exception as exc:  # the front end gets an answer whatever happened
             logger.exception("engine call %s failed", kind)
             outcome = RankError(500, "internal", f"engine call failed: {type(exc).__name__}: {exc}")
-        out.send(("done", rid, outcome))
+        outs[link].send(("done", rid, outcome))
 
-    while (message := await inbox.get()) is not None and message[0] != "close":
-        kind = message[0]
-        if kind == "drain":
-            runtime.drain()
+    while True:
+        link, message = await inbox.get()
+        kind = None if message is None else message[0]
+        if kind in (None, "close"):
+            if link == PRIMARY:
+                break
+            logger.info("front end %d %s", link, "closed" if kind else "is gone")
+            pushed.pop(link, None)
+            for (i, rid), task in list(tasks.items()):
+                if i == link:
+                    task.cancel()
+        elif kind == "drain":
+            if link == PRIMARY:
+                runtime.drain()
+        elif kind == "metrics":
+            pushed[link] = message[1]
         elif kind == "cancel":
-            task = tasks.get(message[1])
+            task = tasks.get((link, message[1]))
             if task is not None:
                 task.cancel()
         else:
-            task = tasks[message[1]] = asyncio.create_task(answer(*message))
-            task.add_done_callback(lambda _, rid=message[1]: tasks.pop(rid, None))
+            key = (link, message[1])
+            task = tasks[key] = asyncio.create_task(answer(link, *message))
+            task.add_done_callback(lambda _, key=key: tasks.pop(key, None))
     await runtime.close()
-    out.close()
+    for out in outs:
+        out.close()
 
 
 # ------------------------------------------------------------------ the front end
-class EngineProcessRuntime(Runtime):
-    """The front end's Runtime: forwards parsed requests to the engine process (see the module
-    docstring). `model` is a ServedModel once the engine is ready; no cache here."""
+class _EngineClient(Runtime):
+    """A front end's Runtime over its pipe to the engine process (see the module docstring): calls
+    and their answers, the engine's readiness, metrics. `model` is a ServedModel once the engine is
+    ready; no cache here. `index` is this front end's among several (None: the only one)."""
 
-    def __init__(self, settings: ServerSettings, config, limits: RequestLimits, metrics: ServingMetrics) -> None:
+    def __init__(
+        self, settings: ServerSettings, config, limits: RequestLimits, metrics: ServingMetrics, index: int | None = None
+    ) -> None:
         super().__init__(settings, config, limits, metrics, "starting the engine process")
+        self.index = index
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future] = {}
-        self._process: multiprocessing.process.BaseProcess | None = None
         self._sender: _Sender | None = None
         self._started: asyncio.Future | None = None
+        self._pusher: asyncio.Task | None = None
 
     @property
     def pending(self) -> int:
         return len(self._waiting)
 
-    async def start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        ours, theirs = ctx.Pipe()
-        self._process = ctx.Process(
-            target=engine_main, args=(theirs, self.settings, logging.getLogger().getEffectiveLevel()),
-            name="hstu-engine", daemon=True,
-        )
-        self._process.start()
-        theirs.close()
+    async def _connect(self, conn: Connection) -> bool:
+        """Read and send on `conn`; wait for the engine's first message. True once ready."""
         loop = asyncio.get_running_loop()
         self._started = loop.create_future()
-        self._sender = _Sender(ours, "hstu-front-sender")
-        _read_into(ours, loop, self._on_message, "hstu-front-reader")
+        self._sender = _Sender(conn, "hstu-front-sender")
+        _read_into(conn, loop, self._on_message, "hstu-front-reader")
         first = await self._started
         if first[0] != "ready":
             detail = first[1] if first[0] == "failed" else "the engine process exited while starting"
             logger.error("engine process did not start: %s", detail)
             self.state, self.detail = "failed", "loading the model failed; the server log has the cause"
-            return
+            return False
         if self.state != "loading":  # close() ran meanwhile
-            return
+            return False
         self.fingerprint = first[1]
         self.model = ServedModel(bytes.fromhex(self.fingerprint))
         self.state, self.detail = "ready", None
         self.metrics.ready.set(1)
-        logger.info("engine process %d ready (weights %s)", self._process.pid, self.fingerprint)
+        if self.index is not None:
+            self._pusher = asyncio.create_task(self._push_metrics(), name="hstu-metrics-push")
+        return True
+
+    async def _push_metrics(self) -> None:
+        """Several front ends: send the engine this front end's metrics text every second."""
+        while True:
+            self._sender.send(("metrics", generate_latest(self.metrics.registry).decode()))
+            await asyncio.sleep(_METRICS_PUSH_S)
 
     def _on_message(self, message: tuple | None) -> None:
         if self._started is not None and not self._started.done():
@@ -241,18 +288,60 @@ class EngineProcessRuntime(Runtime):
         return await self._call("prefetch", user_ids, timeout_s=self.settings.request_timeout_ms / 1000.0)
 
     async def exposition(self) -> bytes:
-        """The front end's metrics, then the engine's with replica="engine"."""
+        """The front end's metrics, then the engine's with replica="engine" (and with several front
+        ends, every front end's labelled replica="front-<k>", this one's fresh)."""
         try:
-            text = (await self._call("scrape", timeout_s=_SCRAPE_TIMEOUT_S)).decode()
+            replicas = await self._call("scrape", timeout_s=_SCRAPE_TIMEOUT_S)
         except (RankError, TimeoutError) as exc:
             logger.warning("engine metrics: %s", exc)
-            return merged_exposition(self.metrics.registry, {})
-        return merged_exposition(self.metrics.registry, {ENGINE_REPLICA: text})
+            replicas = {}
+        if self.index is None:
+            return merged_exposition(self.metrics.registry, replicas)
+        own = generate_latest(self.metrics.registry).decode()
+        return merged_exposition(CollectorRegistry(), {front_end_label(self.index): own, **replicas})
 
-    def drain(self) -> None:
+    def _stop_accepting(self) -> None:
         if self.state in ("loading", "ready"):
             self.state, self.detail = "stopping", "shutting down"
         self.metrics.ready.set(0)
+        if self._pusher is not None:
+            self._pusher.cancel()
+
+
+class EngineProcessRuntime(_EngineClient):
+    """The primary front end: spawns the engine process (with a pipe for each further front end,
+    `links`: serving/front_ends.py) and drives its shutdown."""
+
+    def __init__(
+        self, settings: ServerSettings, config, limits: RequestLimits, metrics: ServingMetrics,
+        links: "FrontEndLinks | None" = None,
+    ) -> None:
+        super().__init__(settings, config, limits, metrics, None if links is None else PRIMARY)
+        self.links = links
+        self._process: multiprocessing.process.BaseProcess | None = None
+
+    async def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        if self.links is None:
+            ours, theirs = ctx.Pipe()
+            engine_ends = [theirs]
+        else:
+            ours, engine_ends = self.links.primary, self.links.engine_ends
+        self._process = ctx.Process(
+            target=engine_main, args=(engine_ends, self.settings, logging.getLogger().getEffectiveLevel()),
+            name="hstu-engine", daemon=True,
+        )
+        self._process.start()
+        for end in engine_ends:
+            end.close()
+        if await self._connect(ours):
+            logger.info("engine process %d ready (weights %s)", self._process.pid, self.fingerprint)
+
+    def drain(self) -> None:
+        """Stop the other front ends (they finish their own requests), then drain the engine."""
+        self._stop_accepting()
+        if self.links is not None:
+            self.links.stop_others()
         if self._sender is not None:
             self._sender.send(("drain",))
 
@@ -267,5 +356,42 @@ class EngineProcessRuntime(Runtime):
             if self._process.is_alive():
                 logger.error("engine process did not exit; terminating it")
                 self._process.terminate()
+            self._sender.close()
+        if self.links is not None:
+            await asyncio.to_thread(self.links.join_others, self.settings.shutdown_timeout_s + _CLOSE_TIMEOUT_S)
+        self.state, self.detail = "stopped", "shutting down"
+
+
+class EngineLinkRuntime(_EngineClient):
+    """A further front end (`index` >= 1): ranks through the engine the primary spawned, over
+    `conn`. Its drain and close end its own traffic only; when the engine is gone it calls
+    `on_engine_gone` (the front-end process then exits: serving/front_ends.py)."""
+
+    def __init__(
+        self, settings: ServerSettings, config, limits: RequestLimits, metrics: ServingMetrics, *,
+        conn: Connection, index: int, on_engine_gone=None,
+    ) -> None:
+        super().__init__(settings, config, limits, metrics, index)
+        self._conn = conn
+        self._on_engine_gone = on_engine_gone
+
+    async def start(self) -> None:
+        if await self._connect(self._conn):
+            logger.info("front end %d ready (weights %s)", self.index, self.fingerprint)
+
+    def _engine_gone(self) -> None:
+        super()._engine_gone()
+        if self._on_engine_gone is not None:
+            self._on_engine_gone()
+
+    def drain(self) -> None:
+        self._stop_accepting()
+
+    async def close(self, start_task: asyncio.Task | None = None) -> None:
+        self.drain()
+        if start_task is not None:
+            await start_task
+        if self._sender is not None:
+            self._sender.send(("close",))
             self._sender.close()
         self.state, self.detail = "stopped", "shutting down"

@@ -91,6 +91,9 @@ class ServerSettings:
     # 1.1-1.45x faster over REST (benchmarks/RESULTS.md, seventh and tenth sessions).
     engine_process: bool | None = None
     parse_processes: int | None = None
+    # HTTP front-end processes sharing the port, each forwarding to the one engine process
+    # (serving/front_ends.py): one event loop's HTTP, parsing and responses capped the server.
+    front_ends: int = 1
     history_store_bytes: int = 256 << 20  # histories kept for incremental requests (0: none, every request sends all)
 
     def __post_init__(self) -> None:
@@ -101,6 +104,10 @@ class ServerSettings:
             object.__setattr__(self, "engine_process", cuda)
         if self.parse_processes is None:
             object.__setattr__(self, "parse_processes", _CUDA_PARSE_PROCESSES if cuda else 0)
+        if self.front_ends < 1:
+            raise ValueError(f"front_ends must be >= 1, got {self.front_ends}")
+        if self.front_ends > 1 and not self.engine_process:
+            raise ValueError(f"front_ends {self.front_ends} share one engine process: it needs engine_process")
         for name in _POSITIVE:
             value = getattr(self, name)
             if value is not None and not value > 0:  # `not > 0` also refuses NaN
