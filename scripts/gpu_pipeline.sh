@@ -4,7 +4,7 @@
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
 # STAGES picks the stages (default: the first six; also split, replay_sync, pytest_pipeline, profile_split, replay_ab,
-# regimes, profile, rest, rest_engine,
+# regimes, profile, rest, rest_engine, rest_front2, rest_front3,
 # rest_ray, rest_ray_direct, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
@@ -75,13 +75,16 @@ stage replay_ab 200 bash -c "$(declare -f replay_ab); replay_ab"
 regimes() {
   local r="python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress"
   $r --users 256 --requests 600 --num-pages 1024 --host-cache-mb 4096 --out "$OUT/replay_pressure" \
-    && $r --users 100000 --zipf-alpha 0 --out "$OUT/replay_cold"
+    && $r --users 100000 --zipf-alpha 0 --requests 600 --out "$OUT/replay_cold"
 }
 stage regimes 240 bash -c "$(declare -f regimes); regimes"
 stage profile 120 python3 -m hstu.cli profile --device cuda --cuda-graphs --batch 1 8 --forwards 10 --out "$OUT/profile"
 stage rest 300 bash scripts/gpu_rest.sh "$OUT/rest"
 # the same server with its engine in a child process (compare with "rest" in the same call)
 REFERENCE=0 SERVE_ARGS=--engine-process stage rest_engine 240 bash scripts/gpu_rest.sh "$OUT/rest_engine"
+# two and three HTTP front ends before the one engine process (issue 18: the front end's loop was the limit)
+REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 2" stage rest_front2 200 bash scripts/gpu_rest.sh "$OUT/rest_front2"
+REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 3 --parse-processes 2" stage rest_front3 200 bash scripts/gpu_rest.sh "$OUT/rest_front3"
 # the same server behind Ray Serve, one replica on this GPU (issue 16: overhead vs "rest", same call)
 REFERENCE=0 SERVE_ARGS="--replicas 1" stage rest_ray 240 bash scripts/gpu_rest.sh "$OUT/rest_ray"
 # ... with the ingress serving HTTP itself (Ray Serve's direct ingress, no proxy actor)
