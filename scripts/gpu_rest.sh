@@ -9,7 +9,8 @@
 # REFERENCE=0 skips the in-process replay and SERVER_REPLAY=0 the replay over HTTP (for a second
 # server variant measured in the same call); SERVE_ARGS adds `hstu serve` flags (a variant);
 # PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
-# during one more, longer load run (collapsed stacks per thread, busy samples only, in OUT_DIR/pyspy.txt).
+# during one more, longer load run (collapsed stacks per thread, busy samples only, in OUT_DIR/pyspy.txt;
+# PYSPY_IDLE=1: idle samples too, to see where threads wait). The server's /metrics at the end: metrics_end.txt.
 set -uo pipefail
 out=$1
 port=${PORT:-8123}
@@ -46,7 +47,7 @@ python3 -m hstu.cli loadgen --server "$url" --rate 3000 --requests 400 --users 6
   --out "$out/loadgen_fit" || rc=1
 if [ -n "${PYSPY:-}" ] && command -v py-spy > /dev/null; then  # a longer load, sampled without pausing the server;
   # busy samples only (no --idle), so a thread's samples over the rate and the load's wall_s is its busy share
-  py-spy record --pid $server --subprocesses --threads --nonblocking --rate 200 --duration 120 --format raw \
+  py-spy record --pid $server --subprocesses --threads --nonblocking ${PYSPY_IDLE:+--idle} --rate 200 --duration 120 --format raw \
     --output "$out/pyspy.txt" > "$out/pyspy.log" 2>&1 &
   spy=$!
   python3 -m hstu.cli loadgen --server "$url" --workload replay --order sent --rate 3000 --requests 2000 --users 64 \
@@ -54,5 +55,6 @@ if [ -n "${PYSPY:-}" ] && command -v py-spy > /dev/null; then  # a longer load, 
   kill -INT "$spy"
   wait "$spy"
 fi
+curl -s "$url/metrics" > "$out/metrics_end.txt"  # queue waits, batch sizes and latencies of every run above
 tail -5 "$out/serve.log"
 exit $rc
