@@ -300,6 +300,20 @@ class _EngineClient(Runtime):
         own = generate_latest(self.metrics.registry).decode()
         return merged_exposition(CollectorRegistry(), {front_end_label(self.index): own, **replicas})
 
+    async def close(self, start_task: asyncio.Task | None = None) -> None:
+        """Drain, wait for the start, tell the engine this front end closes, then `_closed()`."""
+        self.drain()
+        if start_task is not None:
+            await start_task
+        if self._sender is not None:
+            self._sender.send(("close",))
+            await self._closed()
+            self._sender.close()
+        self.state, self.detail = "stopped", "shutting down"
+
+    async def _closed(self) -> None:
+        """After the close message: what else this front end waits for."""
+
     def _stop_accepting(self) -> None:
         if self.state in ("loading", "ready"):
             self.state, self.detail = "stopping", "shutting down"
@@ -345,21 +359,15 @@ class EngineProcessRuntime(_EngineClient):
         if self._sender is not None:
             self._sender.send(("drain",))
 
-    async def close(self, start_task: asyncio.Task | None = None) -> None:
-        """Drain, wait for the start, then let the engine close its runtime and exit."""
-        self.drain()
-        if start_task is not None:
-            await start_task
-        if self._sender is not None:
-            self._sender.send(("close",))
-            await asyncio.to_thread(self._process.join, self.settings.shutdown_timeout_s + _CLOSE_TIMEOUT_S)
-            if self._process.is_alive():
-                logger.error("engine process did not exit; terminating it")
-                self._process.terminate()
-            self._sender.close()
+    async def _closed(self) -> None:
+        """The engine closes its runtime and exits; then the further front ends are joined."""
+        limit_s = self.settings.shutdown_timeout_s + _CLOSE_TIMEOUT_S
+        await asyncio.to_thread(self._process.join, limit_s)
+        if self._process.is_alive():
+            logger.error("engine process did not exit; terminating it")
+            self._process.terminate()
         if self.links is not None:
-            await asyncio.to_thread(self.links.join_others, self.settings.shutdown_timeout_s + _CLOSE_TIMEOUT_S)
-        self.state, self.detail = "stopped", "shutting down"
+            await asyncio.to_thread(self.links.join_others, limit_s)
 
 
 class EngineLinkRuntime(_EngineClient):
@@ -378,6 +386,8 @@ class EngineLinkRuntime(_EngineClient):
     async def start(self) -> None:
         if await self._connect(self._conn):
             logger.info("front end %d ready (weights %s)", self.index, self.fingerprint)
+        elif self.state == "failed" and self._on_engine_gone is not None:
+            self._on_engine_gone()  # no engine to serve with
 
     def _engine_gone(self) -> None:
         super()._engine_gone()
@@ -386,12 +396,3 @@ class EngineLinkRuntime(_EngineClient):
 
     def drain(self) -> None:
         self._stop_accepting()
-
-    async def close(self, start_task: asyncio.Task | None = None) -> None:
-        self.drain()
-        if start_task is not None:
-            await start_task
-        if self._sender is not None:
-            self._sender.send(("close",))
-            self._sender.close()
-        self.state, self.detail = "stopped", "shutting down"

@@ -16,6 +16,8 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import httpx
 import pytest
@@ -26,6 +28,23 @@ from hstu.serving.settings import ServerSettings
 from .conftest import TINY, Timeline, matches_reference
 
 START_S = 240.0  # three processes import torch on a shared 2-core machine
+
+
+@contextmanager
+def _front_ends(tmp_path) -> Iterator[tuple[subprocess.Popen, str, int, int]]:
+    """A ready two-front-end server: (its process, base URL, further front end's pid, engine's pid);
+    killed with its process group afterwards if still running."""
+    port = _free_port()
+    server = _serve(tmp_path, port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_ready(base, lambda: server.poll() is None, timeout_s=START_S)
+        yield (server, base, *_pids(tmp_path))
+    finally:
+        try:  # whatever of the group still runs
+            os.killpg(server.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _free_port() -> int:
@@ -96,12 +115,7 @@ async def _post_all(base: str, payloads: list[dict], clients: int = 8) -> list[h
 
 @pytest.mark.timeout(420)
 def test_two_front_ends_answer_like_the_no_cache_model_and_stop_together(tmp_path, reference):
-    port = _free_port()
-    server = _serve(tmp_path, port)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_ready(base, lambda: server.poll() is None, timeout_s=START_S)
-        further, engine = _pids(tmp_path)
+    with _front_ends(tmp_path) as (server, base, further, engine):
         timelines = [Timeline(40_000 + u) for u in range(8)]
         payloads = [t.payload(6 + 4 * step, num_candidates=3) for step in range(3) for t in timelines]
         answers = asyncio.run(_post_all(base, payloads))
@@ -117,27 +131,18 @@ def test_two_front_ends_answer_like_the_no_cache_model_and_stop_together(tmp_pat
         assert set(counts) <= {"front-0", "front-1"} and sum(counts.values()) == len(payloads), counts
         assert all(f'hstu_ready{{replica="{front}"}} 1.0' in metrics for front in ("front-0", "front-1"))
         assert 'hstu_batch_size_count{replica="engine"}' in metrics
-    finally:
         server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            raise
-    # uvicorn re-raises the signal it handled once it has shut down: the status says SIGTERM
-    assert server.returncode in (0, -signal.SIGTERM), (tmp_path / "serve.log").read_text()[-3000:]
-    assert "engine process did not exit" not in (tmp_path / "serve.log").read_text()
-    assert not _wait_gone([engine, further], 30.0), "the engine or the further front end outlived the server"
+        server.wait(timeout=90)
+        log = (tmp_path / "serve.log").read_text()
+        # uvicorn re-raises the signal it handled once it has shut down: the status says SIGTERM
+        assert server.returncode in (0, -signal.SIGTERM), log[-3000:]
+        assert "engine process did not exit" not in log
+        assert not _wait_gone([engine, further], 30.0), "the engine or the further front end outlived the server"
 
 
 @pytest.mark.timeout(420)
 def test_a_lost_front_end_leaves_the_server_answering_and_a_lost_primary_takes_the_engine_along(tmp_path, reference):
-    port = _free_port()
-    server = _serve(tmp_path, port)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_ready(base, lambda: server.poll() is None, timeout_s=START_S)
-        further, engine = _pids(tmp_path)
+    with _front_ends(tmp_path) as (server, base, further, engine):
         os.kill(further, signal.SIGKILL)
         assert not _wait_gone([further], 10.0)
         payloads = [Timeline(41_000 + u).payload(12, num_candidates=2) for u in range(4)]
@@ -147,31 +152,17 @@ def test_a_lost_front_end_leaves_the_server_answering_and_a_lost_primary_takes_t
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=30)
         assert not _wait_gone([engine], 60.0), "the engine outlived the primary front end"
-    finally:
-        try:
-            os.killpg(server.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.mark.timeout(420)
 def test_front_end_exits_with_its_engine(tmp_path):
     """The primary killed: its engine sees the pipe close and exits, then the further front end
     (its engine gone) exits too, so no orphan keeps the port."""
-    port = _free_port()
-    server = _serve(tmp_path, port)
-    try:
-        wait_until_ready(f"http://127.0.0.1:{port}", lambda: server.poll() is None, timeout_s=START_S)
-        pids = _pids(tmp_path)
+    with _front_ends(tmp_path) as (server, _, further, engine):
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=30)
-        left = _wait_gone(pids, 60.0)
+        left = _wait_gone([further, engine], 60.0)
         assert not left, f"processes {left} outlived the primary front end"
-    finally:
-        try:
-            os.killpg(server.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def test_front_ends_need_the_engine_process_and_at_least_one():
