@@ -203,12 +203,13 @@ def main(args: argparse.Namespace) -> int:
     limit = min(4096, model.max_seq_len - 1) - model.num_contextual  # history tokens past the contextual ones
     even = lambda n: max(2, n // 2 * 2)  # noqa: E731
     if args.workload == "replay":  # the requests `hstu replay` sends (its default workload)
-        work = WorkloadConfig(num_requests=args.requests, num_users=args.users, seed=args.seed)
+        work = WorkloadConfig(num_requests=args.requests, num_users=args.users, seed=args.seed, first_user=args.first_user)
     else:
         work = WorkloadConfig(
             num_requests=args.requests,
             num_users=args.users,
             seed=args.seed,
+            first_user=args.first_user,
             new_tokens=(2, even(min(256, limit // 8))),
             initial_tokens=(8, even(min(2048, limit // 2))),
             candidates=(16, min(256, meta["limits"]["max_candidates"])),
@@ -263,6 +264,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--device", default=None, help="device of the --verify reference model (default cuda if available)")
     p.add_argument("--timeout-s", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--first-user", type=int, default=0,
+                   help="user ids start here: runs against one server with their own users do not invalidate each other's")
     p.add_argument("--out", type=Path, default=Path("out/loadgen"))
     p.set_defaults(func=main)
     return p

@@ -224,6 +224,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--candidates", type=int, nargs=2, default=w.candidates, metavar=("LO", "HI"))
     p.add_argument("--seed", type=int, default=w.seed)
+    p.add_argument("--first-user", type=int, default=w.first_user, help="user ids start here (another run's users stay apart)")
     p.add_argument("--page-size", type=int, help="tokens per page (default: the preset's)")
     p.add_argument("--num-pages", type=int, help="GPU pages (default: two batches at the history limit)")
     p.add_argument("--chunk-tokens", type=int, help="tokens per host chunk (default: the preset's)")
@@ -267,6 +268,7 @@ def settings_from_args(args: argparse.Namespace) -> ReplaySettings:
         max_history_tokens=args.max_history_tokens,
         candidates=tuple(args.candidates),
         seed=args.seed,
+        first_user=args.first_user,
     )
     overrides = {
         "page_size": args.page_size,

@@ -41,12 +41,18 @@ class WorkloadConfig:
     max_history_tokens: int = 4096
     candidates: tuple[int, int] = (64, 512)
     seed: int = 0
+    first_user: int = 0  # user ids are first_user .. first_user + num_users - 1
+
 
     def __post_init__(self) -> None:
         if self.num_requests < 0:
             raise ValueError(f"num_requests must be >= 0, got {self.num_requests}")
         if self.num_users <= 0:
             raise ValueError(f"num_users must be positive, got {self.num_users}")
+        if not 0 <= self.first_user <= FRESH_USER_BASE - self.num_users:
+            raise ValueError(
+                f"first_user must be in [0, {FRESH_USER_BASE - self.num_users}] (below the fresh ids), got {self.first_user}"
+            )
         if self.zipf_alpha < 0:
             raise ValueError(f"zipf_alpha must be >= 0, got {self.zipf_alpha}")
         for name in ("new_tokens", "initial_tokens"):
@@ -124,7 +130,7 @@ class Workload:
             num_candidates = int(rng.integers(cfg.candidates[0], cfg.candidates[1] + 1))
             candidates = rng.integers(0, model.num_items, num_candidates)
             yield RankingRequest.create(
-                user, state.item_ids, state.actions, state.timestamps, candidates, config=model
+                cfg.first_user + user, state.item_ids, state.actions, state.timestamps, candidates, config=model
             )
 
 

@@ -15,7 +15,7 @@ def test_loadgen_reports_rate_latency_and_batch_size_gets_only_200s_and_verifies
         for form, order, workload in (("columns", "sent", "fit"), ("events", "answered", "fit")):
             args = argparse.Namespace(
                 server=url, rate=200.0, requests=60, users=12, connections=8, processes=1, form=form,
-                timeout_s=20.0, seed=1, out=tmp_path / form, order=order, workload=workload, verify=True, device="cpu",
+                timeout_s=20.0, seed=1, first_user=0, out=tmp_path / form, order=order, workload=workload, verify=True, device="cpu",
             )
             assert loadgen.main(args) == 0
             doc = json.loads((tmp_path / form / "loadgen.json").read_text())
@@ -37,7 +37,7 @@ def test_loadgen_verify_counts_every_wrong_answer_and_exits_non_zero(tmp_path, m
     with live_server(tiny_settings()) as (_, _, url):
         args = argparse.Namespace(
             server=url, rate=0.0, requests=20, users=6, connections=4, processes=1, form="columns", timeout_s=20.0,
-            seed=2, out=tmp_path, order="sent", workload="fit", verify=True, device="cpu",
+            seed=2, first_user=7, out=tmp_path, order="sent", workload="fit", verify=True, device="cpu",
         )
         assert loadgen.main(args) == 1
     doc = json.loads((tmp_path / "loadgen.json").read_text())

@@ -46,6 +46,16 @@ def test_other_seed_gives_other_requests():
     assert not all(_same(a, b) for a, b in zip(Workload(CONFIG, MODEL), other))
 
 
+def test_first_user_shifts_the_user_ids_and_nothing_else():
+    """Runs against one server with their own users (e.g. a load generator's runs) keep apart."""
+    shifted = list(Workload(WorkloadConfig(**{**CONFIG.__dict__, "first_user": 1000}), MODEL))
+    for a, b in zip(Workload(CONFIG, MODEL), shifted):
+        assert b.user_id == a.user_id + 1000
+        assert all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("item_ids", "actions", "timestamps", "candidates"))
+    with pytest.raises(ValueError, match="first_user must be in"):
+        WorkloadConfig(**{**CONFIG.__dict__, "first_user": FRESH_USER_BASE - 1})
+
+
 def test_sessions_candidates_and_histories_stay_in_their_ranges():
     last = {}
     C = MODEL.num_contextual
