@@ -20,17 +20,12 @@ import statistics
 import time
 
 import numpy as np
-import torch
 
 from hstu.model.batch import RankingRequest
+from hstu.ops.device_sync import sync
 from hstu.ops.kvcache.planner import UserShape, layer_work
 
 _FIRST_USER = 1 << 60  # calibration users: invalidated after, never a served id in practice
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -90,10 +85,10 @@ def measure_forward_costs(engine, max_users: int = 8, repeats: int = 3) -> tuple
             if c:
                 engine.rank([r.first_events(c, cfg) for r in batch])
             cache.drain()
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             engine.rank(batch)
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - t0)
             cache.drain()
             for r in batch:

@@ -9,11 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (no-op off CUDA), so a wall time includes it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from hstu.ops.device_sync import sync
 
 
 def wall_ms(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:

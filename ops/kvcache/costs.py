@@ -12,10 +12,11 @@ import time
 
 import torch
 
+from hstu.ops.device_sync import sync
+
 
 def _time(fn, device: torch.device, repeats: int = 3) -> float:
     """Median seconds of fn() after one warm-up call (device-synchronised)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     fn()
     sync(device)
     times = []
