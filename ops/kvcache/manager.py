@@ -34,7 +34,9 @@ Invariants:
     after its copy was committed or aborted.
   - A user's in-flight offload is joined before a plan that could shrink, drop or onload the
     user; a plain extension (GPU hit, more tokens, same prefix) runs beside it, since it only
-    appends after the committed tokens the offload reads (its pages are pinned once per batch).
+    appends after the committed tokens the offload reads (its pages are pinned once per batch),
+    and so does an unchanged history re-ranked under on_no_new_tokens="candidates", which writes
+    none of the user's pages (candidates are never appended; padded appends go to the scratch page).
   - The GPU tier never holds less than the host tier for a resident user (host is filled from GPU).
   - Cached K/V are reused only when the digest stored with them equals the request's digest of the
     same prefix; a shortened or uncommitted prefix has an empty digest, which matches nothing.
@@ -156,8 +158,9 @@ class AsyncKVCacheManager:
             if ident.num_tokens != n:
                 raise ValueError(f"user {u}: identity covers {ident.num_tokens} tokens but the history has {n}")
         # Settle in-flight offloads of users this lookup may shrink, drop or onload, before taking
-        # the index lock (the offload worker needs it to finish).
-        self.transfers.join([u for u, n, i in zip(user_ids, history_lens, identities) if self._gpu_extension(u, n, i) == 0])
+        # the index lock (the offload worker needs it to finish). A user whose GPU entry is reused
+        # as it is (extended, or re-ranked unchanged) does not wait: its pages only grow.
+        self.transfers.join([u for u, n, i in zip(user_ids, history_lens, identities) if not self._reuses_gpu_entry(u, n, i)])
         plan = BatchPlan(list(user_ids), list(history_lens), list(identities), [], [])
         for u in user_ids:
             self.admission.see(u)
@@ -174,6 +177,18 @@ class AsyncKVCacheManager:
             gpu_hits=plan.sources.count("gpu"), host_hits=plan.sources.count("host"), misses=plan.sources.count("miss")
         )
         return plan
+
+    def _reuses_gpu_entry(self, user: int, n: int, ident: HistoryIdentity) -> bool:
+        """Whether the request keeps the user's whole GPU entry and only appends to it (or, an
+        unchanged history re-ranked under on_no_new_tokens="candidates", writes nothing to it), so
+        an offload reading the entry's full chunks may run on beside it."""
+        if self._gpu_extension(user, n, ident):
+            return True
+        gpu_len, gpu_digest = self.gpu.lookup(user)
+        return (
+            self.config.on_no_new_tokens == "candidates" and 0 < gpu_len == n and bool(gpu_digest)
+            and ident.prefix(gpu_len) == gpu_digest
+        )
 
     def _gpu_extension(self, user: int, n: int, ident: HistoryIdentity) -> int:
         """Cached length when the request plainly extends the user's GPU entry, else 0."""

@@ -250,10 +250,10 @@ def test_evict_gpu_keeps_host_copy(tiny_config, book):
     assert out.cached_tokens == 24 and mgr.stats.snapshot()["host_hits"] == 1
 
 
-def test_plain_extension_does_not_wait_for_the_users_offload(tiny_config, book, monkeypatch):
+def _block_offloads(monkeypatch) -> threading.Event:
+    """Offloads wait in their host store until the returned event is set."""
     import hstu.ops.kvcache.transfers as transfers_module
 
-    model, mgr = _setup(tiny_config)
     release = threading.Event()
     real_store = transfers_module.store_host_chunks
 
@@ -262,6 +262,33 @@ def test_plain_extension_does_not_wait_for_the_users_offload(tiny_config, book, 
         real_store(*args)
 
     monkeypatch.setattr(transfers_module, "store_host_chunks", slow_store)
+    return release
+
+
+def test_an_unchanged_history_reranked_does_not_wait_for_the_users_offload(tiny_config, book, monkeypatch):
+    """The most common ranking call: its pages are only read, so the offload of the request
+    before it (the previous batch's kernels and D2H on a GPU) need not finish first."""
+    model, mgr = _setup(tiny_config, on_no_new_tokens="candidates")
+    release = _block_offloads(monkeypatch)
+    first = book.request(1, 12)
+    _check(model, [first])  # its offload now blocks in the host store
+    assert mgr.gpu.pin_count(1) == 1
+    out = _check(model, [_rerank(first, tiny_config, 7)])[0]  # must not wait for that offload
+    assert out.cached_tokens == tiny_config.history_tokens(12) and out.computed_tokens == 4
+    shorter = RankingRequest.create(1, first.item_ids[:5], first.actions[:5], first.timestamps[:5], [1, 2], config=tiny_config)
+    waiting = threading.Thread(target=_check, args=(model, [shorter]))  # invalidates: it must wait
+    waiting.start()
+    waiting.join(0.3)
+    assert waiting.is_alive(), "a request that drops the user's entry went ahead of its offload"
+    release.set()
+    waiting.join(10)
+    mgr.drain()
+    assert mgr.gpu.pin_count(1) == 0
+
+
+def test_plain_extension_does_not_wait_for_the_users_offload(tiny_config, book, monkeypatch):
+    model, mgr = _setup(tiny_config)
+    release = _block_offloads(monkeypatch)
     _check(model, [book.request(1, 12)])  # its offload now blocks in slow_store
     assert mgr.gpu.pin_count(1) == 1
     out = _check(model, [book.request(1, 3)])[0]  # must not wait for that offload
