@@ -8,7 +8,9 @@ waits for its results) or sent (--order sent: only the arrival order is kept, th
 batcher runs a user's requests in that order), over a pool of --connections keep-alive HTTP/1.1
 connections (a minimal client on asyncio streams: no per-request client objects). --processes splits the users over several client
 processes, each with its own loop and share of the rate. Reports achieved vs offered rate,
-p50/p99 latency, answers by status and the server's mean batch size (from /metrics), a short
+p50/p99 latency, answers by status, the server's mean batch size and the mean time of a request
+in each server phase (read and parse, the pipes to and from an engine process, the batcher's
+queue, rank, respond: from /metrics, this run's counter deltas), a short
 table last and JSON under --out; --verify checks every answer against the no-cache model of the
 server's config, built here (as `hstu replay --server --verify`). Loopback servers only.
 """
@@ -125,19 +127,38 @@ def _client(args: tuple) -> dict:
 _BATCH_SAMPLES = ("hstu_batch_size_count", "hstu_batch_size_sum", "hstu_batch_latency_seconds_sum")
 
 
-def _batch_counters(url: str) -> dict[str, float]:
-    """The server's batch counters: batches, requests batched, model seconds (from /metrics, every
-    replica's samples added up)."""
+_PHASE_SAMPLES = ("hstu_request_phase_seconds_sum", "hstu_request_phase_seconds_count")
+_QUEUE_PHASE = "engine_queue"  # hstu_queue_wait_seconds, reported beside the request phases
+
+
+def _batch_counters(url: str) -> dict:
+    """The server's batch counters (batches, requests batched, model seconds) and, per request
+    phase (hstu_request_phase_seconds, and the batcher's queue wait), (seconds, count); from
+    /metrics, every replica's samples added up."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    found = dict.fromkeys(_BATCH_SAMPLES, 0.0)
+    found: dict = dict.fromkeys(_BATCH_SAMPLES, 0.0)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name in found:  # summed over labels: an engine process or Ray replicas add replica="..."
                 found[s.name] += s.value
+            elif s.name in _PHASE_SAMPLES or s.name in ("hstu_queue_wait_seconds_sum", "hstu_queue_wait_seconds_count"):
+                key = (s.labels.get("phase", _QUEUE_PHASE), s.name.rsplit("_", 1)[1])
+                found[key] = found.get(key, 0.0) + s.value
     return found
+
+
+def _phase_means_ms(before: dict, after: dict) -> dict[str, float]:
+    """Mean milliseconds per request of each phase over a run (counter deltas)."""
+    phases = {k[0] for k in after if isinstance(k, tuple)}
+    means = {}
+    for phase in sorted(phases):
+        count = after.get((phase, "count"), 0.0) - before.get((phase, "count"), 0.0)
+        if count > 0:
+            means[phase] = 1e3 * (after.get((phase, "sum"), 0.0) - before.get((phase, "sum"), 0.0)) / count
+    return means
 
 
 def run(
@@ -185,6 +206,7 @@ def run(
         "mean_batch_size": batched / batches if batches else float("nan"),
         "mean_batch_model_ms": 1e3 * model_s / batches if batches else float("nan"),
         "model_busy_share": model_s / wall if wall > 0 else float("nan"),
+        "phase_mean_ms": _phase_means_ms(before, after),
         "connections": connections,
         "processes": processes,
         "wall_s": wall,
@@ -239,6 +261,8 @@ def main(args: argparse.Namespace) -> int:
           f"(200s {doc['ok_rate']:.1f}/s)  p50 {doc['latency_p50_ms']:.1f} ms  p99 {doc['latency_p99_ms']:.1f} ms  "
           f"mean batch {doc['mean_batch_size']:.2f} ({doc['mean_batch_model_ms']:.1f} ms from start to outputs, summing "
           f"to {doc['model_busy_share']:.0%} of the wall)  statuses {doc['statuses']}")
+    if doc["phase_mean_ms"]:
+        print("server phases, mean ms per request: " + ", ".join(f"{k} {v:.2f}" for k, v in doc["phase_mean_ms"].items()))
     if reference is not None:
         print(f"verified {doc['verified']} answers against the no-cache model: {doc['verify_mismatches']} mismatches "
               f"(max abs logit diff {doc['verify_max_abs_diff']:.3g})")

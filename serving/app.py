@@ -177,7 +177,9 @@ def create_app(settings: ServerSettings | None = None, runtime_factory: RuntimeF
         try:
             parsed = await _parse(await read_body(request, limits.max_body_bytes))
             request_id = parsed.request_id or uuid.uuid4().hex
+            handed = time.perf_counter()
             output = await cancel_on_disconnect(request.receive, _rank_one(parsed.request, deadline))
+            answered = time.perf_counter()
         except RankError as exc:
             return _failed(exc.status, exc.kind, arrived, rank_error_response(exc, request_id))
         except ClientGone as exc:
@@ -202,6 +204,10 @@ def create_app(settings: ServerSettings | None = None, runtime_factory: RuntimeF
                 "history_length": parsed.request.num_events,
             }
         )
+        done = time.perf_counter()
+        metrics.phase.labels("read_parse").observe(handed - arrived)
+        metrics.phase.labels("rank").observe(answered - handed)
+        metrics.phase.labels("respond").observe(done - answered)
         return Response(content=body, media_type="application/json")
 
     parse_prefetch = json_parser(PrefetchRequest)

@@ -12,9 +12,11 @@ owns a ServingRuntime (engine, KV cache, batcher, model thread) and receives par
 Protocol over one multiprocessing pipe per front end, pickled tuples (RankingRequest with its
 identity chain, so digests are not recomputed; a RankOutput pickles its logits as numpy, see
 RankOutput.__reduce__):
-  front -> engine   ("rank", id, request, seconds left) | ("prefetch", id, user_ids) |
+  front -> engine   ("rank", id, request, seconds left, sent at) | ("prefetch", id, user_ids) |
                     ("scrape", id) | ("cancel", id) | ("metrics", text) | ("drain",) | ("close",)
-  engine -> front   ("ready", fingerprint) | ("failed", detail) | ("done", id, outcome)
+  engine -> front   ("ready", fingerprint) | ("failed", detail) | ("done", id, outcome, sent at)
+("sent at": time.monotonic(), one clock for the processes of a host; each side reports how long its
+messages took to reach the other's loop: hstu_request_phase_seconds, pipe_to_engine / _from_engine.)
 Each side reads in a thread (blocking reads never hold up a loop) and sends from one thread, so
 a full pipe never blocks an event loop. The engine's metrics come back with /metrics, labelled
 replica="engine" (as Ray replicas' are). A dead engine process answers every waiting and later
@@ -146,6 +148,7 @@ async def _serve_engine(conns: list[Connection], settings: ServerSettings) -> No
     async def answer(link: int, kind: str, rid: int, *args) -> None:
         try:
             if kind == "rank":
+                runtime.metrics.phase.labels("pipe_to_engine").observe(time.monotonic() - args[2])
                 outcome = await runtime.submit(args[0], time.monotonic() + args[1])
             elif kind == "prefetch":
                 outcome = await runtime.prefetch_users(args[0])
@@ -157,7 +160,7 @@ async def _serve_engine(conns: list[Connection], settings: ServerSettings) -> No
         except Exception as exc:  # the front end gets an answer whatever happened
             logger.exception("engine call %s failed", kind)
             outcome = RankError(500, "internal", f"engine call failed: {type(exc).__name__}: {exc}")
-        outs[link].send(("done", rid, outcome))
+        outs[link].send(("done", rid, outcome, time.monotonic()))
 
     while True:
         link, message = await inbox.get()
@@ -247,6 +250,7 @@ class _EngineClient(Runtime):
         if message[0] == "done":
             future = self._waiting.pop(message[1], None)
             if future is not None and not future.done():
+                self.metrics.phase.labels("pipe_from_engine").observe(time.monotonic() - message[3])
                 future.set_result(message[2])
 
     def _engine_gone(self) -> None:
@@ -281,8 +285,9 @@ class _EngineClient(Runtime):
     async def submit(self, request: RankingRequest, deadline: float) -> RankOutput:
         """The engine's batcher answers 504 at the deadline; the front end stops waiting shortly after
         even if the engine process hangs."""
-        left = deadline - time.monotonic()
-        return await self._call("rank", request, left, timeout_s=left + _ANSWER_GRACE_S)
+        now = time.monotonic()
+        left = deadline - now
+        return await self._call("rank", request, left, now, timeout_s=left + _ANSWER_GRACE_S)
 
     async def prefetch_users(self, user_ids: list[int]) -> int:
         return await self._call("prefetch", user_ids, timeout_s=self.settings.request_timeout_ms / 1000.0)

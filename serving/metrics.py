@@ -108,6 +108,16 @@ class ServingMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.phase = Histogram(
+            "hstu_request_phase_seconds",
+            "Time of an answered POST /v1/rank in each phase: read_parse (body read, parsed, digested), "
+            "rank (handed to the runtime until its answer), respond (the body encoded); with the engine "
+            "process also pipe_to_engine (sent until the engine's loop takes it, reported by the engine) "
+            "and pipe_from_engine (answered until the front end's loop takes it)",
+            ["phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.batch_splits = Counter(
             "hstu_batch_splits", "Batches split in two because they needed more KV pages than were free", registry=r
         )

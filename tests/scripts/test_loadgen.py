@@ -23,6 +23,9 @@ def test_loadgen_reports_rate_latency_and_batch_size_gets_only_200s_and_verifies
             assert doc["verified"] == 60 and doc["verify_mismatches"] == 0, "every answer equals the no-cache model"
             assert doc["achieved_rate"] > 0 and doc["latency_p99_ms"] >= doc["latency_p50_ms"] > 0
             assert doc["mean_batch_size"] >= 1 and doc["mean_batch_model_ms"] > 0 and 0 < doc["model_busy_share"] <= 1.05
+            phases = doc["phase_mean_ms"]  # where a request's time went on the server, this run only
+            assert set(phases) == {"read_parse", "rank", "respond", "engine_queue"} and all(v >= 0 for v in phases.values())
+            assert phases["rank"] >= phases["engine_queue"], "the queue wait is part of the rank phase"
 
 
 def test_loadgen_verify_counts_every_wrong_answer_and_exits_non_zero(tmp_path, monkeypatch):

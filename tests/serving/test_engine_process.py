@@ -48,6 +48,8 @@ async def test_the_engine_process_answers_like_the_in_process_server_and_the_no_
         assert prefetch.status_code == 200 and prefetch.json()["requested"] == 1
         metrics = (await remote.get("/metrics")).text
         assert 'hstu_batch_size_count{replica="engine"}' in metrics
+        for phase in ('{phase="pipe_to_engine",replica="engine"}', '{phase="pipe_from_engine"}', '{phase="rank"}'):
+            assert f"hstu_request_phase_seconds_count{phase}" in metrics, phase
         assert "hstu_request_latency_seconds_count" in metrics, "the front end's request metrics stay"
         meta = (await remote.get("/v2/models/hstu")).json()
         assert meta["weights_fingerprint"] == runtime.fingerprint

@@ -305,6 +305,9 @@ async def test_metrics_expose_latency_batch_size_cache_tiers_bytes_evictions_and
         text = (await client.get("/metrics")).text
     for series in (
         'hstu_request_latency_seconds_count{status="200"} 6.0',
+        'hstu_request_phase_seconds_count{phase="read_parse"} 6.0',  # answered requests only
+        'hstu_request_phase_seconds_count{phase="rank"} 6.0',
+        'hstu_request_phase_seconds_count{phase="respond"} 6.0',
         "hstu_batch_size_count",
         'hstu_cache_hit_rate{tier="gpu"}',
         'hstu_cache_hit_rate{tier="host"}',
