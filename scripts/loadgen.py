@@ -127,34 +127,35 @@ def _client(args: tuple) -> dict:
 _BATCH_SAMPLES = ("hstu_batch_size_count", "hstu_batch_size_sum", "hstu_batch_latency_seconds_sum")
 
 
-_PHASE_SAMPLES = ("hstu_request_phase_seconds_sum", "hstu_request_phase_seconds_count")
-_QUEUE_PHASE = "engine_queue"  # hstu_queue_wait_seconds, reported beside the request phases
+# histogram (without _sum/_count) -> its phase label, or None for the phase="..." label it carries
+_PHASE_HISTOGRAMS = {"hstu_request_phase_seconds": None, "hstu_queue_wait_seconds": "engine_queue"}
 
 
-def _batch_counters(url: str) -> dict:
-    """The server's batch counters (batches, requests batched, model seconds) and, per request
-    phase (hstu_request_phase_seconds, and the batcher's queue wait), (seconds, count); from
-    /metrics, every replica's samples added up."""
+def _server_counters(url: str) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+    """From the server's /metrics, every replica's samples added up: the batch counters (batches,
+    requests batched, model seconds), and each request phase's seconds and count (the
+    hstu_request_phase_seconds phases, and the batcher's queue wait as engine_queue)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    found: dict = dict.fromkeys(_BATCH_SAMPLES, 0.0)
+    batch = dict.fromkeys(_BATCH_SAMPLES, 0.0)
+    phases: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name in found:  # summed over labels: an engine process or Ray replicas add replica="..."
-                found[s.name] += s.value
-            elif s.name in _PHASE_SAMPLES or s.name in ("hstu_queue_wait_seconds_sum", "hstu_queue_wait_seconds_count"):
-                key = (s.labels.get("phase", _QUEUE_PHASE), s.name.rsplit("_", 1)[1])
-                found[key] = found.get(key, 0.0) + s.value
-    return found
+            histogram, _, part = s.name.rpartition("_")
+            if s.name in batch:  # summed over labels: an engine process or Ray replicas add replica="..."
+                batch[s.name] += s.value
+            elif histogram in _PHASE_HISTOGRAMS and part in ("sum", "count"):
+                key = (_PHASE_HISTOGRAMS[histogram] or s.labels["phase"], part)
+                phases[key] = phases.get(key, 0.0) + s.value
+    return batch, phases
 
 
-def _phase_means_ms(before: dict, after: dict) -> dict[str, float]:
+def _phase_means_ms(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> dict[str, float]:
     """Mean milliseconds per request of each phase over a run (counter deltas)."""
-    phases = {k[0] for k in after if isinstance(k, tuple)}
     means = {}
-    for phase in sorted(phases):
+    for phase in sorted({phase for phase, _ in after}):
         count = after.get((phase, "count"), 0.0) - before.get((phase, "count"), 0.0)
         if count > 0:
             means[phase] = 1e3 * (after.get((phase, "sum"), 0.0) - before.get((phase, "sum"), 0.0)) / count
@@ -178,13 +179,13 @@ def run(
     due = np.cumsum(gaps).tolist()
     shares = [[i for i, (u, _) in enumerate(bodies) if u % processes == p] for p in range(processes)]
     jobs = [(url, [bodies[i] for i in s], [due[i] for i in s], max(1, connections // processes), timeout_s, order) for s in shares]
-    before = _batch_counters(url)
+    before, phases_before = _server_counters(url)
     if processes == 1:
         results = [_client(jobs[0])]
     else:
         with multiprocessing.get_context("spawn").Pool(processes) as pool:
             results = pool.map(_client, jobs)
-    after = _batch_counters(url)
+    after, phases_after = _server_counters(url)
     latencies = np.asarray([x for r in results for x in r["latencies_ms"]], dtype=np.float64)
     statuses: dict[str, int] = {}
     for r in results:
@@ -206,7 +207,7 @@ def run(
         "mean_batch_size": batched / batches if batches else float("nan"),
         "mean_batch_model_ms": 1e3 * model_s / batches if batches else float("nan"),
         "model_busy_share": model_s / wall if wall > 0 else float("nan"),
-        "phase_mean_ms": _phase_means_ms(before, after),
+        "phase_mean_ms": _phase_means_ms(phases_before, phases_after),
         "connections": connections,
         "processes": processes,
         "wall_s": wall,

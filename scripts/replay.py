@@ -35,8 +35,6 @@ length, lookups by tier: scripts/replay_plot.py) in --out, and a table printed l
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import argparse
 import dataclasses
 import logging
@@ -67,6 +65,7 @@ from hstu.scripts.replay_server import (
     verify_answers,
 )
 from hstu.scripts.workload import Workload, WorkloadConfig, count_restarts, distinct_user_batches
+from hstu.serving.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -295,7 +294,7 @@ def settings_from_args(args: argparse.Namespace) -> ReplaySettings:
         cuda_graphs=args.cuda_graphs or args.compile,
         compile_layers=args.compile,
         pipeline=args.pipeline,
-        planner=args.device.startswith("cuda") if args.planner is None else args.planner,
+        planner=ServerSettings(device=args.device).planner if args.planner is None else args.planner,
     )
 
 

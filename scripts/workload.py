@@ -43,7 +43,6 @@ class WorkloadConfig:
     seed: int = 0
     first_user: int = 0  # user ids are first_user .. first_user + num_users - 1
 
-
     def __post_init__(self) -> None:
         if self.num_requests < 0:
             raise ValueError(f"num_requests must be >= 0, got {self.num_requests}")

@@ -92,7 +92,8 @@ class ServerSettings:
     engine_process: bool | None = None
     parse_processes: int | None = None
     # HTTP front-end processes sharing the port, each forwarding to the one engine process
-    # (serving/front_ends.py): one event loop's HTTP, parsing and responses capped the server.
+    # (serving/front_ends.py), for a server whose front-end event loop is the limit. 1 by default:
+    # at the seed workload on the H200, 2-3 ran 0.65-0.88x as fast (RESULTS.md, eleventh session).
     front_ends: int = 1
     history_store_bytes: int = 256 << 20  # histories kept for incremental requests (0: none, every request sends all)
 

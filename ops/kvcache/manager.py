@@ -160,7 +160,8 @@ class AsyncKVCacheManager:
         # Settle in-flight offloads of users this lookup may shrink, drop or onload, before taking
         # the index lock (the offload worker needs it to finish). A user whose GPU entry is reused
         # as it is (extended, or re-ranked unchanged) does not wait: its pages only grow.
-        self.transfers.join([u for u, n, i in zip(user_ids, history_lens, identities) if not self._reuses_gpu_entry(u, n, i)])
+        waiting = [u for u, n, i in zip(user_ids, history_lens, identities) if not self._reuses_gpu_entry(u, n, i)]
+        self.transfers.join(waiting)
         plan = BatchPlan(list(user_ids), list(history_lens), list(identities), [], [])
         for u in user_ids:
             self.admission.see(u)
@@ -182,13 +183,10 @@ class AsyncKVCacheManager:
         """Whether the request keeps the user's whole GPU entry and only appends to it (or, an
         unchanged history re-ranked under on_no_new_tokens="candidates", writes nothing to it), so
         an offload reading the entry's full chunks may run on beside it."""
-        if self._gpu_extension(user, n, ident):
-            return True
         gpu_len, gpu_digest = self.gpu.lookup(user)
-        return (
-            self.config.on_no_new_tokens == "candidates" and 0 < gpu_len == n and bool(gpu_digest)
-            and ident.prefix(gpu_len) == gpu_digest
-        )
+        unchanged_rerank = gpu_len == n and self.config.on_no_new_tokens == "candidates"
+        kept = 0 < gpu_len and (gpu_len < n or unchanged_rerank) and bool(gpu_digest)
+        return kept and ident.prefix(gpu_len) == gpu_digest
 
     def _gpu_extension(self, user: int, n: int, ident: HistoryIdentity) -> int:
         """Cached length when the request plainly extends the user's GPU entry, else 0."""
