@@ -75,10 +75,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--on-shorter-history",
-        choices=["invalidate", "raise"],
+        choices=["reuse", "invalidate", "raise"],
         default=None,
-        help="a history shorter than the cached one: recompute it (invalidate, the default) or answer 409 "
-        "(raise, strict mode)",
+        help="a history shorter than the cached one: rank it from the cached prefix when it is exactly its "
+        "first tokens, else recompute it (reuse, the default), always recompute it (invalidate) or answer "
+        "409 (raise, strict mode)",
     )
     p.add_argument(
         "--engine-process", action=argparse.BooleanOptionalAction, default=None,

@@ -49,10 +49,12 @@ class ServerSettings:
     `model_config` (an HSTUConfig object) wins over `model_config_path` (an HSTUConfig JSON file);
     with neither, the embedded HSTUConfig defaults are served. `dtype` overrides the config's dtype.
     An unchanged history is re-ranked from the cache alone (on_no_new_tokens="candidates": only the
-    candidates are computed); a history
-    shorter than the cached one is treated as a new history and recomputed (on_shorter_history=
-    "invalidate", the default: a client can never lock a user out), or rejected with HTTP 409 in the
-    opt-in strict mode on_shorter_history="raise".
+    candidates are computed). A history shorter than the cached one that is exactly its first
+    tokens (a user's older request arriving after a newer one: retries, several connections, parse
+    workers finishing out of order) is ranked from the cached prefix read-only and the longer entry
+    kept (on_shorter_history="reuse", the default); any other shorter history is treated as a new
+    history and recomputed, so a client can never lock a user out. "invalidate" recomputes every
+    shorter history; the opt-in strict mode "raise" answers HTTP 409.
     """
 
     model_config: HSTUConfig | None = None
@@ -75,7 +77,7 @@ class ServerSettings:
     task_names: tuple[str, ...] | None = None
     cuda_graphs: bool = False
     compile_layers: bool = False
-    on_shorter_history: str = "invalidate"
+    on_shorter_history: str = "reuse"
     # Split host-tier prefixes between onload and recompute, with costs measured at start-up
     # through the engine's own forward. None: on for CUDA devices, where it was measured (H200,
     # benchmarks/RESULTS.md, tenth session: a host-tier batch of 8 at 1.21x of no cache against

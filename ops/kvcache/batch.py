@@ -60,5 +60,8 @@ class BatchPlan:
     layout: JaggedLayout | None = None
     pad: PadSpec | None = None
     onload_slots: dict[int, list[int]] = field(default_factory=dict)
+    # Users ranked read-only from a longer GPU entry (on_shorter_history="reuse") -> that entry's
+    # length: its pages are kept whole, nothing is committed or offloaded for them.
+    read_only: dict[int, int] = field(default_factory=dict)
     _future: Future | None = field(default=None, repr=False)
     _prepared: PreparedBatch | None = field(default=None, repr=False)

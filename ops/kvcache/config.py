@@ -19,8 +19,13 @@ class KVCacheConfig:
                         computes only the candidates; "recompute_last": reuse all but the last token
                         and recompute it; "raise": HistoryConflictError naming the lengths;
       on_shorter_history "invalidate" (default): the request's history is the truth, so the entry is
-                        dropped and the history recomputed; "raise": HistoryConflictError (a strict
-                        mode for clients that want to hear about it).
+                        dropped and the history recomputed; "reuse": a history whose tokens are
+                        exactly the first tokens of the user's GPU entry (a request that arrives
+                        after the user's next one: retries, several connections) is ranked from that
+                        entry read-only, only its candidates computed, and the longer entry is kept
+                        for the requests that extend it; any other shorter history is invalidated
+                        (needs on_no_new_tokens="candidates"); "raise": HistoryConflictError (a
+                        strict mode for clients that want to hear about it).
     A history whose cached prefix differs (digest mismatch) is always invalidated and recomputed, so
     no request can make another request for the same user fail.
     Offload: a user's chunks go to the host tier once it was seen offload_min_seen times (1: always,
@@ -50,8 +55,15 @@ class KVCacheConfig:
             raise ValueError(
                 f"on_no_new_tokens must be 'candidates', 'recompute_last' or 'raise', got {self.on_no_new_tokens!r}"
             )
-        if self.on_shorter_history not in ("raise", "invalidate"):
-            raise ValueError(f"on_shorter_history must be 'raise' or 'invalidate', got {self.on_shorter_history!r}")
+        if self.on_shorter_history not in ("raise", "invalidate", "reuse"):
+            raise ValueError(
+                f"on_shorter_history must be 'raise', 'invalidate' or 'reuse', got {self.on_shorter_history!r}"
+            )
+        if self.on_shorter_history == "reuse" and self.on_no_new_tokens != "candidates":
+            raise ValueError(
+                "on_shorter_history 'reuse' ranks a shorter history from its cached prefix alone, which needs "
+                f"on_no_new_tokens 'candidates', got {self.on_no_new_tokens!r}"
+            )
         if self.offload_min_seen < 0:
             raise ValueError(f"offload_min_seen must be >= 0, got {self.offload_min_seen}")
         if self.offload_bytes_per_s is not None and not self.offload_bytes_per_s > 0:

@@ -36,7 +36,11 @@ Invariants:
     user; a plain extension (GPU hit, more tokens, same prefix) runs beside it, since it only
     appends after the committed tokens the offload reads (its pages are pinned once per batch),
     and so does an unchanged history re-ranked under on_no_new_tokens="candidates", which writes
-    none of the user's pages (candidates are never appended; padded appends go to the scratch page).
+    none of the user's pages (candidates are never appended; padded appends go to the scratch page),
+    and a shorter history ranked read-only from a longer entry (on_shorter_history="reuse").
+  - A read-only reuse reads only the first n tokens of an entry whose committed identity
+    (`_identities`, kept beside the C++ index) has the request's digest at n; the entry keeps its
+    length, digest and pages, and nothing is committed or offloaded for it.
   - The GPU tier never holds less than the host tier for a resident user (host is filled from GPU).
   - Cached K/V are reused only when the digest stored with them equals the request's digest of the
     same prefix; a shortened or uncommitted prefix has an empty digest, which matches nothing.
@@ -111,6 +115,9 @@ class AsyncKVCacheManager:
         # Compute-or-load split of host-tier prefixes (ops/kvcache/planner.py): the planner's cost
         # model, or a fixed split; None: pure onload.
         self.cost_model: CostModel | FixedSplit | None = None
+        # The identity each GPU entry was committed with (its digest equals the entry's), so a
+        # shorter request can be checked against any prefix of it; dropped with the entry.
+        self._identities: dict[int, HistoryIdentity] = {}
         self._prefetcher = Prefetcher(c, self.gpu, self.host, self.transfers, self.stats, self._index_lock)
         self._closed = False
 
@@ -186,7 +193,21 @@ class AsyncKVCacheManager:
         gpu_len, gpu_digest = self.gpu.lookup(user)
         unchanged_rerank = gpu_len == n and self.config.on_no_new_tokens == "candidates"
         kept = 0 < gpu_len and (gpu_len < n or unchanged_rerank) and bool(gpu_digest)
-        return kept and ident.prefix(gpu_len) == gpu_digest
+        return (kept and ident.prefix(gpu_len) == gpu_digest) or self._read_only_length(user, n, ident) > 0
+
+    def _read_only_length(self, user: int, n: int, ident: HistoryIdentity) -> int:
+        """Under on_shorter_history="reuse": the length of the user's GPU entry when the request's
+        n tokens are exactly its first n (checked against the identity the entry was committed
+        with, itself checked against the entry's digest), else 0."""
+        if self.config.on_shorter_history != "reuse":
+            return 0
+        gpu_len, gpu_digest = self.gpu.lookup(user)
+        stored = self._identities.get(user)
+        if not 0 < n < gpu_len or not gpu_digest or stored is None or stored.num_tokens != gpu_len:
+            return 0
+        if stored.prefix(gpu_len) != gpu_digest or stored.prefix(n) != ident.prefix(n):
+            return 0
+        return gpu_len
 
     def _gpu_extension(self, user: int, n: int, ident: HistoryIdentity) -> int:
         """Cached length when the request plainly extends the user's GPU entry, else 0."""
@@ -206,6 +227,11 @@ class AsyncKVCacheManager:
             return extension, "gpu"
         gpu_len, gpu_digest = self.gpu.lookup(user)
         if gpu_len > 0:
+            entry = self._read_only_length(user, n, ident)
+            if entry:
+                plan.read_only[user] = entry
+                self.stats.add(shorter_reused=1)
+                return n, "gpu"
             usable = self._usable_length(user, n, ident, gpu_len, gpu_digest)
             if usable > 0:
                 return usable, "gpu"
@@ -249,7 +275,9 @@ class AsyncKVCacheManager:
     # ---------------------------------------------------------------- prepare
     def _prepare(self, plan: BatchPlan) -> PreparedBatch:
         try:
-            keep = [c if s == "gpu" else 0 for c, s in zip(plan.cached_lens, plan.sources)]
+            keep = [
+                plan.read_only.get(u, c) if s == "gpu" else 0 for u, c, s in zip(plan.user_ids, plan.cached_lens, plan.sources)
+            ]
             try:
                 pages = self._reserve(plan, keep)
             except CacheCapacityError:
@@ -273,9 +301,16 @@ class AsyncKVCacheManager:
         return PreparedBatch(pages, metadata, handle, self.kv_pages, onload_users, digests, start)
 
     def _reserve(self, plan: BatchPlan, keep: list[int]) -> list[list[int]]:
+        """Pages per user for its whole history; a read-only user keeps its longer entry whole and
+        gets the pages of its first history_len tokens."""
+        targets = [plan.read_only.get(u, n) for u, n in zip(plan.user_ids, plan.history_lens)]
         with self._index_lock:
-            pages = self.gpu.reserve(plan.user_ids, keep, plan.history_lens)
+            pages = self.gpu.reserve(plan.user_ids, keep, targets)
             self._count_evictions()
+        ps = self.config.page_size
+        for b, u in enumerate(plan.user_ids):
+            if u in plan.read_only:
+                pages[b] = pages[b][: -(-plan.history_lens[b] // ps)]
         return pages
 
     def _onload_plan(self, plan: BatchPlan, pages: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,8 +349,10 @@ class AsyncKVCacheManager:
                 if u in failed:
                     continue
                 n = plan.history_lens[b]
-                self.gpu.commit(u, n, prepared.digests[b])
-                jobs.append((u, b))
+                if u not in plan.read_only:
+                    self.gpu.commit(u, n, prepared.digests[b])
+                    self._identities[u] = plan.identities[b]
+                    jobs.append((u, b))
                 self.stats.add(
                     cached_tokens=plan.cached_lens[b],
                     computed_tokens=n - plan.cached_lens[b],
@@ -327,7 +364,7 @@ class AsyncKVCacheManager:
                     self.invalidate(u)
                 self.stats.add(recomputes=len(failed))
             offload = admitted(plan, jobs, self.config, self.admission, self.host, self.stats)
-            done = [u for u, b in jobs if (u, b) not in offload]
+            done = [u for u, b in jobs if (u, b) not in offload] + list(plan.read_only)
             if done:
                 self.gpu.release(done)
         if offload:
@@ -367,6 +404,7 @@ class AsyncKVCacheManager:
         with self._index_lock:
             self.gpu.invalidate(user)
             self.host.invalidate(user)
+            self._identities.pop(user, None)
 
     def evict_gpu(self, users: list[int]) -> None:
         """Drop only the GPU copy of users (their host chunks stay), after in-flight offloads finish;
@@ -375,15 +413,19 @@ class AsyncKVCacheManager:
         with self._index_lock:
             for u in users:
                 self.gpu.invalidate(u)
+                self._identities.pop(u, None)
 
     def occupancy(self) -> dict[str, int]:
         """Free GPU pages and host slots (for metrics)."""
         return {"gpu_free_pages": self.gpu.num_free_pages(), "host_free_slots": self.host.num_free_slots()}
 
     def _count_evictions(self) -> None:
-        g, h = len(self.gpu.take_evicted()), len(self.host.take_evicted())
-        if g or h:
-            self.stats.add(gpu_evictions=g, host_evictions=h)
+        """Count the users the indexes evicted since the last call (and forget their identities)."""
+        gpu_evicted, h = self.gpu.take_evicted(), len(self.host.take_evicted())
+        for u in gpu_evicted:
+            self._identities.pop(u, None)
+        if gpu_evicted or h:
+            self.stats.add(gpu_evictions=len(gpu_evicted), host_evictions=h)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -16,6 +16,7 @@ class CacheStats:
     invalidations: int = 0  # both reasons below
     invalidated_shorter: int = 0
     invalidated_diverged: int = 0
+    shorter_reused: int = 0  # shorter histories ranked from a longer GPU entry, read-only (kept)
     recomputes: int = 0
     onload_failures: int = 0
     offload_failures: int = 0

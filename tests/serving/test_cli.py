@@ -62,7 +62,7 @@ def test_serve_flags_map_to_settings_and_the_config_file(tmp_path):
     assert cfg.num_items == TINY.num_items and cfg.dtype == "bfloat16"
     assert s.resolve_task_names(cfg) == ("click", "like", "share")
     kv = s.kv_config(cfg)
-    assert (kv.on_no_new_tokens, kv.on_shorter_history) == ("candidates", "invalidate")
+    assert (kv.on_no_new_tokens, kv.on_shorter_history) == ("candidates", "reuse")
 
 
 def test_settings_come_from_the_config_file_then_the_environment_then_the_flags(tmp_path):

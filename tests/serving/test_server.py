@@ -181,6 +181,27 @@ async def test_a_fabricated_longer_history_cannot_lock_the_user_out(reference):
 
 
 @anyio
+async def test_an_older_request_arriving_after_a_newer_one_is_ranked_from_the_cached_prefix(reference):
+    """A user's requests overtaking each other (several connections, parse workers): the older,
+    shorter history is answered from the first tokens of the newer entry, which stays cached."""
+    user = Timeline(33)
+    async with serving() as (_, client):
+        for events in (10, 30):
+            assert (await client.post("/v1/rank", json=user.payload(events))).status_code == 200
+        older = user.payload(12, num_candidates=3)
+        r = await client.post("/v1/rank", json=older)
+        assert r.status_code == 200 and matches_reference(reference, older, r.json())
+        assert r.json()["cached_tokens"] == TINY.history_tokens(12), "the whole shorter history came from the cache"
+        nxt = user.payload(31)
+        r = await client.post("/v1/rank", json=nxt)
+        assert r.status_code == 200 and matches_reference(reference, nxt, r.json())
+        assert r.json()["cached_tokens"] == TINY.history_tokens(30), "the longer entry was kept"
+        metrics = (await client.get("/metrics")).text
+    assert "hstu_cache_shorter_reused_total 1.0" in metrics
+    assert 'hstu_cache_invalidations_total{reason="shorter"} 0.0' in metrics
+
+
+@anyio
 async def test_strict_history_mode_answers_409_for_a_shorter_history():
     user = Timeline(32)
     async with serving(tiny_settings(on_shorter_history="raise")) as (_, client):

@@ -296,3 +296,53 @@ def test_plain_extension_does_not_wait_for_the_users_offload(tiny_config, book, 
     release.set()
     mgr.drain()
     assert mgr.gpu.pin_count(1) == 0 and len(mgr.host.lookup(1)[0]) == tiny_config.history_tokens(15) // 8
+
+
+def _prefix(req: RankingRequest, events: int, config, candidates=(1, 2)) -> RankingRequest:
+    """The user's earlier request: the first `events` events of `req`'s history."""
+    return RankingRequest.create(
+        req.user_id, req.item_ids[:events], req.actions[:events], req.timestamps[:events], list(candidates), config=config
+    )
+
+
+def test_a_shorter_prefix_history_is_ranked_read_only_from_the_longer_entry(tiny_config, book, monkeypatch):
+    """A user's older request arriving after a newer one (reuse policy): only its candidates are
+    computed, from the first tokens of the cached entry, which stays whole for the next request;
+    it writes nothing, so it does not wait for the entry's offload either."""
+    model, mgr = _setup(tiny_config, on_no_new_tokens="candidates", on_shorter_history="reuse")
+    release = _block_offloads(monkeypatch)
+    longer = book.request(1, 12)
+    _check(model, [longer])
+    long_len = tiny_config.history_tokens(12)
+    for events in (5, 1, 11):  # off and on page boundaries (page_size 4), down to one event
+        older = _prefix(longer, events, tiny_config)
+        out = _check(model, [older, book.request(2, 3)])[0]
+        assert (out.cached_tokens, out.computed_tokens) == (tiny_config.history_tokens(events), 2)
+        assert mgr.gpu.lookup(1)[0] == long_len, "the longer entry is kept"
+    assert mgr.stats.snapshot()["shorter_reused"] == 3 and mgr.stats.snapshot()["invalidations"] == 0
+    out = _check(model, [book.request(1, 2)])[0]
+    assert out.cached_tokens == long_len, "the next request extends the longer entry"
+    release.set()
+    mgr.drain()
+    assert mgr.gpu.pin_count(1) == 0
+
+
+def test_a_shorter_history_that_differs_is_still_invalidated_under_reuse(tiny_config, book):
+    model, mgr = _setup(tiny_config, on_no_new_tokens="candidates", on_shorter_history="reuse")
+    longer = book.request(1, 12)
+    _check(model, [longer])
+    edited = _prefix(longer, 6, tiny_config)
+    items = edited.item_ids.copy()
+    items[2] = (items[2] + 1) % tiny_config.num_items
+    edited = RankingRequest.create(1, items, edited.actions, edited.timestamps, [1], config=tiny_config)
+    assert _check(model, [edited])[0].cached_tokens == 0
+    stats = mgr.stats.snapshot()
+    assert (stats["shorter_reused"], stats["invalidated_shorter"]) == (0, 1)
+    assert mgr.gpu.lookup(1)[0] == tiny_config.history_tokens(6), "the edited history replaced the entry"
+    again = _prefix(longer, 5, tiny_config)  # a prefix of the old entry, not of the new one
+    assert _check(model, [again])[0].cached_tokens == 0
+
+
+def test_reuse_policy_needs_candidates_reranking(tiny_config):
+    with pytest.raises(ValueError, match="on_shorter_history 'reuse'.*on_no_new_tokens 'candidates', got 'raise'"):
+        KVCacheConfig.for_model(tiny_config, on_shorter_history="reuse")
