@@ -4,7 +4,7 @@
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
 # STAGES picks the stages (default: the first six; also split, replay_sync, pytest_pipeline, profile_split, replay_ab,
-# regimes, profile, rest, rest_engine, rest_front2, rest_front3,
+# regimes, profile, rest, rest_invalidate, pytest_serving, rest_engine, rest_front2, rest_front3,
 # rest_ray, rest_ray_direct, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
@@ -49,6 +49,8 @@ stage split 240 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections
 # the replay ranking and synchronising one batch at a time (replay_graphs pipelines two)
 stage replay_sync 120 python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress \
   --pipeline 1 --out "$OUT/replay_sync"
+# the server's CUDA tests and the GPU pipeline's (oracle with eviction, pipelined batches, re-rank)
+stage pytest_serving 240 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/serving tests/model/test_cuda_pipeline.py
 # the GPU pipeline tests alone: oracle with eviction, pipelined batches, re-rank, graph padding
 stage pytest_pipeline 200 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/model/test_cuda_pipeline.py \
   tests/engine/test_graphs.py -k "not compiled_layers"
@@ -80,6 +82,9 @@ regimes() {
 stage regimes 240 bash -c "$(declare -f regimes); regimes"
 stage profile 120 python3 -m hstu.cli profile --device cuda --cuda-graphs --batch 1 8 --forwards 10 --out "$OUT/profile"
 stage rest 300 bash scripts/gpu_rest.sh "$OUT/rest"
+# a shorter history always recomputed (the policy before "reuse"; compare with "rest" in the same call)
+REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--on-shorter-history invalidate" stage rest_invalidate 200 \
+  bash scripts/gpu_rest.sh "$OUT/rest_invalidate"
 # the same server with its engine in a child process (compare with "rest" in the same call)
 REFERENCE=0 SERVE_ARGS=--engine-process stage rest_engine 240 bash scripts/gpu_rest.sh "$OUT/rest_engine"
 # two and three HTTP front ends before the one engine process (issue 18: the front end's loop was the limit)

@@ -10,7 +10,8 @@
 # server variant measured in the same call); SERVE_ARGS adds `hstu serve` flags (a variant);
 # PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
 # during one more, longer load run (collapsed stacks per thread, busy samples only, in OUT_DIR/pyspy.txt;
-# PYSPY_IDLE=1: idle samples too, to see where threads wait). The server's /metrics at the end: metrics_end.txt.
+# PYSPY_IDLE=1: idle samples too, to see where threads wait; PYSPY_GIL=1: only samples holding the GIL), with
+# the GPU's utilisation every 100 ms beside it (OUT_DIR/gpu_util.csv). The server's /metrics at the end: metrics_end.txt.
 set -uo pipefail
 out=$1
 port=${PORT:-8123}
@@ -54,12 +55,15 @@ python3 -m hstu.cli loadgen --server "$url" --rate 3000 --requests 400 --users 6
   --first-user 400000 --out "$out/loadgen_fit" || rc=1
 if [ -n "${PYSPY:-}" ] && command -v py-spy > /dev/null; then  # a longer load, sampled without pausing the server;
   # busy samples only (no --idle), so a thread's samples over the rate and the load's wall_s is its busy share
-  py-spy record --pid $server --subprocesses --threads --nonblocking ${PYSPY_IDLE:+--idle} --rate 200 --duration 120 --format raw \
-    --output "$out/pyspy.txt" > "$out/pyspy.log" 2>&1 &
+  py-spy record --pid $server --subprocesses --threads --nonblocking ${PYSPY_IDLE:+--idle} ${PYSPY_GIL:+--gil} --rate 200 \
+    --duration 120 --format raw --output "$out/pyspy.txt" > "$out/pyspy.log" 2>&1 &
   spy=$!
+  nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader -lms 100 > "$out/gpu_util.csv" 2>/dev/null &
+  smi=$!
   python3 -m hstu.cli loadgen --server "$url" --workload replay --order sent --rate 3000 --requests 2000 --users 64 \
-    --connections 128 --processes 4 --first-user 500000 --out "$out/loadgen_profiled" > /dev/null || rc=1
+    --connections 128 --processes 4 --first-user 500000 --out "$out/loadgen_profiled" | grep -E "^(offered|server phases)" || rc=1
   kill -INT "$spy"
+  kill "$smi"
   wait "$spy"
 fi
 curl -s "$url/metrics" > "$out/metrics_end.txt"  # queue waits, batch sizes and latencies of every run above
