@@ -127,8 +127,13 @@ def _client(args: tuple) -> dict:
 _BATCH_SAMPLES = ("hstu_batch_size_count", "hstu_batch_size_sum", "hstu_batch_latency_seconds_sum")
 
 
-# histogram (without _sum/_count) -> its phase label, or None for the phase="..." label it carries
-_PHASE_HISTOGRAMS = {"hstu_request_phase_seconds": None, "hstu_queue_wait_seconds": "engine_queue"}
+# histogram (without _sum/_count) -> the name of its phase, "{}" standing for the phase="..." label it carries;
+# batch phases are means per batch, the others per request
+_PHASE_HISTOGRAMS = {
+    "hstu_request_phase_seconds": "{}",
+    "hstu_queue_wait_seconds": "engine_queue",
+    "hstu_batch_phase_seconds": "batch_{}",
+}
 
 
 def _server_counters(url: str) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
@@ -147,7 +152,7 @@ def _server_counters(url: str) -> tuple[dict[str, float], dict[tuple[str, str], 
             if s.name in batch:  # summed over labels: an engine process or Ray replicas add replica="..."
                 batch[s.name] += s.value
             elif histogram in _PHASE_HISTOGRAMS and part in ("sum", "count"):
-                key = (_PHASE_HISTOGRAMS[histogram] or s.labels["phase"], part)
+                key = (_PHASE_HISTOGRAMS[histogram].format(s.labels.get("phase")), part)
                 phases[key] = phases.get(key, 0.0) + s.value
     return batch, phases
 
@@ -263,7 +268,7 @@ def main(args: argparse.Namespace) -> int:
           f"mean batch {doc['mean_batch_size']:.2f} ({doc['mean_batch_model_ms']:.1f} ms from start to outputs, summing "
           f"to {doc['model_busy_share']:.0%} of the wall)  statuses {doc['statuses']}")
     if doc["phase_mean_ms"]:
-        print("server phases, mean ms per request: " + ", ".join(f"{k} {v:.2f}" for k, v in doc["phase_mean_ms"].items()))
+        print("server phases, mean ms per request (batch_*: per batch): " + ", ".join(f"{k} {v:.2f}" for k, v in doc["phase_mean_ms"].items()))
     if reference is not None:
         print(f"verified {doc['verified']} answers against the no-cache model: {doc['verify_mismatches']} mismatches "
               f"(max abs logit diff {doc['verify_max_abs_diff']:.3g})")

@@ -81,6 +81,23 @@ class _Ran:
     started: float
     seconds: float | None  # from the batch's start to its outputs on the host; None when nothing ran
     pending: tuple[list[_Item], PendingRank] | None = None  # launched, outputs not yet on the host
+    formed: float | None = None  # handed to the model thread's executor
+    launched: float | None = None  # the model thread done with it
+    outputs_at: float | None = None  # its outputs on the host
+
+    def phases(self) -> dict[str, float]:
+        """Seconds of the batch's hand-offs and work (hstu_batch_phase_seconds): handoff (formed
+        until the model thread starts it), launch (the model thread's work), outputs (launched
+        until its outputs reach the host: the GPU's queue and kernels), deliver (until the loop
+        answers it)."""
+        if None in (self.formed, self.launched, self.outputs_at):
+            return {}
+        return {
+            "handoff": self.started - self.formed,
+            "launch": self.launched - self.started,
+            "outputs": self.outputs_at - self.launched,
+            "deliver": time.monotonic() - self.outputs_at,
+        }
 
     def settle(self) -> "_Ran":
         """On the completion thread: wait for the pending outputs (see _settle)."""
@@ -88,7 +105,8 @@ class _Ran:
             items, pending = self.pending
             self.outcomes += zip(items, _settle(pending, len(items)))
             self.pending = None
-            self.seconds = time.monotonic() - self.started
+            self.outputs_at = time.monotonic()
+            self.seconds = self.outputs_at - self.started
         return self
 
 
@@ -255,7 +273,7 @@ class Batcher:
                 if self._input_done:
                     return
                 continue
-            launched = loop.run_in_executor(self._executor, self._run_batch, batch)
+            launched = loop.run_in_executor(self._executor, self._run_batch, batch, time.monotonic())
             launches.append(launched)
             in_flight.append(asyncio.ensure_future(self._complete(batch, launched)))
             for queue in (in_flight, launches):
@@ -285,6 +303,8 @@ class Batcher:
         if self.metrics is not None and ran.seconds is not None:
             self.metrics.batch_size.observe(sum(1 for item in batch if item.started))
             self.metrics.batch_latency.observe(ran.seconds)
+            for phase, seconds in ran.phases().items():
+                self.metrics.batch_phase.labels(phase).observe(seconds)
             for item in batch:
                 if item.started:
                     self.metrics.queue_wait.observe(ran.started - item.enqueued)
@@ -392,7 +412,7 @@ class Batcher:
             self._carry.append(item)
 
     # ----------------------------------------------------------- model thread
-    def _run_batch(self, batch: list[_Item]) -> "_Ran":
+    def _run_batch(self, batch: list[_Item], formed: float | None = None) -> "_Ran":
         """On the model thread, when the batch starts: admit each request (its client still
         waits, its deadline and queue wait are not over), rank the admitted ones. Futures are
         only read here; _deliver answers them on the loop. A timer that refuses a request in the
@@ -416,8 +436,10 @@ class Batcher:
                 pending = (admitted, result)
             else:
                 outcomes += zip(admitted, result)
-        seconds = time.monotonic() - started if admitted else None
-        return _Ran(outcomes, dropped, started, seconds, pending)
+        launched = time.monotonic()
+        seconds = launched - started if admitted else None
+        outputs_at = launched if pending is None else None
+        return _Ran(outcomes, dropped, started, seconds, pending, formed if admitted else None, launched, outputs_at)
 
     def _execute(self, requests: list[RankingRequest]) -> "list[RankOutput | RankError] | PendingRank":
         """Outcome per request, in order, or the launched batch; runs on the model thread. A batch

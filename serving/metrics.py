@@ -104,6 +104,15 @@ class ServingMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.batch_phase = Histogram(
+            "hstu_batch_phase_seconds",
+            "Time of one batch in each phase: handoff (formed until the model thread starts it), launch "
+            "(the model thread's work), outputs (launched until its outputs are on the host: the GPU), "
+            "deliver (until the event loop answers it)",
+            ["phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "hstu_queue_wait_seconds",
             "Time a request waited in the batcher before its batch started",
