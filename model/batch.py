@@ -84,8 +84,9 @@ class RankingRequest:
 
     def validate(self, config: HSTUConfig) -> None:
         """Raise ValueError naming the first offending value. A request passes once per config:
-        its arrays are read-only, so the batch path does not check it again."""
-        if self._valid_for is config:
+        its arrays are read-only, so the batch path does not check it again; nor does an engine
+        process that receives it pickled from the front end that checked it (an equal config)."""
+        if self._valid_for is config or self._valid_for == config:
             return
         if self.user_id < 0:
             raise ValueError(f"user_id must be >= 0, got {self.user_id}")
