@@ -15,7 +15,10 @@ Invariants:
   - With the model thread idle, a batch is closed when it holds `max_batch_size` requests or
     `max_wait_s` after its oldest request arrived; the wait is skipped while requests arrive
     further apart than max_wait_s (it would add latency without adding requests).
-  - Of two requests of one user in the queue, the shorter history runs first.
+  - Of two requests of one user in the queue, the older one runs first: the one whose last event
+    is earlier, or, at equal last events, the shorter history. (Shorter-first alone ran a
+    restarted user's new, short history before the old, long requests still queued, and each
+    switch between the two invalidated and recomputed the user: ~4 per restart under load.)
   - Every submitted request gets exactly one outcome (scores or a RankError); no exception from
     a batch stops the loop. A batch that needs more KV pages than exist unpinned is split in
     halves; a batch that raises anything else is retried one request at a time, so each request
@@ -108,6 +111,14 @@ class _Ran:
             self.outputs_at = time.monotonic()
             self.seconds = self.outputs_at - self.started
         return self
+
+
+def _recency(request: RankingRequest) -> tuple[int, int]:
+    """Order of one user's requests: the last event's timestamp, then the number of events. A
+    user's next request adds events (never earlier ones: timestamps do not decrease) or starts a
+    new history, whose events come after the old ones."""
+    n = request.num_events
+    return (int(request.timestamps[n - 1]) if n else -1, n)
 
 
 def _settle(outputs: "Sequence[RankOutput] | PendingRank", expected: int) -> list[RankOutput | RankError]:
@@ -395,9 +406,9 @@ class Batcher:
             self.metrics.dropped.labels(reason).inc()
 
     def _offer(self, item: _Item, batch: list[_Item], users: dict[int, int]) -> None:
-        """Add `item` unless its user is in the batch already; then the shorter history runs first
-        (an earlier request that arrived late, e.g. parsed after its successor) and the other is
-        carried to the next batch."""
+        """Add `item` unless its user is in the batch already; then the older request runs first
+        (see `_recency`: an earlier request that arrived late, e.g. parsed after its successor) and
+        the other is carried to the next batch."""
         if self._abandoned(item):
             return
         user = item.request.user_id
@@ -405,7 +416,7 @@ class Batcher:
         if at is None:
             users[user] = len(batch)
             batch.append(item)
-        elif item.request.item_ids.shape[0] < batch[at].request.item_ids.shape[0]:
+        elif _recency(item.request) < _recency(batch[at].request):
             self._carry.appendleft(batch[at])
             batch[at] = item
         else:

@@ -176,6 +176,19 @@ async def test_shorter_history_of_a_user_runs_first_when_both_are_queued():
     assert model.batches == [[(1, 2), (2, 3)], [(1, 1)]]
 
 
+async def test_a_restarted_users_new_history_runs_after_the_old_requests_queued_before_it():
+    """A user whose history restarted: the new, shorter history has the later events, so the old,
+    longer requests still queued run first (shorter-first would switch histories twice)."""
+    model = FakeModel()
+    batcher = Batcher(model.rank, max_batch_size=4, max_wait_s=0.05, max_queue=100)
+    batcher.start()
+    old = [RankingRequest.create(1, [1] * n, [0] * n, list(range(n)), [n], config=TINY) for n in (6, 7)]
+    restarted = RankingRequest.create(1, [2, 3], [0, 1], [50, 51], [2], config=TINY)
+    await submit_all(batcher, [old[1], restarted, old[0]])  # arrival order scrambled
+    await batcher.close()
+    assert [b[0] for b in model.batches] == [(1, 6), (1, 7), (1, 2)]
+
+
 async def test_a_formed_batch_starts_when_the_running_one_ends_even_with_the_loop_busy():
     """The next full batch queues behind the running one on the model thread: no event-loop turn between them."""
     release = threading.Event()
