@@ -35,6 +35,8 @@ _FLAGS = (
     ("--front-ends", "front_ends", int,
      "HTTP front-end processes sharing --port, each forwarding parsed requests to the one engine process "
      "(needs the engine process; incremental requests find the histories their front end saw)"),
+    ("--gil-switch-interval-ms", "gil_switch_interval_ms", float,
+     "the GIL switch interval of the process running the engine (default: Python's 5 ms)"),
     ("--shutdown-timeout-s", "shutdown_timeout_s", float, "on SIGTERM/SIGINT, time for queued requests to finish; the rest get 503"),
 )
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 import time
 from abc import ABC, abstractmethod
 from typing import Callable
@@ -164,6 +165,8 @@ class ServingRuntime(Runtime):
         if self.state != "loading":  # close() ran while loading
             return
         s = self.settings
+        if s.gil_switch_interval_ms is not None:
+            sys.setswitchinterval(s.gil_switch_interval_ms / 1000.0)
         self.batcher = Batcher(
             self._rank,
             s.max_batch_size,

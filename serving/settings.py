@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 _CUDA_PARSE_PROCESSES = 4  # parse workers of a CUDA server by default
 
 _POSITIVE = (
+    "gil_switch_interval_ms",
     "page_size",
     "num_pages",
     "chunk_tokens",
@@ -98,6 +99,12 @@ class ServerSettings:
     # at the seed workload on the H200, 2-3 ran 0.65-0.88x as fast (RESULTS.md, eleventh session).
     front_ends: int = 1
     history_store_bytes: int = 256 << 20  # histories kept for incremental requests (0: none, every request sends all)
+    # The GIL's switch interval of the process running the engine (sys.setswitchinterval; None:
+    # Python's 5 ms). Every torch call on the model thread drops the GIL; taking it back waits up to
+    # this long while another thread (request unpickling, output pickling, the batcher's loop, the
+    # offload worker) runs Python. An experiment knob: on the H200 the engine's model thread took
+    # ~2x the in-process host time per batch (RESULTS.md, twelfth session); not yet measured.
+    gil_switch_interval_ms: float | None = None
 
     def __post_init__(self) -> None:
         cuda = self.device.startswith("cuda")

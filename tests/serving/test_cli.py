@@ -30,7 +30,8 @@ def test_serve_defaults_bind_loopback_port_8000_on_cpu_with_the_embedded_config(
     assert (args.host, args.port, settings.device) == ("127.0.0.1", 8000, "cpu")
     assert settings.resolve_model_config().num_items == 100_000
     assert settings.host_cache_bytes == 1 << 30 and settings.num_pages == 1024
-    assert settings.history_store_bytes == 256 << 20
+    assert settings.history_store_bytes == 256 << 20 and settings.gil_switch_interval_ms is None
+    assert settings_from_args(parse(["serve", "--gil-switch-interval-ms", "0.5"]), env={}).gil_switch_interval_ms == 0.5
     assert callable(args.func)
 
 

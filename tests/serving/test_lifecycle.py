@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 import time
 
 import httpx
@@ -236,3 +237,16 @@ def test_a_second_signal_during_shutdown_exits_at_once(monkeypatch):
     assert server.should_exit and exits == []
     server.handle_exit(15, None)
     assert exits == [128 + 15]
+
+
+@anyio
+async def test_the_gil_switch_interval_setting_reaches_the_process_running_the_engine():
+    before = sys.getswitchinterval()
+    try:
+        async with serving(tiny_settings(gil_switch_interval_ms=0.5)) as (_, client):
+            assert (await client.post("/v1/rank", json=Timeline(5).payload(4))).status_code == 200
+            assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
+    with pytest.raises(ValueError, match="gil_switch_interval_ms must be positive, got 0"):
+        tiny_settings(gil_switch_interval_ms=0)
