@@ -133,6 +133,7 @@ _PHASE_HISTOGRAMS = {
     "hstu_request_phase_seconds": "{}",
     "hstu_queue_wait_seconds": "engine_queue",
     "hstu_batch_phase_seconds": "batch_{}",
+    "hstu_forward_phase_seconds": "forward_{}",
 }
 
 
@@ -268,7 +269,8 @@ def main(args: argparse.Namespace) -> int:
           f"mean batch {doc['mean_batch_size']:.2f} ({doc['mean_batch_model_ms']:.1f} ms from start to outputs, summing "
           f"to {doc['model_busy_share']:.0%} of the wall)  statuses {doc['statuses']}")
     if doc["phase_mean_ms"]:
-        print("server phases, mean ms per request (batch_*: per batch): " + ", ".join(f"{k} {v:.2f}" for k, v in doc["phase_mean_ms"].items()))
+        means = ", ".join(f"{k} {v:.2f}" for k, v in doc["phase_mean_ms"].items())
+        print(f"server phases, mean ms per request (batch_*, forward_*: per batch): {means}")
     if reference is not None:
         print(f"verified {doc['verified']} answers against the no-cache model: {doc['verify_mismatches']} mismatches "
               f"(max abs logit diff {doc['verify_max_abs_diff']:.3g})")

@@ -113,6 +113,15 @@ class ServingMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.forward_phase = Histogram(
+            "hstu_forward_phase_seconds",
+            "Host time of one batch's cached forward on the model thread, by phase (engine ForwardTiming): "
+            "plan (lookup, joins of in-flight offloads, layout), inputs (request features), prepare_wait, "
+            "onload_wait, forward (graph replay or launches), finish (commit, offload start, outputs split)",
+            ["phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "hstu_queue_wait_seconds",
             "Time a request waited in the batcher before its batch started",

@@ -184,7 +184,19 @@ class ServingRuntime(Runtime):
         """Runs on the model thread and returns once the batch is launched; the batcher's
         completion thread reads the float32 logits on the host (one copy for the whole batch), so
         neither the event loop nor the model thread waits for the GPU."""
-        return self.engine.rank_async(requests, dtype=torch.float32)
+        timings = self.engine.timings
+        last = timings[-1] if timings else None
+        pending = self.engine.rank_async(requests, dtype=torch.float32)
+        if timings and timings[-1] is not last:
+            self._observe_forward(timings[-1])
+        return pending
+
+    _FORWARD_PHASES = ("plan", "inputs", "prepare_wait", "onload_wait", "forward", "finish")
+
+    def _observe_forward(self, timing) -> None:
+        """The model thread's host time by phase (hstu_forward_phase_seconds), per batch."""
+        for phase in self._FORWARD_PHASES:
+            self.metrics.forward_phase.labels(phase).observe(getattr(timing, f"{phase}_s"))
 
     def _load(self) -> None:
         s, cfg = self.settings, self.config

@@ -25,6 +25,7 @@ def test_loadgen_reports_rate_latency_and_batch_size_gets_only_200s_and_verifies
             assert doc["mean_batch_size"] >= 1 and doc["mean_batch_model_ms"] > 0 and 0 < doc["model_busy_share"] <= 1.05
             phases = doc["phase_mean_ms"]  # where a request's time went on the server, this run only
             batch_phases = {"batch_handoff", "batch_launch", "batch_outputs", "batch_deliver"}
+            batch_phases |= {f"forward_{p}" for p in ("plan", "inputs", "prepare_wait", "onload_wait", "forward", "finish")}
             assert set(phases) == {"read_parse", "rank", "respond", "engine_queue"} | batch_phases
             assert all(v >= 0 for v in phases.values()) and phases["batch_launch"] > 0
             assert phases["rank"] >= phases["engine_queue"], "the queue wait is part of the rank phase"
