@@ -87,7 +87,9 @@ class KVCacheConfig:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        # dtype.itemsize, not a tensor's element_size(): the offload worker asks per batch, and an
+        # allocation drops and retakes the GIL the model thread needs
+        return self.dtype.itemsize
 
     @property
     def page_bytes(self) -> int:
