@@ -139,8 +139,7 @@ _PHASE_HISTOGRAMS = {
 
 def _server_counters(url: str) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
     """From the server's /metrics, every replica's samples added up: the batch counters (batches,
-    requests batched, model seconds), and each request phase's seconds and count (the
-    hstu_request_phase_seconds phases, and the batcher's queue wait as engine_queue)."""
+    requests batched, model seconds), and each phase's seconds and count (_PHASE_HISTOGRAMS)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -159,7 +158,8 @@ def _server_counters(url: str) -> tuple[dict[str, float], dict[tuple[str, str], 
 
 
 def _phase_means_ms(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> dict[str, float]:
-    """Mean milliseconds per request of each phase over a run (counter deltas)."""
+    """Mean milliseconds of each phase over a run (counter deltas): per request, or per batch for
+    the batch_* and forward_* phases."""
     means = {}
     for phase in sorted({phase for phase, _ in after}):
         count = after.get((phase, "count"), 0.0) - before.get((phase, "count"), 0.0)

@@ -16,8 +16,9 @@ deadline travels as the time left (clocks of two hosts are not comparable). A re
 replica died is sent again: Serve's router re-routes one that the dead replica had not answered,
 and the ingress re-sends one that still fails with a lost replica (hstu_replica_retries_total),
 until its deadline; once the router's ring drops the replica, the ingress also gives up its calls
-still in flight to it (a call to a killed replica may never return) and sends them again. Ranking is pure, so a retry is safe, and the new replica recomputes the user's
-history, since its K/V are not there. A user who returns to a replica holding an older prefix is checked by exact
+still in flight to it (a call to a killed replica may never return) and sends them again. Ranking
+is pure, so a retry is safe, and the new replica recomputes the user's history, since its K/V are
+not there. A user who returns to a replica holding an older prefix is checked by exact
 identity by that replica's engine, so every answer equals the no-cache model's.
 
 /metrics on the ingress: its own request metrics, the router's decisions (hstu_router_*), and every
@@ -307,8 +308,7 @@ class RemoteRuntime(Runtime):
             if now == live:
                 continue
             gone, live = live - now, now
-            if gone:
-                self._ring.set_replicas(self._stats.replicas)
+            if gone:  # (the moved requests' lanes come from _lane_of, which follows the ring)
                 moved = self._calls.reroute(now)
                 logger.info("ranking replicas %s left: %d calls and queued requests rerouted", sorted(gone), moved)
 

@@ -32,7 +32,7 @@ from prometheus_client import generate_latest
 
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
-from hstu.engine import PendingRank, RankingEngine, RankOutput
+from hstu.engine import ForwardTiming, PendingRank, RankingEngine, RankOutput
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.serving.batcher import Batcher
@@ -191,12 +191,12 @@ class ServingRuntime(Runtime):
             self._observe_forward(timings[-1])
         return pending
 
-    _FORWARD_PHASES = ("plan", "inputs", "prepare_wait", "onload_wait", "forward", "finish")
-
-    def _observe_forward(self, timing) -> None:
-        """The model thread's host time by phase (hstu_forward_phase_seconds), per batch."""
-        for phase in self._FORWARD_PHASES:
-            self.metrics.forward_phase.labels(phase).observe(getattr(timing, f"{phase}_s"))
+    def _observe_forward(self, timing: ForwardTiming) -> None:
+        """The model thread's host time by phase (hstu_forward_phase_seconds), per batch: every
+        ForwardTiming field but the total."""
+        for f in dataclasses.fields(timing):
+            if f.name != "total_s":
+                self.metrics.forward_phase.labels(f.name.removesuffix("_s")).observe(getattr(timing, f.name))
 
     def _load(self) -> None:
         s, cfg = self.settings, self.config
