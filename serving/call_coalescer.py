@@ -17,11 +17,6 @@ again, in the lane `lane_of` now names, after the next of `backoff_s` (then fail
 `exhausted(exc)`); any other exception fails the call's items. Every item has a deadline: one
 that passes while queued is failed with `expired()` and never sent; a caller stops waiting at
 its deadline, and what it waited for is dropped if not yet sent.
-
-`reroute(live)`: the lanes not in `live` lost their worker (a replica that died). A call to a lost
-worker may never return, so its items do not wait for it: the calls in flight on those lanes are
-abandoned and their items retried as for a retryable error, and the items queued there move to the
-lane `lane_of` names now.
 """
 
 from __future__ import annotations
@@ -47,11 +42,6 @@ class _Pending(Generic[T]):
 class _Lane:
     queue: deque = field(default_factory=deque)
     in_flight: int = 0
-    abandons: set = field(default_factory=set)  # one future per call in flight; set: give it up
-
-
-class LaneLost(Exception):
-    """A call abandoned because its lane's worker left (reroute)."""
 
 
 @dataclass
@@ -140,25 +130,9 @@ class CallCoalescer(Generic[T]):
             now = time.monotonic()
             self.stats.calls += 1
             self.stats.items += len(group)
-            call = asyncio.ensure_future(
-                asyncio.wait_for(self._send([p.item for p in group], [p.deadline - now for p in group]),
-                                 max(p.deadline for p in group) - now)
-            )
-            abandon = asyncio.get_running_loop().create_future()
-            lane.abandons.add(abandon)
+            call = self._send([p.item for p in group], [p.deadline - now for p in group])
             try:
-                await asyncio.wait((call, abandon), return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:
-                call.cancel()
-                raise
-            finally:
-                lane.abandons.discard(abandon)
-            if not call.done():  # rerouted: its worker left, and the call may never return
-                call.cancel()
-                self._retry(group, LaneLost("the call's worker left"))
-                return
-            try:
-                outcomes = call.result()
+                outcomes = await asyncio.wait_for(call, max(p.deadline for p in group) - now)
             except TimeoutError:
                 self._fail(group, self._expired())
                 return
@@ -181,26 +155,6 @@ class CallCoalescer(Generic[T]):
         finally:
             lane.in_flight -= 1
             self._pump(lane)
-
-    def reroute(self, live: set[Hashable]) -> int:
-        """Give up the lanes not in `live` (see the module docstring); the number of calls
-        abandoned and items moved."""
-        moved = 0
-        for key, lane in list(self._lanes.items()):
-            if key in live:
-                continue
-            for abandon in list(lane.abandons):
-                if not abandon.done():
-                    abandon.set_result(None)
-                    moved += 1
-            queued, lane.queue = list(lane.queue), deque()
-            if not lane.abandons and lane.in_flight == 0:
-                del self._lanes[key]
-            for pending in queued:
-                if not pending.future.done():
-                    moved += 1
-                    self._enqueue(pending)
-        return moved
 
     def _fail(self, group: list[_Pending[T]], exc: BaseException) -> None:
         for pending in group:

@@ -15,10 +15,8 @@ the in-process ServingRuntime, so both paths share every endpoint, error and lim
 deadline travels as the time left (clocks of two hosts are not comparable). A request whose
 replica died is sent again: Serve's router re-routes one that the dead replica had not answered,
 and the ingress re-sends one that still fails with a lost replica (hstu_replica_retries_total),
-until its deadline; once the router's ring drops the replica, the ingress also gives up its calls
-still in flight to it (a call to a killed replica may never return) and sends them again. Ranking
-is pure, so a retry is safe, and the new replica recomputes the user's history, since its K/V are
-not there. A user who returns to a replica holding an older prefix is checked by exact
+until its deadline. Ranking is pure, so a retry is safe, and the new replica recomputes the user's
+history, since its K/V are not there. A user who returns to a replica holding an older prefix is checked by exact
 identity by that replica's engine, so every answer equals the no-cache model's.
 
 /metrics on the ingress: its own request metrics, the router's decisions (hstu_router_*), and every
@@ -76,7 +74,6 @@ _LOST_REPLICA = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
 _RETRY_BACKOFF_S = (0.05, 0.1, 0.2, 0.5)
 _SCRAPE_TIMEOUT_S = 2.0
 _READY_POLL_S = 0.5
-_REPLICA_WATCH_S = 0.5  # how often the ingress looks for ranking replicas that left the ring
 _NO_ACCESS_LOG = {"enable_access_log": False}  # as `hstu serve` (uvicorn access_log=False): no per-request lines
 
 
@@ -190,7 +187,6 @@ class RemoteRuntime(Runtime):
             backoff_s=_RETRY_BACKOFF_S,
         )
         metrics.registry.register(_CoalescerCollector(self._calls.stats))
-        self._watcher: asyncio.Task | None = None
         self._call_overhead = Histogram(
             "hstu_replica_call_overhead_seconds",
             "Per call to a ranking replica: its round trip less the time the replica spent ranking (Ray Serve's share)",
@@ -208,8 +204,6 @@ class RemoteRuntime(Runtime):
 
     async def start(self) -> None:
         """Ready once a ranking replica answers and serves this app's model config."""
-        if self._watcher is None:
-            self._watcher = asyncio.create_task(self._watch_replicas(), name="hstu-replica-watch")
         while self.state == "loading":
             try:
                 info = await asyncio.wait_for(self._ranking.describe.remote(), _SCRAPE_TIMEOUT_S)
@@ -291,26 +285,7 @@ class RemoteRuntime(Runtime):
         if start_task is not None:
             await start_task
         await self._calls.close()
-        if self._watcher is not None:
-            self._watcher.cancel()
-            await asyncio.gather(self._watcher, return_exceptions=True)
         self.state = "stopped"
-
-    async def _watch_replicas(self) -> None:
-        """When a ranking replica leaves the router's ring (it died), the calls in flight to it
-        are given up and sent again, and the requests queued for it go to their new owners
-        (CallCoalescer.reroute): a call to a killed replica may never return, and its requests
-        would otherwise wait for it until their deadline."""
-        live = set(self._stats.replicas)
-        while True:
-            await asyncio.sleep(_REPLICA_WATCH_S)
-            now = set(self._stats.replicas)
-            if now == live:
-                continue
-            gone, live = live - now, now
-            if gone:  # (the moved requests' lanes come from _lane_of, which follows the ring)
-                moved = self._calls.reroute(now)
-                logger.info("ranking replicas %s left: %d calls and queued requests rerouted", sorted(gone), moved)
 
 
 @serve.ingress()

@@ -143,31 +143,3 @@ def test_deadlines_bound_the_wait_and_expired_items_are_never_sent():
 def test_invalid_sizes_are_refused():
     with pytest.raises(ValueError, match="max_calls and max_group"):
         coalescer(Remote(), max_calls=0)
-
-
-def test_reroute_gives_up_the_calls_and_queue_of_a_lane_whose_worker_left():
-    """A call to a lost worker that never returns: rerouting abandons it and its items, and the
-    ones queued behind it, go to the lane named now."""
-
-    async def go():
-        lanes = {"now": "a"}
-        hung, alive = Remote(), Remote()  # the "a" worker never answers; "b" does
-        alive.release.set()
-
-        async def send(items, timeouts):
-            return await (hung if lanes["now"] == "a" and not hung.calls else alive).send(items, timeouts)
-
-        c = coalescer(hung, lane_of=lambda item: lanes["now"], max_calls=1, max_group=2)
-        c._send = send
-        deadline = time.monotonic() + 5
-        tasks = [asyncio.create_task(c.submit(i, deadline)) for i in (1, 2)]
-        await asyncio.sleep(0.01)
-        assert hung.calls == [[1]], "item 2 waits behind the hung call"
-        assert c.reroute({"a"}) == 0, "a live lane is left alone"
-        lanes["now"] = "b"
-        assert c.reroute({"b"}) == 2  # the hung call and the queued item
-        return await asyncio.wait_for(asyncio.gather(*tasks), 2), alive, c
-
-    results, alive, c = run(go())
-    assert results == [10, 20] and sorted(x for call in alive.calls for x in call) == [1, 2]
-    assert c.stats.retried == 1
