@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from hstu.engine import RankingEngine
+from hstu.engine import ForwardTiming, RankingEngine
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
 from hstu.model.ranking import InferenceRankingGR
@@ -94,6 +94,7 @@ class PassResult:
     errors: int = 0
     conflicts: int | None = None
     client_observed: bool = False
+    forward_phase_ms: dict[str, float] = field(default_factory=dict)  # model-thread ms per batch (in process)
 
     def mean_batch_size(self) -> float:
         """Mean requests per batch: from the records in-process, from the server's metrics otherwise.
@@ -118,6 +119,7 @@ class PassResult:
         }
         if self.conflicts is not None:
             out["history_conflicts"] = self.conflicts
+        out.update({f"forward_{k}_ms": v for k, v in self.forward_phase_ms.items()})
         s = self.stats
         if s:
             lookups = s["gpu_hits"] + s["host_hits"] + s["misses"]
@@ -218,6 +220,7 @@ def run_pass(
             if verify:
                 ranked.append((batch, outputs))
 
+        first_timing = len(model.timings)
         started = time.perf_counter()
         for index, batch in enumerate(batches):
             if fresh_users:
@@ -236,6 +239,7 @@ def run_pass(
             read_oldest()
         if pipeline > 1:
             ranked_s = time.perf_counter() - started
+        phases = forward_phase_means(list(model.timings)[first_timing:])
         bar.close()
         for batch, outputs in ranked:
             _verify(model, batch, outputs, tally)
@@ -244,10 +248,21 @@ def run_pass(
         stats = {k: after[k] - before[k] for k in after}
     finally:
         manager.close()
-    result = PassResult(name, records, ranked_s, stats)
+    result = PassResult(name, records, ranked_s, stats, forward_phase_ms=phases)
     if verify:
         result.mismatches, result.max_abs_diff = tally.mismatches, tally.max_abs_diff
     return result
+
+
+def forward_phase_means(timings: list[ForwardTiming]) -> dict[str, float]:
+    """Mean model-thread ms per batch by ForwardTiming phase (the server's hstu_forward_phase_seconds,
+    which loadgen prints as forward_*), so the two compare within one call."""
+    if not timings:
+        return {}
+    return {
+        f.name.removesuffix("_s"): 1e3 * sum(getattr(t, f.name) for t in timings) / len(timings)
+        for f in dataclasses.fields(ForwardTiming)
+    }
 
 
 def _verify(model: RankingEngine, batch: list[RankingRequest], outputs: list, tally: VerifyTally) -> None:
