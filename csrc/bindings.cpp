@@ -1,4 +1,5 @@
-// pybind11 bindings of the cache bookkeeping backends (GpuPageManager, HostStorage).
+// pybind11 bindings of the cache bookkeeping backends (GpuPageManager, HostStorage) and of the
+// batch's host features (batch_features.cpp).
 //
 // Python view: user ids and lengths are int, digests are bytes (b"" = none), page/slot lists are
 // list[int]. C++ errors map to Python as: CacheCapacityError -> ext.CacheCapacityError (a
@@ -14,6 +15,10 @@
 namespace py = pybind11;
 using hstu::GpuPageManager;
 using hstu::HostStorage;
+
+namespace hstu {
+void bind_batch_features(py::module& m);  // batch_features.cpp
+}
 
 namespace {
 // lookup() with the GIL released for the locked call, the digest returned as bytes (pybind11 would
@@ -31,6 +36,7 @@ py::tuple lookup_as_bytes(const Index& index, int64_t user) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::register_exception<hstu::CacheCapacityError>(m, "CacheCapacityError", PyExc_RuntimeError);
   using nogil = py::call_guard<py::gil_scoped_release>;
+  hstu::bind_batch_features(m);
 
   py::class_<GpuPageManager>(m, "GpuPageManager",
                              "GPU KV page pool bookkeeping: per-user page lists, user LRU, pinning.")

@@ -101,17 +101,10 @@ class InferenceRankingGR(nn.Module):
     def static_inputs(self, requests: list[RankingRequest], layout: JaggedLayout, out: torch.Tensor) -> torch.Tensor:
         """Fill `out`, a host [5, rows] int64 tensor (a CUDA-graph bucket's staging, engine/graphs.py),
         with the features of the batch's rows (embed_rows' input), then its candidate rows
-        (logits_at's), zero past the batch; returns `out`."""
-        rows = out.shape[1]
-        if layout.num_rows > rows:
-            raise ValueError(f"a batch of {layout.num_rows} rows does not fit a bucket of {rows}")
-        host = out.numpy()
-        T, M = layout.num_rows, layout.candidate_rows.shape[0]
-        host[:4, :T] = self.preprocessor.features(requests, layout.cached_lens)
-        host[:4, T:] = 0
-        host[4, :M] = layout.candidate_rows
-        host[4, M:] = 0
-        return out
+        (logits_at's), zero past the batch, in one pass (csrc/batch_features.cpp); returns `out`."""
+        if layout.num_rows > out.shape[1]:
+            raise ValueError(f"a batch of {layout.num_rows} rows does not fit a bucket of {out.shape[1]}")
+        return self.preprocessor.features(requests, layout.cached_lens, out)
 
     @torch.inference_mode()
     def forward_no_cache(self, requests: list[RankingRequest]) -> torch.Tensor:

@@ -47,8 +47,7 @@ def test_token_records_and_features_are_the_identity_and_preprocessor_ones(model
     assert torch.equal(records, torch.from_numpy(np.concatenate(expected_records).astype(np.int64)))
 
     emb = model.preprocessor.embeddings
-    features = batch_features(requests, [0] * len(requests), tiny_config, emb.item_offset, emb.action_offset)
-    expected = torch.from_numpy(features)
+    expected = batch_features(requests, [0] * len(requests), tiny_config, emb.item_offset, emb.action_offset)
     is_candidate = expected[3] == TOKEN_CANDIDATE
     assert torch.equal(history, expected[:, ~is_candidate])
     cand_user = torch.repeat_interleave(torch.arange(len(requests)), inputs.candidate_counts)
