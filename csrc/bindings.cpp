@@ -1,10 +1,13 @@
 // pybind11 bindings of the cache bookkeeping backends (GpuPageManager, HostStorage) and of the
-// batch's host features (batch_features.cpp).
+// batch's host inputs (batch_features.cpp, pack_metadata.cpp).
 //
 // Python view: user ids and lengths are int, digests are bytes (b"" = none), page/slot lists are
 // list[int]. C++ errors map to Python as: CacheCapacityError -> ext.CacheCapacityError (a
 // RuntimeError), std::invalid_argument -> ValueError, std::logic_error -> RuntimeError (pybind11's
-// std::exception fallback). Mutating and lookup calls release the GIL; the classes lock internally.
+// std::exception fallback). The classes lock internally. Only reserve (which may evict many users)
+// releases the GIL: the other calls take microseconds, and a release makes the calling thread (the
+// model thread, mostly) queue for the GIL again behind every other busy thread of the process, up to
+// the interpreter's switch interval each time (a GIL convoy; the engine process's GIL is saturated).
 // The torch op schemas live in ops.cpp (TORCH_LIBRARY(hstu, ...)), a separate translation unit.
 #include <torch/extension.h>
 #include <pybind11/stl.h>
@@ -18,17 +21,14 @@ using hstu::HostStorage;
 
 namespace hstu {
 void bind_batch_features(py::module& m);  // batch_features.cpp
+void bind_pack_metadata(py::module& m);   // pack_metadata.cpp
 }
 
 namespace {
-// lookup() with the GIL released for the locked call, the digest returned as bytes (pybind11 would
-// decode a std::string as UTF-8 text).
+// lookup() with the digest returned as bytes (pybind11 would decode a std::string as UTF-8 text).
 template <typename Index>
 py::tuple lookup_as_bytes(const Index& index, int64_t user) {
-  auto found = [&] {
-    py::gil_scoped_release nogil;
-    return index.lookup(user);
-  }();
+  auto found = index.lookup(user);
   return py::make_tuple(py::cast(found.first), py::bytes(found.second));
 }
 }  // namespace
@@ -37,6 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::register_exception<hstu::CacheCapacityError>(m, "CacheCapacityError", PyExc_RuntimeError);
   using nogil = py::call_guard<py::gil_scoped_release>;
   hstu::bind_batch_features(m);
+  hstu::bind_pack_metadata(m);
 
   py::class_<GpuPageManager>(m, "GpuPageManager",
                              "GPU KV page pool bookkeeping: per-user page lists, user LRU, pinning.")
@@ -49,11 +50,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "page_size), set length = keep_len, pin, mark MRU; evicts LRU unpinned users outside the call. "
            "Returns list[list[int]] page lists. Raises ValueError, RuntimeError (shrinking a pinned user), "
            "CacheCapacityError.")
-      .def("commit", &GpuPageManager::commit, py::arg("user"), py::arg("length"), py::arg("digest"), nogil(),
+      .def("commit", &GpuPageManager::commit, py::arg("user"), py::arg("length"), py::arg("digest"),
            "Sets the valid length (<= pages * page_size) and the digest (bytes) of that prefix.")
-      .def("release", &GpuPageManager::release, py::arg("users"), nogil(),
+      .def("release", &GpuPageManager::release, py::arg("users"),
            "Unpins each listed user once; RuntimeError if not pinned (nothing changes then).")
-      .def("invalidate", &GpuPageManager::invalidate, py::arg("user"), nogil(),
+      .def("invalidate", &GpuPageManager::invalidate, py::arg("user"),
            "Drops the user and frees its pages; no-op if absent; RuntimeError if pinned.")
       .def("take_evicted", &GpuPageManager::take_evicted, "Users evicted since the last call, in order.")
       .def("pages", &GpuPageManager::pages, py::arg("user"), "The user's page ids ([] if absent).")
@@ -77,14 +78,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "committed chunk count (append) or 0 (rewrite). Raises ValueError, RuntimeError (rewrite of a "
            "pinned user), CacheCapacityError.")
       .def("commit", &HostStorage::commit, py::arg("user"), py::arg("slots"), py::arg("first_chunk"),
-           py::arg("digest"), nogil(),
+           py::arg("digest"),
            "Makes reserved slots the user's chunks; returns False (slots freed) if that would leave a hole "
            "or rewrite a pinned user.")
-      .def("abort", &HostStorage::abort, py::arg("slots"), nogil(), "Returns reserved slots to the free list.")
-      .def("pin", &HostStorage::pin, py::arg("users"), nogil(), "Pins each user once; ValueError if absent.")
-      .def("unpin", &HostStorage::unpin, py::arg("users"), nogil(),
+      .def("abort", &HostStorage::abort, py::arg("slots"), "Returns reserved slots to the free list.")
+      .def("pin", &HostStorage::pin, py::arg("users"), "Pins each user once; ValueError if absent.")
+      .def("unpin", &HostStorage::unpin, py::arg("users"),
            "Unpins each user once; RuntimeError if not pinned.")
-      .def("invalidate", &HostStorage::invalidate, py::arg("user"), nogil(),
+      .def("invalidate", &HostStorage::invalidate, py::arg("user"),
            "Drops the user and frees its slots; no-op if absent; RuntimeError if pinned.")
       .def("take_evicted", &HostStorage::take_evicted, "Users evicted since the last call, in order.")
       .def("contains", &HostStorage::contains, py::arg("user"))

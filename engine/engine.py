@@ -341,7 +341,7 @@ class RankingEngine:
 
         if plan.pad is not None:
             before_layer = ready if prepared.onload_users else None
-            logits = self.graphs.run(plan.pad, prepared.metadata, int(plan.layout.candidate_rows.shape[0]), before_layer)
+            logits = self.graphs.run(plan.pad, prepared.metadata, plan.layout.num_candidate_rows, before_layer)
             if logits is None:  # padded metadata only fits its graph bucket
                 raise RuntimeError(f"no CUDA graph replayed the batch of {plan.layout.num_rows} rows padded for one")
         else:

@@ -134,15 +134,8 @@ def seed_metadata(batch: int, num_pages: int) -> KVCacheMetadata:
     need = -(-HISTORY // PAGE)
     perm = rng.permutation(num_pages)[: batch * need]
     pages = [perm[b * need : (b + 1) * need].tolist() for b in range(batch)]
-    rows = list(range(CACHED, HISTORY)) + [-1] * CANDIDATES
-    n = len(rows)
-    q_pos = np.tile(np.asarray(rows, np.int64), batch)
-    q_batch = np.repeat(np.arange(batch, dtype=np.int64), n)
-    q_local = np.tile(np.arange(n, dtype=np.int64), batch)
-    append_rows = np.nonzero(q_pos >= 0)[0]
-    offsets = np.arange(batch + 1, dtype=np.int64) * n
     return KVCacheMetadata.from_pages(
-        pages, [HISTORY] * batch, [CACHED] * batch, offsets, q_batch, q_local, q_pos, append_rows, PAGE
+        pages, [HISTORY] * batch, [CACHED] * batch, [CANDIDATES] * batch, PAGE
     ).to("cuda")
 
 

@@ -7,6 +7,7 @@ lengths); the model embeds exactly these rows and reads its logits from `candida
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,17 +15,15 @@ import numpy as np
 
 @dataclass
 class JaggedLayout:
-    """Row layout of one batch. q_pos = absolute position of history rows, -1 for candidates."""
+    """Row layout of one batch: per-user lengths and the row offsets. The per-row arrays (q_pos =
+    absolute position of history rows, -1 for candidates) are built on first use only: the cached
+    pipeline reads none of them (csrc/batch_features.cpp and csrc/pack_metadata.cpp derive the rows
+    from the lengths), the eager paths and the tests do."""
 
     history_lens: list[int]
     cached_lens: list[int]
     num_candidates: list[int]
     q_offsets: np.ndarray
-    q_batch: np.ndarray
-    q_local: np.ndarray
-    q_pos: np.ndarray
-    history_rows: np.ndarray
-    candidate_rows: np.ndarray
 
     @property
     def batch_size(self) -> int:
@@ -35,27 +34,46 @@ class JaggedLayout:
         return int(self.q_offsets[-1])
 
     @property
+    def num_candidate_rows(self) -> int:
+        return sum(self.num_candidates)
+
+    @property
     def max_q(self) -> int:
         return int(np.diff(self.q_offsets).max()) if self.batch_size else 0
 
     @classmethod
     def build(cls, history_lens: list[int], cached_lens: list[int], num_candidates: list[int]) -> "JaggedLayout":
-        new = np.asarray(history_lens, dtype=np.int64) - np.asarray(cached_lens, dtype=np.int64)
-        cand = np.asarray(num_candidates, dtype=np.int64)
-        rows = new + cand
-        offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+        rows = [h - c + m for h, c, m in zip(history_lens, cached_lens, num_candidates)]
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(rows, out=offsets[1:])
+        return cls(list(history_lens), list(cached_lens), list(num_candidates), offsets)
+
+    @functools.cached_property
+    def _rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        new = np.asarray(self.history_lens, dtype=np.int64) - np.asarray(self.cached_lens, dtype=np.int64)
+        rows = np.diff(self.q_offsets)
         q_batch = np.repeat(np.arange(len(rows)), rows)
-        q_local = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], rows)
+        q_local = np.arange(self.num_rows) - np.repeat(self.q_offsets[:-1], rows)
         is_hist = q_local < np.repeat(new, rows)
-        q_pos = np.where(is_hist, q_local + np.repeat(np.asarray(cached_lens, dtype=np.int64), rows), -1)
-        return cls(
-            history_lens=list(history_lens),
-            cached_lens=list(cached_lens),
-            num_candidates=list(num_candidates),
-            q_offsets=offsets,
-            q_batch=q_batch,
-            q_local=q_local,
-            q_pos=q_pos,
-            history_rows=np.flatnonzero(is_hist),
-            candidate_rows=np.flatnonzero(~is_hist),
-        )
+        q_pos = np.where(is_hist, q_local + np.repeat(np.asarray(self.cached_lens, dtype=np.int64), rows), -1)
+        return q_batch, q_local, q_pos, is_hist
+
+    @property
+    def q_batch(self) -> np.ndarray:
+        return self._rows[0]
+
+    @property
+    def q_local(self) -> np.ndarray:
+        return self._rows[1]
+
+    @property
+    def q_pos(self) -> np.ndarray:
+        return self._rows[2]
+
+    @property
+    def history_rows(self) -> np.ndarray:
+        return np.flatnonzero(self._rows[3])
+
+    @property
+    def candidate_rows(self) -> np.ndarray:
+        return np.flatnonzero(~self._rows[3])

@@ -1,7 +1,7 @@
 """KVCacheMetadata: everything the paged block needs to know about one batch's pages.
 
-Built on the host by the prepare worker (numpy, pinned when CUDA) and moved to the device in one
-go: pack_metadata writes every array into one host buffer (PackedMetadata), so the move is one
+Built on the host by the prepare worker (one C++ pass, csrc/pack_metadata.cpp; pinned when CUDA) and
+moved to the device in one go: pack_metadata writes every array into one host buffer (PackedMetadata), so the move is one
 H2D copy (not 13 small ones, each a launch on the model thread) and the views are built on the
 device only; a CUDA-graph batch copies the buffer into its bucket's and needs no views. The block
 only reads it. Layout of rows follows ops/kvcache/layout.py's JaggedLayout: per user, its new
@@ -10,7 +10,7 @@ history tokens then its candidates.
 Padded metadata (for a CUDA-graph bucket, `PadSpec`): every array is padded on the host to the
 bucket's static shape, so the graph's static metadata is refreshed by one copy of the packed
 buffer, whichever fields the captured attention backend reads. `_PADDING` names the fill of each
-field past the batch's own entries (a field without a rule is an error):
+field past the batch's own entries (csrc/pack_metadata.cpp applies it; the tests check against it):
   "scratch"  the scratch page no user owns (padded appends write there, padded users read it)
   "last"     the batch's last offset: padded users and rows own nothing
   "row"      the row index: padded rows get q_batch 0 and q_local >= T, never a real row's slot
@@ -18,12 +18,14 @@ field past the batch's own entries (a field without a rule is an error):
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field, fields
 
-import numpy as np
 import torch
+
+from hstu.ops._build import load_extension
+
+_ext = load_extension()
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class KVCacheMetadata:
 
     @classmethod
     def from_pages(cls, *args, **kwargs) -> "KVCacheMetadata":
-        """pack_metadata(*args, **kwargs) (page lists, lengths, row arrays, page size, pin, pad)
+        """pack_metadata(*args, **kwargs) (page lists, history / cached lengths, candidate counts, page size, pin, pad)
         as views over its buffer, where that buffer lives."""
         packed = pack_metadata(*args, **kwargs)
         return packed.to(packed.buffer.device)
@@ -102,15 +104,14 @@ class KVCacheMetadata:
     def from_layout(
         cls, page_lists: list[list[int]], layout, page_size: int, pin: bool = False, pad: PadSpec | None = None
     ) -> "KVCacheMetadata":
-        """from_pages for a JaggedLayout (its lengths and row arrays)."""
+        """from_pages for a JaggedLayout (its lengths)."""
         packed = pack_layout(page_lists, layout, page_size, pin, pad)
         return packed.to(packed.buffer.device)
 
     @classmethod
     def padded_empty(cls, pad: PadSpec, page_size: int) -> "KVCacheMetadata":
         """A bucket's metadata before any batch: no users, every field at its padding."""
-        empty = np.zeros(0, dtype=np.int64)
-        return cls.from_pages([], [], [], np.zeros(1, np.int64), empty, empty, empty, empty, page_size, pad=pad)
+        return cls.from_pages([], [], [], [], page_size, pad=pad)
 
     @property
     def layout_key(self) -> tuple | None:
@@ -155,10 +156,9 @@ class PackedMetadata:
 
 
 def pack_layout(page_lists, layout, page_size: int, pin: bool = False, pad: PadSpec | None = None) -> PackedMetadata:
-    """pack_metadata for a JaggedLayout (its lengths and row arrays)."""
+    """pack_metadata for a JaggedLayout (its lengths)."""
     return pack_metadata(
-        page_lists, layout.history_lens, layout.cached_lens, layout.q_offsets, layout.q_batch, layout.q_local,
-        layout.q_pos, layout.history_rows, page_size, pin, pad,
+        page_lists, layout.history_lens, layout.cached_lens, layout.num_candidates, page_size, pin, pad
     )
 
 
@@ -166,36 +166,28 @@ def pack_metadata(
     page_lists: list[list[int]],
     history_lens: list[int],
     cached_lens: list[int],
-    q_offsets: np.ndarray,
-    q_batch: np.ndarray,
-    q_local: np.ndarray,
-    q_pos: np.ndarray,
-    append_rows: np.ndarray,
+    num_candidates: list[int],
     page_size: int,
     pin: bool = False,
     pad: PadSpec | None = None,
 ) -> PackedMetadata:
     """Every field of the batch's metadata written straight into one host buffer (padded to
-    `pad`'s static shapes when given): one pass of array arithmetic over the flat page list, no
-    per-field intermediate copies and no tensor views on the host."""
+    `pad`'s static shapes when given), rows in JaggedLayout order. Here: the shapes and the byte
+    offsets (a few integers per user); the fields are filled by one C++ pass
+    (csrc/pack_metadata.cpp), with no per-row or per-page Python and no numpy call over the rows."""
     B = len(page_lists)
-    counts = np.fromiter(map(len, page_lists), np.int64, B)
-    hist = np.asarray(history_lens, dtype=np.int64).reshape(-1)
-    if hist.shape[0] != B:
-        raise ValueError(f"{B} page lists for {hist.shape[0]} history lengths")
-    short = np.flatnonzero(counts != -(-hist // page_size))
-    if short.size:
-        b = int(short[0])
-        raise ValueError(f"user {b}: {int(counts[b])} pages cannot hold exactly {int(hist[b])} tokens")
-    flat = np.fromiter(itertools.chain.from_iterable(page_lists), np.int32, int(counts.sum()))
-    indptr = np.zeros(B + 1, dtype=np.int64)
-    np.cumsum(counts, out=indptr[1:])
-    max_pages = int(counts.max()) if B else 1
-    T, Tn = int(q_batch.shape[0]), int(append_rows.shape[0])
-    rows = np.repeat(np.arange(B), counts)
-    cols = np.arange(flat.shape[0]) - indptr[:-1][rows]
-    q_counts = np.diff(q_offsets)
-    max_q = int(q_counts.max()) if q_counts.size else 0
+    if not len(history_lens) == len(cached_lens) == len(num_candidates) == B:
+        raise ValueError(
+            f"{B} page lists for {len(history_lens)} history lengths, {len(cached_lens)} cached lengths "
+            f"and {len(num_candidates)} candidate counts"
+        )
+    counts = [len(p) for p in page_lists]
+    for b, (n, h) in enumerate(zip(counts, history_lens)):
+        if n != -(-h // page_size):
+            raise ValueError(f"user {b}: {n} pages cannot hold exactly {h} tokens")
+    max_pages = max(counts, default=1)
+    Tn = sum(history_lens) - sum(cached_lens)
+    T = Tn + sum(num_candidates)
     if pad is not None:
         if B > pad.max_batch or max_pages > pad.max_pages:
             raise ValueError(f"page_table ({B}, {max_pages}) does not fit the bucket's ({pad.max_batch}, {pad.max_pages})")
@@ -203,19 +195,21 @@ def pack_metadata(
             if n > size:
                 raise ValueError(f"metadata field {name} has {n} entries; the bucket holds {size}")
         nB, nP, nT, nTn, max_q = pad.max_batch, pad.max_pages, pad.rows, pad.rows, pad.rows
+        n_indices = nB * nP
     else:
         nB, nP, nT, nTn = B, max(max_pages, 1), T, Tn
-    i32, i64 = np.dtype(np.int32), np.dtype(np.int64)
-    shapes = {
-        "page_table": (i32, (nB, nP)), "page_indices": (i32, (nB * nP if pad else flat.shape[0],)),
-        "page_indptr": (i32, (nB + 1,)), "last_page_len": (i32, (nB,)), "kv_lens": (i32, (nB,)),
-        "cached_lens": (i32, (nB,)), "q_offsets": (i32, (nB + 1,)), "q_batch": (i64, (nT,)),
-        "q_local": (i64, (nT,)), "q_pos": (i64, (nT,)), "append_rows": (i64, (nTn,)),
-        "append_page_ids": (i32, (nTn,)), "append_offsets": (i32, (nTn,)),
-    }
+        n_indices = sum(counts)
+        max_q = max((h - c + m for h, c, m in zip(history_lens, cached_lens, num_candidates)), default=0)
+    shapes = (
+        ("page_table", torch.int32, (nB, nP)), ("page_indices", torch.int32, (n_indices,)),
+        ("page_indptr", torch.int32, (nB + 1,)), ("last_page_len", torch.int32, (nB,)), ("kv_lens", torch.int32, (nB,)),
+        ("cached_lens", torch.int32, (nB,)), ("q_offsets", torch.int32, (nB + 1,)), ("q_batch", torch.int64, (nT,)),
+        ("q_local", torch.int64, (nT,)), ("q_pos", torch.int64, (nT,)), ("append_rows", torch.int64, (nTn,)),
+        ("append_page_ids", torch.int32, (nTn,)), ("append_offsets", torch.int32, (nTn,)),
+    )
     layout, total = [], 0
-    for name, (dtype, shape) in shapes.items():
-        layout.append((name, total, _TORCH_DTYPES[dtype], shape))
+    for name, dtype, shape in shapes:
+        layout.append((name, total, dtype, shape))
         total += -(-dtype.itemsize * math.prod(shape) // _ALIGN) * _ALIGN
     staging = pad.staging if pad is not None else None
     if staging is None:
@@ -224,55 +218,12 @@ def pack_metadata(
         raise ValueError(f"staging buffer of {staging.numel()} bytes cannot hold {total} bytes of metadata")
     else:
         buffer = staging[:total]
-    raw = buffer.numpy()
-    out = {
-        name: raw[offset : offset + dtype.itemsize * math.prod(shape)].view(dtype).reshape(shape)
-        for (name, offset, _, _), (dtype, shape) in zip(layout, shapes.values())
-    }
-    scratch = pad.scratch_page if pad is not None else 0
-    table = out["page_table"]
-    if pad is not None:
-        table.fill(scratch)
-    elif B:
-        table[:] = flat[indptr[:-1]][:, None]  # padded with each user's first page
-    table[rows, cols] = flat
-    append_pos = q_pos[append_rows]
-    values = {
-        "page_indices": flat,
-        "page_indptr": indptr,
-        "last_page_len": hist - (counts - 1) * page_size,
-        "kv_lens": hist,
-        "cached_lens": np.asarray(cached_lens, dtype=np.int64),
-        "q_offsets": q_offsets,
-        "q_batch": q_batch,
-        "q_local": q_local,
-        "q_pos": q_pos,
-        "append_rows": append_rows,
-        "append_page_ids": table[q_batch[append_rows], append_pos // page_size] if Tn else append_pos,
-        "append_offsets": append_pos % page_size,
-    }
-    for name, v in values.items():
-        fill = _PADDING[name]
-        _put(out[name], v, scratch if fill == "scratch" else fill)
+    _ext.pack_metadata(
+        buffer, [offset for _, offset, _, _ in layout], page_lists, list(history_lens), list(cached_lens),
+        list(num_candidates), page_size, nB, nP, nT, nTn, pad is not None, pad.scratch_page if pad is not None else 0,
+    )
     return PackedMetadata(buffer, tuple(layout), max_q)
 
-
-def _put(dest: np.ndarray, values: np.ndarray, fill: int | str) -> None:
-    """dest[:n] = values, the rest by its padding rule (`_PADDING`, "scratch" resolved): a value,
-    "last" or "row"."""
-    n = values.shape[0]
-    dest[:n] = values
-    if n == dest.shape[0]:
-        return
-    if fill == "last":
-        dest[n:] = values[-1] if n else 0
-    elif fill == "row":
-        dest[n:] = np.arange(n, dest.shape[0])
-    else:
-        dest[n:] = fill
-
-
-_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
 
 # Bytes: every packed array starts 16-byte aligned, as a separate allocation would. Triton
 # specialises a kernel on whether each pointer is 16-byte aligned: 8-byte offsets made the eager

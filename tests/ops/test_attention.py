@@ -63,6 +63,5 @@ def test_candidates_do_not_see_each_other():
 def test_metadata_rejects_pages_that_do_not_fit():
     layout = JaggedLayout.build([9], [0], [1])
     with pytest.raises(ValueError, match="cannot hold exactly 9 tokens"):
-        KVCacheMetadata.from_pages([[0, 1]], [9], [0], layout.q_offsets, layout.q_batch, layout.q_local,
-                                   layout.q_pos, layout.history_rows, PS)
+        KVCacheMetadata.from_pages([[0, 1]], [9], [0], [1], PS)
     assert np.all(layout.q_pos[-1:] == -1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,3 +83,58 @@ def test_a_page_list_that_does_not_cover_its_history_is_rejected():
     layout = JaggedLayout.build([9, 5], [0, 0], [1, 1])
     with pytest.raises(ValueError, match="user 1: 1 pages cannot hold exactly 5 tokens"):
         KVCacheMetadata.from_layout([[0, 1, 2], [3]], layout, 4)
+
+
+def _expected_fields(history: list[int], cached: list[int], candidates: list[int], pages: list[list[int]], ps: int):
+    """Every unpadded field read off the JaggedLayout's rows, user by user."""
+    layout = JaggedLayout.build(history, cached, candidates)
+    append_pos = layout.q_pos[layout.history_rows]
+    width = max(len(p) for p in pages)
+    return {
+        "page_table": [p + [p[0]] * (width - len(p)) for p in pages],
+        "page_indices": [x for p in pages for x in p],
+        "page_indptr": np.concatenate([[0], np.cumsum([len(p) for p in pages])]).tolist(),
+        "last_page_len": [h - (len(p) - 1) * ps for h, p in zip(history, pages)],
+        "kv_lens": history,
+        "cached_lens": cached,
+        "q_offsets": layout.q_offsets.tolist(),
+        "q_batch": layout.q_batch.tolist(),
+        "q_local": layout.q_local.tolist(),
+        "q_pos": layout.q_pos.tolist(),
+        "append_rows": layout.history_rows.tolist(),
+        "append_page_ids": [pages[b][pos // ps] for b, pos in zip(layout.q_batch[layout.history_rows], append_pos)],
+        "append_offsets": (append_pos % ps).tolist(),
+    }
+
+
+def test_packed_fields_equal_a_row_by_row_reading_of_the_layout_for_random_batches():
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        B, ps = int(rng.integers(1, 6)), int(rng.choice([1, 4, 16]))
+        history = rng.integers(1, 60, B).tolist()
+        cached = [int(rng.integers(0, h + 1)) for h in history]
+        candidates = rng.integers(0, 4, B).tolist()
+        perm = rng.permutation(1000).tolist()
+        pages, at = [], 0
+        for h in history:
+            n = -(-h // ps)
+            pages.append(perm[at : at + n])
+            at += n
+        meta = KVCacheMetadata.from_layout(pages, JaggedLayout.build(history, cached, candidates), ps)
+        got = {k: v.tolist() for k, v in meta.tensors().items()}
+        assert got == _expected_fields(history, cached, candidates, pages, ps), f"trial {trial}"
+        assert meta.max_q == max(h - c + m for h, c, m in zip(history, cached, candidates))
+
+
+def test_a_batch_that_does_not_fit_its_bucket_or_staging_is_rejected():
+    from hstu.ops.kvcache.metadata import PadSpec
+
+    layout = JaggedLayout.build([9, 5], [0, 0], [1, 1])
+    pages = [[0, 1, 2], [3, 4]]
+    with pytest.raises(ValueError, match="q_batch has 16 entries; the bucket holds 8"):
+        KVCacheMetadata.from_layout(pages, layout, 4, pad=PadSpec(rows=8, max_batch=2, max_pages=3, scratch_page=9))
+    with pytest.raises(ValueError, match=r"page_table \(2, 3\) does not fit the bucket's \(2, 2\)"):
+        KVCacheMetadata.from_layout(pages, layout, 4, pad=PadSpec(rows=32, max_batch=2, max_pages=2, scratch_page=9))
+    small = torch.empty(64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="staging buffer of 64 bytes cannot hold"):
+        KVCacheMetadata.from_layout(pages, layout, 4, pad=PadSpec(32, 2, 3, 9, staging=small))
