@@ -163,10 +163,15 @@ class RankingEngine:
     @torch.inference_mode()
     def rank(self, requests: list[RankingRequest]) -> list[RankOutput]:
         """Per-user outputs in request order (users must be distinct within a batch)."""
+        return self._rank(requests)[0]
+
+    def _rank(self, requests: list[RankingRequest]) -> tuple[list[RankOutput], torch.Tensor | None]:
+        """(outputs, the batch's logits in request order when one forward produced them all)."""
         self.model.validate(requests)
         with self._lock:
             if self.cache is None:
-                return self._split(requests, self.model.dense_logits(requests), [0] * len(requests))
+                logits = self.model.dense_logits(requests)
+                return self._split(requests, logits, [0] * len(requests)), logits
             return self._rank_cached(requests)
 
     @torch.inference_mode()
@@ -176,20 +181,24 @@ class RankingEngine:
         PendingRank.result() waits for them. Batches keep their order on the device (one compute
         stream), so a later batch may be launched, and the cache may hand out pages of this one's
         users, before it completes."""
-        outputs = self.rank(requests)
+        outputs, logits = self._rank(requests)
         if self.model.device.type != "cuda":
             if dtype is not None:
                 outputs = [dataclasses.replace(o, logits=o.logits.to(dtype)) for o in outputs]
             return PendingRank(outputs, None)
-        logits = torch.cat([o.logits for o in outputs])
+        if logits is None:  # a retried batch: its users' logits come from two forwards
+            logits = torch.cat([o.logits for o in outputs])
         if dtype is not None:
             logits = logits.to(dtype)
         host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
-        host.copy_(logits, non_blocking=True)
+        host.copy_(logits, non_blocking=True)  # before any later batch overwrites a graph's output
         copied = torch.cuda.Event()
         copied.record()
         parts = torch.split(host, [o.logits.shape[0] for o in outputs])
-        return PendingRank([dataclasses.replace(o, logits=p) for o, p in zip(outputs, parts)], copied)
+        return PendingRank(
+            [RankOutput(o.user_id, p, o.cached_tokens, o.computed_tokens, o.task_names) for o, p in zip(outputs, parts)],
+            copied,
+        )
 
     @torch.inference_mode()
     def forward(self, requests: list[RankingRequest]) -> torch.Tensor:
@@ -281,18 +290,21 @@ class RankingEngine:
             self.graphs.capture_all()
 
     # -------------------------------------------------------------- pipeline
-    def _rank_cached(self, requests: list[RankingRequest]) -> list[RankOutput]:
+    def _rank_cached(self, requests: list[RankingRequest]) -> tuple[list[RankOutput], torch.Tensor | None]:
         outputs: dict[int, RankOutput] = {}
         todo = requests
-        for _ in range(_MAX_ATTEMPTS):
-            failed = self._rank_batch(todo, outputs)
+        for attempt in range(_MAX_ATTEMPTS):
+            failed, logits = self._rank_batch(todo, outputs)
             if not failed:
-                return [outputs[r.user_id] for r in requests]
+                return [outputs[r.user_id] for r in requests], logits if attempt == 0 else None
             todo = [r for r in todo if r.user_id in failed]
         raise RuntimeError(f"users {sorted(failed)} failed to onload on every attempt")
 
-    def _rank_batch(self, requests: list[RankingRequest], outputs: dict[int, RankOutput]) -> set[int]:
-        """Rank one batch into `outputs`; returns the users whose onload failed (to rank again)."""
+    def _rank_batch(
+        self, requests: list[RankingRequest], outputs: dict[int, RankOutput]
+    ) -> tuple[set[int], torch.Tensor]:
+        """Rank one batch into `outputs`; returns the users whose onload failed (to rank again)
+        and the batch's logits."""
         cache, model = self.cache, self.model
         model_id = model.identity
         timing = ForwardTiming()
@@ -319,7 +331,7 @@ class RankingEngine:
         t2 = time.perf_counter()
         timing.finish_s, timing.total_s = t2 - t1, t2 - t0
         self.timings.append(timing)
-        return failed
+        return failed, logits
 
     def _forward(self, requests: list[RankingRequest], plan: BatchPlan, timing: ForwardTiming) -> torch.Tensor:
         """Logits of the planned batch: one graph replay when it fits a bucket, else eagerly."""
