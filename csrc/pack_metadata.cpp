@@ -33,11 +33,6 @@ void require(bool ok, const std::string& what) {
 }
 
 template <typename T>
-T* field_at(uint8_t* base, int64_t offset) {
-  return reinterpret_cast<T*>(base + offset);
-}
-
-template <typename T>
 void fill_tail(T* dest, int64_t from, int64_t size, T value) {
   std::fill(dest + std::min(from, size), dest + size, value);
 }
@@ -78,19 +73,11 @@ void pack_metadata(torch::Tensor buffer, const std::vector<int64_t>& offsets,
                 std::to_string(buffer.numel()) + " bytes");
   }
   uint8_t* base = buffer.data_ptr<uint8_t>();
-  auto* table = field_at<int32_t>(base, offsets[0]);
-  auto* indices = field_at<int32_t>(base, offsets[1]);
-  auto* indptr = field_at<int32_t>(base, offsets[2]);
-  auto* last_len = field_at<int32_t>(base, offsets[3]);
-  auto* kv_lens = field_at<int32_t>(base, offsets[4]);
-  auto* cached = field_at<int32_t>(base, offsets[5]);
-  auto* q_offsets = field_at<int32_t>(base, offsets[6]);
-  auto* q_batch = field_at<int64_t>(base, offsets[7]);
-  auto* q_local = field_at<int64_t>(base, offsets[8]);
-  auto* q_pos = field_at<int64_t>(base, offsets[9]);
-  auto* append_rows = field_at<int64_t>(base, offsets[10]);
-  auto* append_pages = field_at<int32_t>(base, offsets[11]);
-  auto* append_offsets = field_at<int32_t>(base, offsets[12]);
+  const auto i32 = [&](int f) { return reinterpret_cast<int32_t*>(base + offsets[f]); };
+  const auto i64 = [&](int f) { return reinterpret_cast<int64_t*>(base + offsets[f]); };
+  int32_t *table = i32(0), *indices = i32(1), *indptr = i32(2), *last_len = i32(3), *kv_lens = i32(4),
+          *cached = i32(5), *q_offsets = i32(6), *append_pages = i32(11), *append_offsets = i32(12);
+  int64_t *q_batch = i64(7), *q_local = i64(8), *q_pos = i64(9), *append_rows = i64(10);
 
   int64_t page_at = 0, row = 0, appended = 0;
   indptr[0] = 0;
