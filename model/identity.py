@@ -95,9 +95,10 @@ class HistoryIdentity:
         return out
 
     def __reduce__(self):
-        """Pickled with its records and the block digests computed so far (a parse worker process
-        hashes a history once; the server process reuses the chain)."""
-        return _restored_identity, (bytes(self._bytes), list(self._chain), self.num_tokens)
+        """Pickled with its records and the block and tail digests computed so far (a parse worker
+        or front-end process hashes a history once, the whole history's digest included; the
+        engine process reuses them instead of hashing the tail again on its prepare worker)."""
+        return _restored_identity, (bytes(self._bytes), list(self._chain), self.num_tokens, dict(self._tails))
 
     def _block(self, b: int) -> bytes:
         step = BLOCK_TOKENS * 16
@@ -124,12 +125,14 @@ class HistoryIdentity:
         return digest
 
 
-def _restored_identity(data: bytes, chain: list[bytes], num_tokens: int) -> HistoryIdentity:
+def _restored_identity(
+    data: bytes, chain: list[bytes], num_tokens: int, tails: dict[int, bytes] | None = None
+) -> HistoryIdentity:
     out = object.__new__(HistoryIdentity)
     out._bytes = memoryview(data).cast("B")
     out._chain = chain
     out.num_tokens = num_tokens
-    out._tails = {}
+    out._tails = tails or {}
     return out
 
 

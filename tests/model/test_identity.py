@@ -215,3 +215,24 @@ def test_remembered_tail_digests_equal_fresh_ones_past_the_memo_bound():
     again = [ident.prefix(n) for n in lengths]
     fresh = [HistoryIdentity(b"m", records).prefix(n) for n in lengths]
     assert first == again == fresh and len(set(first)) == len(lengths)
+
+
+def test_a_pickled_identity_brings_its_digests_and_hashes_nothing_again(monkeypatch):
+    """The engine process gets the front end's identity with the whole history's digest already
+    computed: its prepare worker does not hash the tail again."""
+    import pickle
+
+    from hstu.model import identity as identity_module
+
+    records = np.arange(2 * 1300, dtype=np.int64).reshape(-1, 2)
+    sent = HistoryIdentity(b"m", records)
+    whole, part = sent.prefix(sent.num_tokens), sent.prefix(700)
+    received = pickle.loads(pickle.dumps(sent))
+
+    def no_hashing(*args):
+        raise AssertionError("hashed again")
+
+    monkeypatch.setattr(identity_module, "_h", no_hashing)
+    assert received.prefix(received.num_tokens) == whole and received.prefix(700) == part
+    with pytest.raises(AssertionError, match="hashed again"):
+        received.prefix(701)  # a length nobody asked for yet
