@@ -4,10 +4,11 @@
 // Python view: user ids and lengths are int, digests are bytes (b"" = none), page/slot lists are
 // list[int]. C++ errors map to Python as: CacheCapacityError -> ext.CacheCapacityError (a
 // RuntimeError), std::invalid_argument -> ValueError, std::logic_error -> RuntimeError (pybind11's
-// std::exception fallback). The classes lock internally. Only reserve (which may evict many users)
-// releases the GIL: the other calls take microseconds, and a release makes the calling thread (the
-// model thread, mostly) queue for the GIL again behind every other busy thread of the process, up to
-// the interpreter's switch interval each time (a GIL convoy; the engine process's GIL is saturated).
+// std::exception fallback). The classes lock internally, and no call releases the GIL: each takes
+// microseconds (a reserve that evicts frees a few page lists), and a release makes the calling
+// thread (the model thread or a cache worker) queue for the GIL again behind every other busy thread
+// of the process, up to the interpreter's switch interval each time (a GIL convoy; the engine
+// process's GIL is saturated). No C++ path takes the GIL while holding an index's lock.
 // The torch op schemas live in ops.cpp (TORCH_LIBRARY(hstu, ...)), a separate translation unit.
 #include <torch/extension.h>
 #include <pybind11/stl.h>
@@ -35,7 +36,6 @@ py::tuple lookup_as_bytes(const Index& index, int64_t user) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::register_exception<hstu::CacheCapacityError>(m, "CacheCapacityError", PyExc_RuntimeError);
-  using nogil = py::call_guard<py::gil_scoped_release>;
   hstu::bind_batch_features(m);
   hstu::bind_pack_metadata(m);
 
@@ -45,7 +45,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("lookup", &lookup_as_bytes<GpuPageManager>, py::arg("user"),
            "(valid length, digest) or (0, b'') if absent; does not change the LRU order.")
       .def("reserve", &GpuPageManager::reserve, py::arg("users"), py::arg("keep_lens"), py::arg("target_lens"),
-           nogil(),
            "All-or-nothing: keep each user's first keep_len tokens, size its pages to ceil(target_len / "
            "page_size), set length = keep_len, pin, mark MRU; evicts LRU unpinned users outside the call. "
            "Returns list[list[int]] page lists. Raises ValueError, RuntimeError (shrinking a pinned user), "
@@ -73,7 +72,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("lookup", &lookup_as_bytes<HostStorage>, py::arg("user"),
            "(slots in chunk order, digest) or ([], b'') if absent; does not change the LRU order.")
       .def("touch", &HostStorage::touch, py::arg("user"), "Marks the user most recently used.")
-      .def("reserve", &HostStorage::reserve, py::arg("user"), py::arg("first_chunk"), py::arg("n_chunks"), nogil(),
+      .def("reserve", &HostStorage::reserve, py::arg("user"), py::arg("first_chunk"), py::arg("n_chunks"),
            "Reserves n_chunks slots for chunks [first_chunk, first_chunk + n_chunks); first_chunk is the "
            "committed chunk count (append) or 0 (rewrite). Raises ValueError, RuntimeError (rewrite of a "
            "pinned user), CacheCapacityError.")
