@@ -8,7 +8,7 @@
 #   bash scripts/gpu_rest.sh OUT_DIR      (called by gpu_pipeline.sh's "rest" stage)
 # REFERENCE=0 skips the in-process replay and SERVER_REPLAY=0 the replay over HTTP (for a second
 # server variant measured in the same call); SERVE_ARGS adds `hstu serve` flags (a variant);
-# PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
+# SENT_REPEATS=k repeats the sent run k times; PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
 # during one more, longer load run (collapsed stacks per thread, busy samples only, in OUT_DIR/pyspy.txt;
 # PYSPY_IDLE=1: idle samples too, to see where threads wait; PYSPY_GIL=1: only samples holding the GIL), with
 # the GPU's utilisation every 100 ms beside it (OUT_DIR/gpu_util.csv). The server's /metrics at the end: metrics_end.txt.
@@ -50,6 +50,12 @@ for order in answered sent; do  # 32 connections in each of 4 processes: more th
   python3 -m hstu.cli loadgen --server "$url" --workload replay --order "$order" --rate 3000 --requests 200 --users 64 \
     --connections 128 --processes 4 --first-user $first $([ $order = sent ] && echo --verify) --out "$out/loadgen_$order" || rc=1
   first=$((first + 100000))
+done
+# SENT_REPEATS=k: k more sent runs against the same server, each with users of its own (sent runs in one
+# call spread by 15-30%; compare medians)
+for k in $(seq "${SENT_REPEATS:-0}"); do
+  python3 -m hstu.cli loadgen --server "$url" --workload replay --order sent --rate 3000 --requests 200 --users 64 \
+    --connections 128 --processes 4 --first-user $((1000000 + 100000 * k)) --verify --out "$out/loadgen_sent_$k" || rc=1
 done
 python3 -m hstu.cli loadgen --server "$url" --rate 3000 --requests 400 --users 64 --connections 32 --processes 4 \
   --first-user 400000 --out "$out/loadgen_fit" || rc=1
