@@ -102,9 +102,11 @@ class ServerSettings:
     # The GIL's switch interval of the process running the engine (sys.setswitchinterval; None:
     # Python's 5 ms). Every torch call on the model thread drops the GIL; taking it back waits up to
     # this long while another thread (request unpickling, output pickling, the batcher's loop, the
-    # offload worker) runs Python. An experiment knob: on the H200 the engine's model thread took
-    # ~2x the in-process host time per batch (RESULTS.md, twelfth session); not yet measured.
+    # offload worker) runs Python. An experiment knob: 0.5 ms ran the sent load 1.15x faster in one
+    # H200 call and 0.76x in another (RESULTS.md, thirteenth session), within the runs' spread.
     gil_switch_interval_ms: float | None = None
+    # KVCacheConfig.prepare_inline: each batch's prepare job on the model thread (an experiment knob)
+    prepare_inline: bool = False
 
     def __post_init__(self) -> None:
         cuda = self.device.startswith("cuda")
@@ -203,6 +205,7 @@ class ServerSettings:
             on_shorter_history=self.on_shorter_history,
             offload_min_seen=self.offload_min_seen,
             offload_bytes_per_s=None if self.offload_mb_per_s is None else self.offload_mb_per_s * 2**20,
+            prepare_inline=self.prepare_inline,
         )
 
 

@@ -30,6 +30,11 @@ class KVCacheConfig:
     no request can make another request for the same user fail.
     Offload: a user's chunks go to the host tier once it was seen offload_min_seen times (1: always,
     ops/kvcache/admission.py), at most offload_bytes_per_s (None: unlimited).
+    prepare_inline: run each batch's prepare job (reserve, metadata, onload plan) on the model
+    thread inside plan() instead of on the prepare worker. An experiment knob: with the batch's
+    features one C++ pass, the worker overlaps ~20 us of the model thread's work and adds a thread
+    and a GIL handoff; on the H200 the model thread waited 0.25-0.43 ms per batch for it
+    (benchmarks/RESULTS.md, thirteenth session).
     """
 
     num_layers: int
@@ -45,6 +50,7 @@ class KVCacheConfig:
     onload_timeout_s: float = 60.0
     offload_min_seen: int = 1
     offload_bytes_per_s: float | None = None
+    prepare_inline: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.num_pages <= 0:

@@ -22,7 +22,8 @@ Interface (the engine, engine/engine.py, is its only caller; one model thread dr
 
 Threads and state:
   model thread     plan, wait, finish, abort, invalidate, evict_gpu, drain, close
-  prepare worker   GPU reserve (+ evictions), metadata, digests of whole histories
+  prepare worker   GPU reserve (+ evictions), metadata, digests of whole histories (the model
+                   thread itself under config.prepare_inline)
   onload worker    host->GPU copies on the onload stream; host unpin when done
   offload worker   gather + D2H on the offload stream; host reserve/commit/abort; GPU unpin
   Every multi-step change of the two C++ indexes runs under `_index_lock` (the indexes also lock
@@ -51,7 +52,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -143,7 +144,7 @@ class AsyncKVCacheManager:
                     self.host.unpin(unpin)
             plan.layout = JaggedLayout.build(plan.history_lens, plan.cached_lens, num_candidates)
             plan.pad = pad_for(plan.layout.num_rows, len(user_ids)) if pad_for is not None else None
-            plan._future = self._prepare_pool.submit(self._prepare, plan)
+            plan._future = self._start_prepare(plan)
         except BaseException:
             with self._index_lock:
                 self.host.unpin(list(plan.onload_slots))
@@ -273,6 +274,18 @@ class AsyncKVCacheManager:
         return cached
 
     # ---------------------------------------------------------------- prepare
+    def _start_prepare(self, plan: BatchPlan) -> Future:
+        """The prepare job on the prepare worker, or (config.prepare_inline) run here, its outcome
+        in a completed future: wait() and abort() treat both alike."""
+        if not self.config.prepare_inline:
+            return self._prepare_pool.submit(self._prepare, plan)
+        future: Future = Future()
+        try:
+            future.set_result(self._prepare(plan))
+        except BaseException as exc:  # re-raised by wait(), as the worker's error would be
+            future.set_exception(exc)
+        return future
+
     def _prepare(self, plan: BatchPlan) -> PreparedBatch:
         try:
             keep = [

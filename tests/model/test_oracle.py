@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 from hstu.engine import RankingEngine
@@ -15,16 +16,17 @@ from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from tests.conftest import HistoryBook, rel_err
 
 
-def _model(config, num_pages, host_chunks):
+def _model(config, num_pages, host_chunks, prepare_inline=False):
     kv = KVCacheConfig.for_model(config, page_size=4, num_pages=num_pages, chunk_tokens=8)
     kv = KVCacheConfig.for_model(config, page_size=4, num_pages=num_pages, chunk_tokens=8,
-                                 host_capacity_bytes=host_chunks * kv.chunk_bytes)
+                                 host_capacity_bytes=host_chunks * kv.chunk_bytes, prepare_inline=prepare_inline)
     mgr = AsyncKVCacheManager(kv)
     return RankingEngine(InferenceRankingGR(config), mgr), mgr
 
 
-def test_oracle_many_users_growing_histories_with_eviction(tiny_config):
-    model, mgr = _model(tiny_config, num_pages=96, host_chunks=250)
+@pytest.mark.parametrize("prepare_inline", [False, True], ids=["prepare-worker", "prepare-inline"])
+def test_oracle_many_users_growing_histories_with_eviction(tiny_config, prepare_inline):
+    model, mgr = _model(tiny_config, num_pages=96, host_chunks=250, prepare_inline=prepare_inline)
     book = HistoryBook(tiny_config, seed=1)
     rng = np.random.default_rng(2)
     rounds = {u: int(rng.integers(3, 6)) for u in range(60)}
