@@ -191,7 +191,7 @@ class RankingEngine:
         if dtype is not None:
             logits = logits.to(dtype)
         host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
-        host.copy_(logits, non_blocking=True)  # before any later batch overwrites a graph's output
+        host.copy_(logits, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
         parts = torch.split(host, [o.logits.shape[0] for o in outputs])

@@ -1,11 +1,11 @@
 """KVCacheMetadata: everything the paged block needs to know about one batch's pages.
 
-Built on the host by the prepare worker (one C++ pass, csrc/pack_metadata.cpp; pinned when CUDA) and
-moved to the device in one go: pack_metadata writes every array into one host buffer (PackedMetadata), so the move is one
-H2D copy (not 13 small ones, each a launch on the model thread) and the views are built on the
-device only; a CUDA-graph batch copies the buffer into its bucket's and needs no views. The block
-only reads it. Layout of rows follows ops/kvcache/layout.py's JaggedLayout: per user, its new
-history tokens then its candidates.
+Built on the host by the prepare worker (one C++ pass, csrc/pack_metadata.cpp; pinned when CUDA)
+and moved to the device in one go: pack_metadata writes every array into one host buffer
+(PackedMetadata), so the move is one H2D copy (not 13 small ones, each a launch on the model
+thread) and the views are built on the device only; a CUDA-graph batch copies the buffer into its
+bucket's and needs no views. The block only reads it. Layout of rows follows ops/kvcache/layout.py's
+JaggedLayout: per user, its new history tokens then its candidates.
 
 Padded metadata (for a CUDA-graph bucket, `PadSpec`): every array is padded on the host to the
 bucket's static shape, so the graph's static metadata is refreshed by one copy of the packed
@@ -95,8 +95,8 @@ class KVCacheMetadata:
 
     @classmethod
     def from_pages(cls, *args, **kwargs) -> "KVCacheMetadata":
-        """pack_metadata(*args, **kwargs) (page lists, history / cached lengths, candidate counts, page size, pin, pad)
-        as views over its buffer, where that buffer lives."""
+        """pack_metadata(*args, **kwargs) (page lists, history and cached lengths, candidate counts,
+        page size, pin, pad) as views over its buffer, where that buffer lives."""
         packed = pack_metadata(*args, **kwargs)
         return packed.to(packed.buffer.device)
 
