@@ -17,9 +17,10 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include "kv_checks.h"
+
 #include <cmath>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -36,10 +37,6 @@ int64_t time_bucket(int64_t gap, int64_t num_buckets) {
   // The same double arithmetic as numpy's log2 path (and the per-token definition in the tests).
   const auto bucket = static_cast<int64_t>(std::floor(std::log2(1.0 + static_cast<double>(gap))));
   return 1 + std::min(bucket, num_buckets - 3);
-}
-
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument(what);
 }
 
 torch::Tensor batch_features(const std::vector<Ints>& item_ids, const std::vector<Ints>& actions,

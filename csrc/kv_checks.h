@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +22,12 @@
 namespace hstu {
 
 inline std::string num(int64_t v) { return std::to_string(v); }
+
+// A bad argument of a pybind11-bound host function: std::invalid_argument, a ValueError in Python
+// (TORCH_CHECK's c10::Error would be a RuntimeError).
+inline void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument(what);
+}
 
 inline std::string dims(at::IntArrayRef sizes) {
   std::string out = "[";

@@ -16,8 +16,9 @@
 #include <torch/extension.h>
 #include <pybind11/stl.h>
 
+#include "kv_checks.h"
+
 #include <algorithm>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -27,10 +28,6 @@ namespace hstu {
 namespace {
 
 constexpr int kFields = 13;
-
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument(what);
-}
 
 template <typename T>
 void fill_tail(T* dest, int64_t from, int64_t size, T value) {

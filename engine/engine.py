@@ -126,6 +126,11 @@ class ForwardTiming:
     finish_s: float = 0.0
     total_s: float = 0.0
 
+    def phases(self) -> dict[str, float]:
+        """Seconds by phase name (every field but the total, without its _s): what the server's
+        hstu_forward_phase_seconds and the replay's per-batch means report."""
+        return {f.name.removesuffix("_s"): getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "total_s"}
+
 
 class RankingEngine:
     """Runs ranking batches through `model`, reusing K/V from `cache` when one is given."""

@@ -45,17 +45,18 @@ if [ "${SERVER_REPLAY:-1}" = 1 ]; then
     first=$((first + 100000))
   done
 fi
-first=200000
-for order in answered sent; do  # 32 connections in each of 4 processes: more than the users in flight
-  python3 -m hstu.cli loadgen --server "$url" --workload replay --order "$order" --rate 3000 --requests 200 --users 64 \
-    --connections 128 --processes 4 --first-user $first $([ $order = sent ] && echo --verify) --out "$out/loadgen_$order" || rc=1
-  first=$((first + 100000))
-done
+replay_load() {  # replay_load ORDER FIRST_USER NAME: the seed workload's 200 requests, a user's next one
+  # waiting for the previous answer (answered) or send (sent, every answer verified); 32 connections in
+  # each of 4 processes: more than the users in flight
+  python3 -m hstu.cli loadgen --server "$url" --workload replay --order "$1" --rate 3000 --requests 200 --users 64 \
+    --connections 128 --processes 4 --first-user "$2" $([ "$1" = sent ] && echo --verify) --out "$out/$3" || rc=1
+}
+replay_load answered 200000 loadgen_answered
+replay_load sent 300000 loadgen_sent
 # SENT_REPEATS=k: k more sent runs against the same server, each with users of its own (sent runs in one
 # call spread by 15-30%; compare medians)
 for k in $(seq "${SENT_REPEATS:-0}"); do
-  python3 -m hstu.cli loadgen --server "$url" --workload replay --order sent --rate 3000 --requests 200 --users 64 \
-    --connections 128 --processes 4 --first-user $((1000000 + 100000 * k)) --verify --out "$out/loadgen_sent_$k" || rc=1
+  replay_load sent $((1000000 + 100000 * k)) "loadgen_sent_$k"
 done
 python3 -m hstu.cli loadgen --server "$url" --rate 3000 --requests 400 --users 64 --connections 32 --processes 4 \
   --first-user 400000 --out "$out/loadgen_fit" || rc=1

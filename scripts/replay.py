@@ -309,7 +309,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     logger.info("wrote %s and %s", args.out / "replay.json", args.out / "replay.png")
     for name, summary in doc["summary"].items():
-        phases = {k[8:-3]: v for k, v in summary.items() if k.startswith("forward_") and k.endswith("_ms")}
+        phases = {
+            k.removeprefix("forward_").removesuffix("_ms"): v
+            for k, v in summary.items()
+            if k.startswith("forward_") and k.endswith("_ms")
+        }
         if phases:
             logger.info("%s: model-thread ms per batch: %s", name, ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
     print(doc["table"])

@@ -261,10 +261,8 @@ def forward_phase_means(timings: list[ForwardTiming]) -> dict[str, float]:
     which loadgen prints as forward_*), so the two compare within one call."""
     if not timings:
         return {}
-    return {
-        f.name.removesuffix("_s"): 1e3 * sum(getattr(t, f.name) for t in timings) / len(timings)
-        for f in dataclasses.fields(ForwardTiming)
-    }
+    per_batch = [{**t.phases(), "total": t.total_s} for t in timings]
+    return {name: 1e3 * sum(p[name] for p in per_batch) / len(per_batch) for name in per_batch[0]}
 
 
 def _verify(model: RankingEngine, batch: list[RankingRequest], outputs: list, tally: VerifyTally) -> None:

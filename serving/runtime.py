@@ -192,11 +192,9 @@ class ServingRuntime(Runtime):
         return pending
 
     def _observe_forward(self, timing: ForwardTiming) -> None:
-        """The model thread's host time by phase (hstu_forward_phase_seconds), per batch: every
-        ForwardTiming field but the total."""
-        for f in dataclasses.fields(timing):
-            if f.name != "total_s":
-                self.metrics.forward_phase.labels(f.name.removesuffix("_s")).observe(getattr(timing, f.name))
+        """The model thread's host time by phase (hstu_forward_phase_seconds), per batch."""
+        for phase, seconds in timing.phases().items():
+            self.metrics.forward_phase.labels(phase).observe(seconds)
 
     def _load(self) -> None:
         s, cfg = self.settings, self.config

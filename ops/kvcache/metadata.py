@@ -181,10 +181,7 @@ def pack_metadata(
             f"{B} page lists for {len(history_lens)} history lengths, {len(cached_lens)} cached lengths "
             f"and {len(num_candidates)} candidate counts"
         )
-    counts = [len(p) for p in page_lists]
-    for b, (n, h) in enumerate(zip(counts, history_lens)):
-        if n != -(-h // page_size):
-            raise ValueError(f"user {b}: {n} pages cannot hold exactly {h} tokens")
+    counts = [len(p) for p in page_lists]  # each checked against its history in C++
     max_pages = max(counts, default=1)
     Tn = sum(history_lens) - sum(cached_lens)
     T = Tn + sum(num_candidates)
