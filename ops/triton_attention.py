@@ -18,6 +18,14 @@ accumulation, SiLU weights cast to the value dtype for the second matmul), and m
 that cross the causal boundary. Because there is no softmax, the key range can be split over
 several programs whose partial outputs simply add: with few users (batch 1) the key range is split
 so that the grid fills the GPU, and the float32 partials are summed afterwards.
+
+SiLU: each score costs an exponential and a division on the SMs' special-function units, which
+at head dim 256 is about half the tensor-core time of the two matmuls around it. Three forms
+(AttentionConfig.silu): "exact" (tl.sigmoid, IEEE division), "fast" (exp2 and an approximate
+division: two special-function ops, 2 ulp) and "tanh" (s/2 (1 + tanh(s/2)) with tanh.approx: one
+op, ~2^-11 relative error, below bf16's rounding of the weights it feeds). float32 inputs always
+take "exact" (the fp32 oracle is 1e-5). HSTU_ATTENTION_SILU overrides the 16-bit default (an
+experiment knob for same-call comparisons).
 """
 
 from __future__ import annotations
@@ -41,19 +49,38 @@ def available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
+SILU_MODES = ("exact", "fast", "tanh")
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Tile shape and launch parameters of the kernel."""
+    """Tile shape and launch parameters of the kernel; silu is one of SILU_MODES (16-bit inputs
+    only), warp_specialize asks Triton to split the unmasked key loop into producer and consumer
+    warps."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    silu: str = "exact"
+    warp_specialize: bool = False
+
+    def __post_init__(self) -> None:
+        if self.silu not in SILU_MODES:
+            raise ValueError(f"AttentionConfig.silu must be one of {SILU_MODES}, got {self.silu!r}")
+
+
+def _silu_from_env() -> str:
+    mode = os.environ.get("HSTU_ATTENTION_SILU", "exact")
+    if mode not in SILU_MODES:
+        raise ValueError(f"HSTU_ATTENTION_SILU must be one of {SILU_MODES}, got {mode!r}")
+    return mode
 
 
 # Module-level instances, so torch.compile sees constants rather than dataclass construction.
-_CONFIG_LARGE_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
-_CONFIG_SMALL_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+_SILU = _silu_from_env()
+_CONFIG_LARGE_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, silu=_SILU)
+_CONFIG_SMALL_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, silu=_SILU)
 
 
 def default_config(head_dim: int) -> AttentionConfig:
@@ -134,6 +161,20 @@ if triton is not None:
         else:
             return tl.dot(a, b)
 
+    @triton.jit
+    def _silu(s, MODE: tl.constexpr):
+        """SiLU of float32 scores; MODE indexes SILU_MODES (the module docstring says why three)."""
+        if MODE == 1 or (MODE == 2 and _UPCAST_DOT):  # the interpreter has no inline PTX
+            return tl.fdiv(s, 1.0 + tl.exp2(s * -1.4426950408889634), ieee_rounding=False)
+        elif MODE == 2:
+            half = 0.5 * s
+            t = tl.inline_asm_elementwise(
+                "tanh.approx.f32 $0, $1;", "=f,f", [half], dtype=tl.float32, is_pure=True, pack=1
+            )
+            return half + half * t
+        else:
+            return s * tl.sigmoid(s)
+
     # The two scales are constexprs (model constants, so no extra compiles): as runtime floats,
     # Inductor passes them as fp64, which promoted the accumulator to fp64 and failed to compile.
     # Batch-dependent ints are not specialised: one compiled kernel serves every batch shape, so a
@@ -152,6 +193,8 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
         IEEE: tl.constexpr,
+        SILU: tl.constexpr,
+        WARP_SPECIALIZE: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
@@ -183,14 +226,14 @@ if triton is not None:
         pt_row = PT + b * max_pages
 
         # Tiles every row sees in full: no mask.
-        for start in range(key_lo, full_hi, BLOCK_N):
+        for start in tl.range(key_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
             keys = start + tl.arange(0, BLOCK_N)
             page = tl.load(pt_row + keys // PAGE_SIZE).to(tl.int64)
             ptrs = kv_base + page[:, None] * page_stride + (keys % PAGE_SIZE)[:, None] * token_stride + dd[None, :]
             k_tile = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
             v_tile = tl.load(ptrs + kv_stride, mask=d_ok[None, :], other=0.0)
             s = _dot(q, tl.trans(k_tile), IEEE) * SCALE
-            w = (s * tl.sigmoid(s)).to(v_tile.dtype)
+            w = _silu(s, SILU).to(v_tile.dtype)
             acc += _dot(w, v_tile, IEEE)
 
         # Tiles across the causal boundary (or the end of the history): masked.
@@ -203,7 +246,7 @@ if triton is not None:
             k_tile = tl.load(ptrs, mask=tile_mask, other=0.0)
             v_tile = tl.load(ptrs + kv_stride, mask=tile_mask, other=0.0)
             s = _dot(q, tl.trans(k_tile), IEEE) * SCALE
-            w = tl.where(keys[None, :] <= last_key[:, None], s * tl.sigmoid(s), 0.0).to(v_tile.dtype)
+            w = tl.where(keys[None, :] <= last_key[:, None], _silu(s, SILU), 0.0).to(v_tile.dtype)
             acc += _dot(w, v_tile, IEEE)
 
         # Candidates also see themselves (their K/V are not in the cache).
@@ -211,7 +254,7 @@ if triton is not None:
             k_self = tl.load(K + rows[:, None] * stride_kt + h * stride_kh + dd[None, :], mask=io_mask, other=0.0)
             v_self = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + dd[None, :], mask=io_mask, other=0.0)
             s_self = tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1) * SCALE
-            w_self = tl.where(is_cand & row_ok, s_self * tl.sigmoid(s_self), 0.0)
+            w_self = tl.where(is_cand & row_ok, _silu(s_self, SILU), 0.0)
             acc += w_self[:, None] * v_self.to(tl.float32)
 
         out_ptrs = OUT + split * stride_os + rows[:, None] * stride_ot + h * stride_oh + dd[None, :]
@@ -234,6 +277,8 @@ if triton is not None:
         num_warps: int,
         num_stages: int,
         num_splits: int,
+        silu: int = 0,
+        warp_specialize: bool = False,
     ) -> torch.Tensor:
         T, H, d = q.shape
         L, P, _, page_size, Hc, dc = kv_cache.shape
@@ -262,6 +307,8 @@ if triton is not None:
             BLOCK_N=block_n,
             BLOCK_D=triton.next_power_of_2(d),
             IEEE=q.dtype == torch.float32,
+            SILU=0 if q.dtype == torch.float32 else silu,
+            WARP_SPECIALIZE=warp_specialize,
             num_warps=num_warps,
             num_stages=num_stages,
         )
@@ -309,6 +356,7 @@ def paged_hstu_attention_triton(
     args = (
         q, k, v, kv_cache, layer, meta.page_table, meta.kv_lens, meta.q_offsets, meta.q_pos, meta.max_q, scale_len,
         cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, num_splits,
+        SILU_MODES.index(cfg.silu), cfg.warp_specialize,
     )
     if torch.compiler.is_compiling():
         return torch.ops.hstu.paged_hstu_attention(*args)

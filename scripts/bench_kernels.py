@@ -9,14 +9,16 @@ One run measures, as medians of triton.testing.do_bench (CUDA events, L2 flushed
              chunk or scattered, GB/s over the H2D ceiling
   offload    store_host_chunks, GB/s over the D2H ceiling
   attention  paged HSTU attention at the seed shapes (8 layers, 4 heads x 256, page 32, bf16,
-             history 4096 with 3968 cached -> 128 new + 256 candidates; batch 1 and 8): useful
-             TFLOP/s (masked-out work not counted) over the matmul ceiling, timed as CUDA-graph
-             replays of the 8 layers (per layer), for the default tile config, a sweep of configs
-             and key splits (each checked against the torch implementation), the torch
-             implementation, and the default's eager time (the op's host overhead included).
+             history 4096 with 3968 cached -> 128 new + 256 candidates; batch 1 and 8; then the
+             re-rank of an unchanged history, 4096 cached + 256 candidates, and the uncached
+             batch, 4096 new + 256 candidates, both at batch 8): useful TFLOP/s (masked-out work
+             not counted) over the matmul ceiling, timed as CUDA-graph replays of the 8 layers
+             (per layer), for the default tile config, a sweep of configs, SiLU forms and key
+             splits (each checked against the torch implementation), the torch implementation,
+             and the default's eager time (the op's host overhead included).
 Prints a short table last and writes everything as JSON to --out.
 
-Usage: python3 scripts/bench_kernels.py --out kernels.json
+Usage: python3 scripts/bench_kernels.py --out kernels.json [--sections ceilings attention]
 """
 
 from __future__ import annotations
@@ -128,47 +130,49 @@ def bench_offload(arena: torch.Tensor, chunks: int, stream) -> dict:
     return {"chunks": chunks, "ms": ms, "GBps": moved / (ms * 1e-3) / GB}
 
 
-def seed_metadata(batch: int, num_pages: int) -> KVCacheMetadata:
-    """Seed batch: each user has HISTORY tokens (CACHED reused), HISTORY-CACHED new rows, CANDIDATES."""
+# (name, batch, tokens cached per user): every user has HISTORY tokens and CANDIDATES candidates.
+ATTENTION_SHAPES = (("batch1", 1, CACHED), ("batch8", 8, CACHED), ("rerank8", 8, HISTORY), ("uncached8", 8, 0))
+
+
+def seed_metadata(batch: int, num_pages: int, cached: int = CACHED) -> KVCacheMetadata:
+    """Seed batch: each user has HISTORY tokens (`cached` reused), HISTORY-cached new rows, CANDIDATES."""
     rng = np.random.default_rng(batch)
     need = -(-HISTORY // PAGE)
     perm = rng.permutation(num_pages)[: batch * need]
     pages = [perm[b * need : (b + 1) * need].tolist() for b in range(batch)]
     return KVCacheMetadata.from_pages(
-        pages, [HISTORY] * batch, [CACHED] * batch, [CANDIDATES] * batch, PAGE
+        pages, [HISTORY] * batch, [cached] * batch, [CANDIDATES] * batch, PAGE
     ).to("cuda")
 
 
-def useful_flops(batch: int) -> float:
+def useful_flops(batch: int, cached: int = CACHED) -> float:
     """2 matmuls x 2 FLOP per multiply-add over the keys each row sees."""
-    seen = sum(p + 1 for p in range(CACHED, HISTORY)) + CANDIDATES * (HISTORY + 1)
+    seen = sum(p + 1 for p in range(cached, HISTORY)) + CANDIDATES * (HISTORY + 1)
     return 4.0 * HEADS * HEAD_DIM * batch * seen
 
 
-SWEEP = [
-    ta.AttentionConfig(128, 64, 8, 2),
-    ta.AttentionConfig(128, 32, 8, 3),
-    ta.AttentionConfig(128, 32, 8, 2),
-    ta.AttentionConfig(64, 64, 4, 2),
-    ta.AttentionConfig(64, 32, 4, 3),
-    ta.AttentionConfig(128, 64, 8, 1),
-    ta.AttentionConfig(64, 64, 8, 2),
-    ta.AttentionConfig(64, 128, 4, 1),
-]
-SPLITS = (0, 1, 2, 4)  # 0: the automatic choice
+def _sweep() -> list[ta.AttentionConfig]:
+    """Tile configs by SiLU form, plus Triton's warp specialisation on the default tiles."""
+    tiles = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 1)]
+    configs = [ta.AttentionConfig(*t, silu=mode) for mode in ta.SILU_MODES for t in tiles]
+    return configs + [ta.AttentionConfig(128, 64, 8, 2, silu=mode, warp_specialize=True) for mode in ta.SILU_MODES]
+
+
+SWEEP = _sweep()
+SPLITS = (0,)  # 0: the automatic choice (session 3 swept 1, 2, 4 too: benchmarks/RESULTS.md)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
-def bench_attention(cache: torch.Tensor, batch: int) -> dict:
+def bench_attention(cache: torch.Tensor, batch: int, cached: int = CACHED) -> dict:
     """GPU time per layer from CUDA-graph replays of all 8 layers (what the paged block runs:
     per-layer graphs), plus the eager time of one call (host overhead of the op included)."""
-    meta = seed_metadata(batch, cache.shape[1])
+    meta = seed_metadata(batch, cache.shape[1], cached)
     T = int(meta.q_pos.shape[0])
     q, k, v = (torch.randn((T, HEADS, HEAD_DIM), device="cuda", dtype=DTYPE) for _ in range(3))
-    flops = useful_flops(batch)
+    flops = useful_flops(batch, cached)
     scale_len = HISTORY + CANDIDATES
     m = meta
     ref = paged_hstu_attention_torch(
@@ -189,7 +193,7 @@ def bench_attention(cache: torch.Tensor, batch: int) -> dict:
             return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         return {"ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12, "rel_err_vs_torch": err}
 
-    out = {"batch": batch, "rows": T, "useful_GFLOP": flops / 1e9}
+    out = {"batch": batch, "cached": cached, "rows": T, "useful_GFLOP": flops / 1e9}
     cfg = ta.default_config(HEAD_DIM)
     out["default"] = {"config": asdict(cfg), **measure(None, 0)}
     layer = [0]
@@ -206,6 +210,9 @@ def bench_attention(cache: torch.Tensor, batch: int) -> dict:
         return [paged_hstu_attention_torch(q, k, v, cache, layer, m.page_table, m.kv_lens, m.q_batch, m.q_local,
                                            m.q_pos, m.max_q, scale_len) for layer in range(LAYERS)]
 
+    if T > 8192:  # the uncached batch: the torch implementation's score matrices would take minutes
+        out["torch"] = {"skipped": f"{T} rows"}
+        return out
     try:
         torch_ms = float(triton.testing.do_bench_cudagraph(torch_layers, rep=50, return_mode="median")) / LAYERS
         out["torch"] = {"ms": torch_ms, "TFLOPs": flops / (torch_ms * 1e-3) / 1e12}
@@ -218,6 +225,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="JSON result path")
     parser.add_argument("--copy-gib", type=float, default=1.0, help="size of the ceiling copies")
+    parser.add_argument("--sections", nargs="+", choices=("copies", "attention"), default=["copies", "attention"],
+                        help="what to measure besides the ceilings (always measured: the ratios need them)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.manual_seed(0)
@@ -230,12 +239,22 @@ def main() -> None:
 
     num_pages = 4096  # 8 layers x 4096 pages x 128 KiB = 4 GiB
     cache = torch.randn((LAYERS, num_pages, 2, PAGE, HEADS, HEAD_DIM), device="cuda").to(DTYPE)
+    if "copies" in args.sections:
+        res.update(bench_copies(cache))
+    if "attention" in args.sections:
+        logger.info("attention")
+        res["attention"] = {name: bench_attention(cache, b, cached) for name, b, cached in ATTENTION_SHAPES}
+    res["wall_s"] = time.time() - t0
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=2)
+    print(format_summary(res, props.name))
+
+
+def bench_copies(cache: torch.Tensor) -> dict:
     logger.info("append / gather")
-    res["append"] = bench_append(cache, 65536)
-    res["append_seed"] = bench_append(cache, 8 * (HISTORY - CACHED))
+    res = {"append": bench_append(cache, 65536), "append_seed": bench_append(cache, 8 * (HISTORY - CACHED))}
     ppc = CHUNK_TOKENS // PAGE
     res["gather_all_layers"] = bench_gather(cache, 256, ppc)
-
     logger.info("onload / offload")
     slots = 256
     shape = (slots, LAYERS, ppc, 2, PAGE, HEADS, HEAD_DIM)
@@ -244,30 +263,38 @@ def main() -> None:
     stream = torch.cuda.Stream()
     res["onload"] = bench_onload(cache, arena, 128, ppc, stream)
     res["offload"] = bench_offload(arena, 64, stream)
+    return res
 
-    logger.info("attention")
-    res["attention"] = {f"batch{b}": bench_attention(cache, b) for b in (1, 8)}
-    res["wall_s"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=2)
 
+def _config_name(c: dict) -> str:
+    ws = " ws" if c.get("warp_specialize") else ""
+    return f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} {c.get('silu', 'exact')}{ws}"
+
+
+def format_summary(res: dict, gpu: str) -> str:
+    """The short tables: every figure beside its ceiling ratio, then the attention sweep as us per
+    layer by config and shape (rel_err over 1e-2 against the torch implementation marked)."""
+    ceil = res["ceilings"]
     d2d, h2d, d2h, mm = ceil["d2d_GBps"], ceil["h2d_GBps"], ceil["d2h_GBps"], ceil["bf16_matmul_TFLOPs"]
     rows = [
         ("ceiling D2D copy", f"{d2d:.0f} GB/s", "1.00"),
         ("ceiling H2D pinned", f"{h2d:.1f} GB/s", "1.00"),
         ("ceiling D2H pinned", f"{d2h:.1f} GB/s", "1.00"),
         ("ceiling bf16 matmul", f"{mm:.0f} TFLOP/s", "1.00"),
-        (f"append {res['append']['tokens']} tok", f"{res['append']['GBps']:.0f} GB/s", f"{res['append']['GBps'] / d2d:.2f} of D2D"),
-        (f"append {res['append_seed']['tokens']} tok (seed)", f"{res['append_seed']['ms'] * 1e3:.1f} us",
-         f"{res['append_seed']['GBps'] / d2d:.2f} of D2D"),
-        ("gather_all_layers", f"{res['gather_all_layers']['GBps']:.0f} GB/s", f"{res['gather_all_layers']['GBps'] / d2d:.2f} of D2D"),
     ]
-    for key in ("memcpy_chunk_runs", "memcpy_scattered", "zerocopy_chunk_runs", "zerocopy_scattered"):
-        r = res["onload"][key]
-        rows.append((f"onload {key}", f"{r['GBps']:.1f} GB/s", f"{r['GBps'] / h2d:.2f} of H2D"))
-    rows.append(("offload store_host_chunks", f"{res['offload']['GBps']:.1f} GB/s", f"{res['offload']['GBps'] / d2h:.2f} of D2H"))
-    for b in ("batch1", "batch8"):
-        a = res["attention"][b]
+    if "append" in res:
+        rows += [
+            (f"append {res['append']['tokens']} tok", f"{res['append']['GBps']:.0f} GB/s", f"{res['append']['GBps'] / d2d:.2f} of D2D"),
+            (f"append {res['append_seed']['tokens']} tok (seed)", f"{res['append_seed']['ms'] * 1e3:.1f} us",
+             f"{res['append_seed']['GBps'] / d2d:.2f} of D2D"),
+            ("gather_all_layers", f"{res['gather_all_layers']['GBps']:.0f} GB/s", f"{res['gather_all_layers']['GBps'] / d2d:.2f} of D2D"),
+        ]
+        for key in ("memcpy_chunk_runs", "memcpy_scattered", "zerocopy_chunk_runs", "zerocopy_scattered"):
+            r = res["onload"][key]
+            rows.append((f"onload {key}", f"{r['GBps']:.1f} GB/s", f"{r['GBps'] / h2d:.2f} of H2D"))
+        rows.append(("offload store_host_chunks", f"{res['offload']['GBps']:.1f} GB/s", f"{res['offload']['GBps'] / d2h:.2f} of D2H"))
+    attention = res.get("attention", {})
+    for b, a in attention.items():
         for key in ("default", "default_eager"):
             r = a[key]
             if "error" in r:
@@ -279,15 +306,28 @@ def main() -> None:
         if ran:
             best = max(ran, key=lambda s: s["TFLOPs"])
             rows.append((f"attention {b} best of sweep",
-                         f"{best['TFLOPs']:.0f} TFLOP/s {tuple(best['config'].values())} splits={best['num_splits']}",
+                         f"{best['TFLOPs']:.0f} TFLOP/s {_config_name(best['config'])} splits={best['num_splits']}",
                          f"{best['TFLOPs'] / mm:.2f} of matmul"))
         if "TFLOPs" in a["torch"]:
             rows.append((f"attention {b} torch", f"{a['torch']['TFLOPs']:.1f} TFLOP/s",
                          f"{a['torch']['TFLOPs'] / mm:.3f} of matmul"))
     width = max(len(r[0]) for r in rows)
-    print(f"\n{props.name}  ({res['wall_s']:.0f} s)")
-    for name, value, ratio in rows:
-        print(f"{name:<{width}}  {value:<34}  {ratio}")
+    lines = [f"\n{gpu}  ({res['wall_s']:.0f} s)"] + [f"{name:<{width}}  {value:<40}  {ratio}" for name, value, ratio in rows]
+    if attention:
+        shapes = list(attention)
+        lines.append("\nattention sweep, us per layer (x: rel_err vs torch > 1e-2; -: failed)")
+        lines.append(f"{'config':<28}" + "".join(f"{s:>11}" for s in shapes))
+        for k, entry in enumerate(next(iter(attention.values()))["sweep"]):
+            cells = []
+            for shape in shapes:
+                r = attention[shape]["sweep"][k]
+                cells.append("-" if "ms" not in r else f"{r['ms'] * 1e3:.0f}{'x' if r['rel_err_vs_torch'] > 1e-2 else ''}")
+            lines.append(f"{_config_name(entry['config']) + ' sp' + str(entry['num_splits']):<28}" + "".join(f"{c:>11}" for c in cells))
+        for mode in ta.SILU_MODES:  # the SiLU forms' accuracy, worst over every config that ran
+            errs = [[r["rel_err_vs_torch"] for r in attention[s]["sweep"] if r["config"]["silu"] == mode and "ms" in r]
+                    for s in shapes]
+            lines.append(f"{'max rel_err, ' + mode:<28}" + "".join(f"{max(e):>11.1e}" if e else f"{'-':>11}" for e in errs))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
 # STAGES picks the stages (default: the first six; also split, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, rest, rest_invalidate, rest_switch, rest_inline, replay_inline, pytest_serving, rest_engine, rest_front2, rest_front3,
+# attention, pytest_attention, silu_ab, profile_rerank,
 # rest_ray, rest_ray_direct, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
@@ -103,6 +104,21 @@ REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 3 --parse-processes 2" stag
 REFERENCE=0 SERVE_ARGS="--replicas 1" stage rest_ray 240 bash scripts/gpu_rest.sh "$OUT/rest_ray"
 # ... with the ingress serving HTTP itself (Ray Serve's direct ingress, no proxy actor)
 REFERENCE=0 SERVE_ARGS="--replicas 1 --direct-ingress" stage rest_ray_direct 240 bash scripts/gpu_rest.sh "$OUT/rest_ray_direct"
+# issue 12 item 3: the attention kernel alone, every tile config and SiLU form at the cached, re-rank and
+# uncached seed shapes (scripts/bench_kernels.py), then the bf16 accuracy tests of every SiLU form
+stage attention 240 python3 -m hstu.scripts.bench_kernels --sections attention --copy-gib 0.25 --out "$OUT/attention.json"
+stage pytest_attention 150 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/ops/test_cuda_kernels.py -k attention
+# the end-to-end benchmark with each SiLU form (HSTU_ATTENTION_SILU), one after another in this call
+silu_ab() {
+  for mode in ${SILU_MODES:-exact fast tanh}; do
+    HSTU_ATTENTION_SILU=$mode python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e --no-planner \
+      --out "$OUT/e2e_$mode" | sed "s/^/$mode: /" || return 1
+  done
+}
+stage silu_ab 330 bash -c "$(declare -f silu_ab); silu_ab"
+# the unchanged-history re-rank at batch 8 (issue 11 item 3): host phases, top functions, top kernels
+stage profile_rerank 120 python3 -m hstu.cli profile --device cuda --cuda-graphs --rerank --batch 8 --forwards 10 \
+  --out "$OUT/profile_rerank"
 stage bench_export 300 python3 -m hstu.scripts.bench_export --device cuda --batch 8 --cuda-graphs --out "$OUT/bench_export.json"
 stage bench_compiled 200 python3 -m hstu.cli bench --device cuda --compile --sections e2e --batch-sizes 8 --out "$OUT/bench_compiled"
 rm -f "$OUT/bench_graphs/bench.md" "$OUT/bench_compiled/bench.md"

@@ -8,8 +8,9 @@ an untimed prefill, measured three times: the engine's own per-phase host timing
 (host functions by own time; the model thread's Python work) and torch.profiler (union of
 compute kernel time over the forward's wall time = GPU busy share; the top kernels and copies by
 device time). `--cached-tokens` shortens the GPU-resident prefix (the forward recomputes the
-rest); `--onload-fraction F` puts the prefix in the host tier and onloads its share F. Prints a
-short table last and writes profile.json.
+rest); `--onload-fraction F` puts the prefix in the host tier and onloads its share F; `--rerank`
+ranks the whole cached history again with its candidates (the unchanged-history re-rank: candidates
+only). Prints a short table last and writes profile.json.
 """
 
 from __future__ import annotations
@@ -41,22 +42,23 @@ _IDS = FreshUserIds()  # never-reused users across every profiled pass
 def _engine(shape: BenchShape, device: torch.device, batch: int, cuda_graphs: bool) -> RankingEngine:
     cfg = shape.model_config()
     engine = RankingEngine(InferenceRankingGR(cfg, device), AsyncKVCacheManager(shape.cache_config(cfg, 1), device))
-    if cuda_graphs:
-        rows = batch * (shape.new_tokens + shape.num_candidates)
-        engine.enable_cuda_graphs(max_batch=batch, buckets=(rows,))
+    if cuda_graphs:  # the cached forward's rows and the re-rank's (candidates only)
+        rows = sorted({batch * (shape.new_tokens + shape.num_candidates), batch * shape.num_candidates})
+        engine.enable_cuda_graphs(max_batch=batch, buckets=tuple(rows))
     return engine
 
 
-def _forwards(engine: RankingEngine, shape: BenchShape, batch: int, n: int, device: torch.device):
+def _forwards(engine: RankingEngine, shape: BenchShape, batch: int, n: int, device: torch.device, rerank: bool = False):
     """Yield n times: prefill (untimed), then the caller times one cached forward. With the
     engine's cache given an onload split (FixedSplit), the prefix is evicted to the host tier
-    first, so the forward onloads that share of it and recomputes the rest."""
+    first, so the forward onloads that share of it and recomputes the rest. rerank: the prefill
+    is the full requests themselves, so the forward computes the candidates only."""
     prefix, full = make_requests(shape, engine.config, batch)
     split = engine.cache.cost_model
     for _ in range(n):
         users = _IDS.take(len(full))
         engine.cache.cost_model = None
-        engine.rank(as_users(prefix, users))
+        engine.rank(as_users(full if rerank else prefix, users))
         engine.cache.cost_model = split
         engine.cache.drain()
         if split is not None:
@@ -71,11 +73,11 @@ def _forwards(engine: RankingEngine, shape: BenchShape, batch: int, n: int, devi
 _PHASES = ("plan_s", "inputs_s", "prepare_wait_s", "onload_wait_s", "forward_s", "finish_s", "total_s")
 
 
-def phase_profile(engine, shape, batch, n, device) -> dict:
+def phase_profile(engine, shape, batch, n, device, rerank=False) -> dict:
     """Median host ms per phase of the model thread (RankingEngine.timings), no profiler attached;
     total is the engine's whole batch, wall adds the device sync after it."""
     walls, timings = [], []
-    for requests in _forwards(engine, shape, batch, n, device):
+    for requests in _forwards(engine, shape, batch, n, device, rerank):
         t0 = time.perf_counter()
         engine.rank(requests)
         sync(device)
@@ -86,9 +88,9 @@ def phase_profile(engine, shape, batch, n, device) -> dict:
     return out
 
 
-def host_profile(engine, shape, batch, n, device) -> dict:
+def host_profile(engine, shape, batch, n, device, rerank=False) -> dict:
     prof, wall = cProfile.Profile(), 0.0
-    for requests in _forwards(engine, shape, batch, n, device):
+    for requests in _forwards(engine, shape, batch, n, device, rerank):
         t0 = time.perf_counter()
         prof.enable()
         engine.rank(requests)
@@ -105,14 +107,14 @@ def host_profile(engine, shape, batch, n, device) -> dict:
     return {"wall_ms_per_forward": wall / n * 1e3, "profiled_host_ms_per_forward": total_own, "top_own_time": top}
 
 
-def device_profile(engine, shape, batch, n, device) -> dict:
+def device_profile(engine, shape, batch, n, device, rerank=False) -> dict:
     if device.type != "cuda":
         return {}
     from torch.profiler import ProfilerActivity, profile
 
     busy, wall = 0.0, 0.0
     by_kernel: dict[str, float] = {}
-    for requests in _forwards(engine, shape, batch, n, device):
+    for requests in _forwards(engine, shape, batch, n, device, rerank):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
             engine.rank(requests)
@@ -147,17 +149,17 @@ def main(args: argparse.Namespace) -> int:
         shape = dataclasses.replace(shape, cached_tokens=args.cached_tokens)
     device = torch.device(args.device)
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": dataclasses.asdict(shape), "cuda_graphs": args.cuda_graphs,
-           "onload_fraction": args.onload_fraction}
+           "onload_fraction": args.onload_fraction, "rerank": args.rerank}
     for batch in args.batch:
         engine = _engine(dataclasses.replace(shape, batch_sizes=(batch,)), device, batch, args.cuda_graphs)
         if args.onload_fraction is not None:
             engine.cache.cost_model = FixedSplit(args.onload_fraction)
-        for _ in _forwards(engine, shape, batch, 3, device):  # warm-up: compiles, allocator
+        for _ in _forwards(engine, shape, batch, 3, device, args.rerank):  # warm-up: compiles, allocator
             pass
         doc[str(batch)] = {
-            "phases": phase_profile(engine, shape, batch, args.forwards, device),
-            "host": host_profile(engine, shape, batch, args.forwards, device),
-            "device": device_profile(engine, shape, batch, args.forwards, device),
+            "phases": phase_profile(engine, shape, batch, args.forwards, device, args.rerank),
+            "host": host_profile(engine, shape, batch, args.forwards, device, args.rerank),
+            "device": device_profile(engine, shape, batch, args.forwards, device, args.rerank),
         }
         engine.close()
     report.write_json(args.out / "profile.json", doc)
@@ -207,6 +209,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--onload-fraction", type=float, default=None, metavar="F",
         help="the cached prefix in the host tier instead: onload its share F, recompute the rest",
     )
+    p.add_argument("--rerank", action="store_true",
+                   help="re-rank the unchanged history (the whole history cached, candidates computed)")
     p.add_argument("--out", type=Path, default=Path("out/profile"))
     p.set_defaults(func=main)
     return p

@@ -234,12 +234,18 @@ def attention_case(case_idx: int):
 
 @pytest.mark.parametrize("case_idx", range(len(ATTN_CASES)))
 @pytest.mark.parametrize("num_splits", [0, 1])
-def test_triton_attention_bf16_within_2x_of_torch_reference_error(case_idx, num_splits):
-    from hstu.ops.triton_attention import paged_hstu_attention_triton
+@pytest.mark.parametrize("silu", ["exact", "fast", "tanh"])
+def test_triton_attention_bf16_within_2x_of_torch_reference_error(case_idx, num_splits, silu):
+    import dataclasses
+
+    from hstu.ops.triton_attention import default_config, paged_hstu_attention_triton
 
     c, exact, ref_err = attention_case(case_idx)
     poison_allocator(4 * c.q.numel() * 16)
-    out = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, num_splits=num_splits)
+    config = dataclasses.replace(default_config(c.q.shape[2]), silu=silu)
+    out = paged_hstu_attention_triton(
+        c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=config, num_splits=num_splits
+    )
     err = rel_err(out, exact)
     assert out.dtype == torch.bfloat16
     assert err <= 2 * ref_err, f"triton {err:.2e} vs bf16 torch reference {ref_err:.2e}"
