@@ -17,7 +17,11 @@ Q tile once, walks K/V tiles of BLOCK_N keys gathered row by row through the pag
 accumulation, SiLU weights cast to the value dtype for the second matmul), and masks only the tiles
 that cross the causal boundary. Because there is no softmax, the key range can be split over
 several programs whose partial outputs simply add: with few users (batch 1) the key range is split
-so that the grid fills the GPU, and the float32 partials are summed afterwards.
+so that the grid fills the GPU, and the float32 partials are summed by a second kernel.
+Every program reads the batch's plan (each user's row blocks, the split count) from the metadata
+on the device (_batch_plan): the grid depends on the row count and the users' capacity only, so a
+CUDA graph captured for a row bucket still splits a batch of one user and does not launch a
+program per (user slot, row block of the whole bucket).
 
 SiLU: each score costs an exponential and a division on the SMs' special-function units, which
 at head dim 256 is about half the tensor-core time of the two matmuls around it. Three forms
@@ -32,7 +36,6 @@ run AP). HSTU_ATTENTION_SILU overrides the default (an experiment knob for same-
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import dataclass
@@ -103,48 +106,30 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def _split_keys(programs: int, max_keys: int, block_n: int, num_sms: int, num_splits: int) -> tuple[int, int]:
-    """_choose_split, memoised for plain ints (it runs per layer on the eager hot path); symbolic
-    sizes under a dynamic-shape compile go uncached."""
-    args = (programs, max_keys, block_n, num_sms, num_splits)
-    if all(type(a) is int for a in args):
-        return _choose_split_cached(*args)
-    return _choose_split(*args)
+# Key splits: at most this many per batch (batch 1 at the seed shapes wants 11), and the float32
+# partials of a split batch live in one buffer of rows (split, row), bounded below.
+MAX_SPLITS = 32
+# Users per batch when the batch size is symbolic (a dynamic-shape torch.compile): the kernel reads
+# every user's offsets as one vector of this length.
+SYMBOLIC_MAX_USERS = 1024
 
 
-def _choose_split(programs: int, max_keys: int, block_n: int, num_sms: int, num_splits: int) -> tuple[int, int]:
-    """(number of key splits, keys per split) for `programs` programs per split.
-
-    num_splits > 0 is taken as asked (capped at one key block per split). Otherwise no split when
-    the programs already cover half the SMs (H200, seed shapes: batch 8 = 96 programs on 132 SMs
-    ran 241 us unsplit, 262-289 us split 2-4 ways, the partial sums costing more than the idle
-    SMs), else the fewest splits whose waves over the SMs are at least 95% full, searching up to
-    twice the count that makes one wave (batch 1 = 12 programs: 11 splits, 57 us against 228 us
-    unsplit).
-    """
-
-    def split_of(want: int) -> tuple[int, int]:
-        blocks_per_split = triton.cdiv(key_blocks, max(1, min(want, key_blocks)))
-        return triton.cdiv(key_blocks, blocks_per_split), blocks_per_split * block_n
-
-    key_blocks = max(1, triton.cdiv(max_keys, block_n))
-    programs = max(programs, 1)
+def _partial_rows(rows: int, heads: int, block_m: int, num_sms: int, num_splits: int):
+    """Rows of the float32 partial buffer. A forced split count may split any batch. The automatic
+    rule splits only while the programs (row blocks x heads, P) cover under half the SMs, into at
+    most 2 cdiv(SMs, P) splits, so splits x row blocks < 3 SMs / heads; the kernel never splits
+    past what the buffer holds either way."""
     if num_splits > 0:
-        return split_of(num_splits)
-    if 2 * programs >= num_sms:
-        return split_of(1)
-    best, best_fill = split_of(1), 0.0
-    for want in range(1, 2 * triton.cdiv(num_sms, programs) + 1):
-        splits, keys = split_of(want)
-        fill = programs * splits / (triton.cdiv(programs * splits, num_sms) * num_sms)
-        if fill > best_fill + 1e-9:
-            best, best_fill = (splits, keys), fill
-        if fill >= 0.95:
-            break
-    return best
+        return rows * min(num_splits, MAX_SPLITS)
+    return torch.sym_min(rows * MAX_SPLITS, 3 * triton.cdiv(num_sms, heads) * block_m)
 
 
-_choose_split_cached = functools.lru_cache(maxsize=4096)(_choose_split)
+def _extra_programs(row_programs: int, heads: int, num_sms: int, num_splits: int) -> int:
+    """Programs per head beyond the row blocks, for the key splits >= 1 of a split batch: row blocks
+    x (splits - 1), bounded as in _partial_rows. They return at once when the batch is not split."""
+    if num_splits > 0:
+        return row_programs * (min(num_splits, MAX_SPLITS) - 1)
+    return 3 * triton.cdiv(num_sms, heads)
 
 
 # Triton 3.6's interpreter (TRITON_INTERPRET=1, the CPU test path) runs tl.dot on bf16's uint16
@@ -177,36 +162,104 @@ if triton is not None:
         else:
             return s * tl.sigmoid(s)
 
+    @triton.jit
+    def _batch_plan(
+        Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, part_rows, extra_programs,
+        MAX_USERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    ):
+        """The batch's work, read from its metadata on the device, so that a CUDA graph replays
+        each batch's own decision rather than the captured one's: per user its first row, end row,
+        key count, row blocks and the running sum of blocks; the key splits, key blocks per split
+        and the batch's rows.
+
+        Splits (forced_splits > 0 takes that many): none when the programs (row blocks x heads)
+        cover half the SMs (H200, seed shapes: batch 8 = 96 programs on 132 SMs ran 241 us unsplit,
+        262-289 us split 2-4 ways), else the fewest whose waves over the SMs are at least 95% full,
+        searching up to twice the count that makes one wave (batch 1 = 12 programs: 11 splits,
+        57 us against 228 us unsplit); never more than the partial buffer's part_rows hold, nor more
+        than the grid's extra_programs run (row blocks x (splits - 1))."""
+        users = tl.arange(0, MAX_USERS)
+        live = users < num_users
+        q_lo = tl.load(Q_OFF + users, mask=live, other=0)
+        q_hi = tl.load(Q_OFF + users + 1, mask=live, other=0)
+        kv = tl.load(KV_LENS + users, mask=live, other=0)
+        blocks = tl.where(live, (q_hi - q_lo + BLOCK_M - 1) // BLOCK_M, 0)
+        ends = tl.cumsum(blocks, axis=0)
+        programs = tl.sum(blocks, axis=0) * num_heads
+        key_blocks = tl.maximum((tl.max(tl.where(blocks > 0, kv, 0), axis=0) + BLOCK_N - 1) // BLOCK_N, 1)
+        # _choose_split: the fewest splits whose waves fill >= 95% of the SMs, searching up to
+        # twice the count that makes one wave; none when the programs cover half the SMs.
+        best = programs * 0 + 1
+        best_fill = programs.to(tl.float32) * 0.0
+        done = programs * 0
+        limit = 2 * tl.cdiv(num_sms, tl.maximum(programs, 1))
+        for want in tl.static_range(1, MAX_SPLITS + 1):
+            per_split = tl.cdiv(key_blocks, tl.minimum(key_blocks, want))
+            splits = tl.cdiv(key_blocks, per_split)
+            work = tl.maximum(programs, 1) * splits
+            fill = work.to(tl.float32) / (tl.cdiv(work, num_sms) * num_sms).to(tl.float32)
+            take = (done == 0) & (limit >= want) & (fill > best_fill + 1e-6)
+            best = tl.where(take, splits, best)
+            best_fill = tl.where(take, fill, best_fill)
+            done = tl.where(take & (fill >= 0.95), 1, done)
+        best = tl.where(2 * programs >= num_sms, 1, best)
+        forced = tl.cdiv(key_blocks, tl.cdiv(key_blocks, tl.maximum(tl.minimum(tl.minimum(forced_splits, MAX_SPLITS), key_blocks), 1)))
+        splits = tl.where(forced_splits > 0, forced, best)
+        total_rows = tl.max(tl.where(live, q_hi, 0), axis=0)
+        total_blocks = tl.maximum(tl.max(ends, axis=0), 1)
+        splits = tl.minimum(splits, tl.minimum(part_rows // tl.maximum(total_rows, 1), 1 + extra_programs // total_blocks))
+        splits = tl.maximum(splits, 1)
+        blocks_per_split = tl.cdiv(key_blocks, splits)
+        return q_lo, q_hi, kv, blocks, ends, splits, blocks_per_split, total_rows
+
     # The two scales are constexprs (model constants, so no extra compiles): as runtime floats,
     # Inductor passes them as fp64, which promoted the accumulator to fp64 and failed to compile.
     # Batch-dependent ints are not specialised: one compiled kernel serves every batch shape, so a
     # new batch never pays a JIT compile (seen as 3 s latency spikes in the seed replay).
-    @triton.jit(do_not_specialize=["max_pages", "keys_per_split", "num_splits"])
+    @triton.jit(do_not_specialize=["max_pages", "num_users", "forced_splits", "part_rows", "row_programs", "extra_programs"])
     def _paged_hstu_attention_kernel(
-        Q, K, V, KV, PT, KV_LENS, Q_OFF, Q_POS, OUT,
+        Q, K, V, KV, PT, KV_LENS, Q_OFF, Q_POS, OUT, PART,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_os, stride_ot, stride_oh,
+        stride_ot, stride_oh, stride_pt, stride_ph,
         layer_offset, page_stride, kv_stride, token_stride,
-        max_pages, head_dim, keys_per_split, num_splits,
+        max_pages, head_dim, num_users, num_heads, num_sms, forced_splits, part_rows, row_programs, extra_programs,
         SCALE: tl.constexpr,
         INV_SCALE_LEN: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        MAX_USERS: tl.constexpr,
+        MAX_SPLITS: tl.constexpr,
         IEEE: tl.constexpr,
         SILU: tl.constexpr,
         WARP_SPECIALIZE: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
+        # Program (i, head): the first row_programs take row block i, key split 0 (row blocks are
+        # numbered user after user); the extra_programs after them take split >= 1 of a split batch.
+        pid = tl.program_id(0)
         h = tl.program_id(1)
-        b = tl.program_id(2) // num_splits
-        split = tl.program_id(2) % num_splits
-        q_end = tl.load(Q_OFF + b + 1)
-        row0 = tl.load(Q_OFF + b) + pid_m * BLOCK_M
-        if row0 >= q_end:
+        q_lo, q_hi, kv, blocks, ends, num_splits, blocks_per_split, total_rows = _batch_plan(
+            Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, part_rows, extra_programs,
+            MAX_USERS, BLOCK_M, BLOCK_N, MAX_SPLITS,
+        )
+        in_rows = pid < row_programs
+        if (pid >= row_programs) & (num_splits == 1):
             return
-        kv_len = tl.load(KV_LENS + b)
+        extra = tl.maximum(pid - row_programs, 0)
+        per_block = tl.maximum(num_splits - 1, 1)
+        pid_m = tl.where(in_rows, pid, extra // per_block)
+        split = tl.where(in_rows, 0, 1 + extra % per_block)
+        if pid_m >= tl.max(ends, axis=0):
+            return
+        users = tl.arange(0, MAX_USERS)
+        b = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+        mine = users == b
+        first_block = tl.sum(tl.where(mine, ends - blocks, 0), axis=0)
+        q_end = tl.sum(tl.where(mine, q_hi, 0), axis=0)
+        row0 = tl.sum(tl.where(mine, q_lo, 0), axis=0) + (pid_m - first_block) * BLOCK_M
+        kv_len = tl.sum(tl.where(mine, kv, 0), axis=0)
+        keys_per_split = blocks_per_split * BLOCK_N
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_end
         dd = tl.arange(0, BLOCK_D)
@@ -225,7 +278,7 @@ if triton is not None:
         q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + dd[None, :], mask=io_mask, other=0.0)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         kv_base = KV + layer_offset + h * head_dim
-        pt_row = PT + b * max_pages
+        pt_row = PT + b.to(tl.int64) * max_pages
 
         # Tiles every row sees in full: no mask.
         for start in tl.range(key_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -259,8 +312,44 @@ if triton is not None:
             w_self = tl.where(is_cand & row_ok, _silu(s_self, SILU), 0.0)
             acc += w_self[:, None] * v_self.to(tl.float32)
 
-        out_ptrs = OUT + split * stride_os + rows[:, None] * stride_ot + h * stride_oh + dd[None, :]
-        tl.store(out_ptrs, (acc * INV_SCALE_LEN).to(OUT.dtype.element_ty), mask=io_mask)
+        acc = acc * INV_SCALE_LEN
+        if num_splits == 1:
+            out_ptrs = OUT + rows[:, None] * stride_ot + h * stride_oh + dd[None, :]
+            tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=io_mask)
+        else:  # a float32 partial at row (split, row); _sum_splits_kernel adds them
+            part_rows_at = split * total_rows + rows
+            part_ptrs = PART + part_rows_at[:, None].to(tl.int64) * stride_pt + h * stride_ph + dd[None, :]
+            tl.store(part_ptrs, acc, mask=io_mask)
+
+    @triton.jit(do_not_specialize=["num_users", "forced_splits", "part_rows", "extra_programs"])
+    def _sum_splits_kernel(
+        PART, OUT, KV_LENS, Q_OFF,
+        stride_pt, stride_ph, stride_ot, stride_oh,
+        head_dim, num_users, num_heads, num_sms, forced_splits, part_rows, extra_programs,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        MAX_USERS: tl.constexpr,
+        MAX_SPLITS: tl.constexpr,
+    ):
+        """OUT rows = the sum of their float32 partials, when the batch was split (else nothing:
+        the attention kernel wrote OUT itself)."""
+        _, _, _, _, _, num_splits, _, total_rows = _batch_plan(
+            Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, part_rows, extra_programs,
+            MAX_USERS, BLOCK_M, BLOCK_N, MAX_SPLITS,
+        )
+        if num_splits == 1:
+            return
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        h = tl.program_id(1)
+        dd = tl.arange(0, BLOCK_D)
+        mask = (rows < total_rows)[:, None] & (dd < head_dim)[None, :]
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        for s in range(num_splits):
+            at = (s * total_rows + rows).to(tl.int64)
+            acc += tl.load(PART + at[:, None] * stride_pt + h * stride_ph + dd[None, :], mask=mask, other=0.0)
+        tl.store(OUT + rows[:, None] * stride_ot + h * stride_oh + dd[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
 
     def _launch_attention(
         q: torch.Tensor,
@@ -285,38 +374,54 @@ if triton is not None:
         T, H, d = q.shape
         L, P, _, page_size, Hc, dc = kv_cache.shape
         B, max_pages = page_table.shape
-        m_blocks = triton.cdiv(max_q, block_m)
-        splits, keys_per_split = _split_keys(
-            m_blocks * H * B, max_pages * page_size, block_n, _num_sms(q.device), num_splits
-        )
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        if T == 0 or m_blocks == 0 or B == 0:
+        if T == 0 or B == 0 or max_q == 0:
             return out
-        dest = out if splits == 1 else torch.empty((splits, T, H, d), dtype=torch.float32, device=q.device)
-        stride_os = 0 if splits == 1 else dest.stride(0)
-        stride_ot, stride_oh = (out.stride(0), out.stride(1)) if splits == 1 else (dest.stride(1), dest.stride(2))
-        grid = (m_blocks, H, B * splits)
+        sms = _num_sms(q.device)
+        part_rows = _partial_rows(T, H, block_m, sms, num_splits)
+        part = torch.empty((part_rows, H, d), dtype=torch.float32, device=q.device)
+        if isinstance(B, int):  # >= 64: one compiled kernel for every batch of up to 63 users
+            max_users = max(64, triton.next_power_of_2(B + 1))
+        else:
+            torch._check(B < SYMBOLIC_MAX_USERS)
+            max_users = SYMBOLIC_MAX_USERS
+        row_programs = triton.cdiv(T, block_m) + B  # >= the batch's row blocks, users padded or not
+        extra_programs = _extra_programs(row_programs, H, sms, num_splits)
+        grid = (row_programs + extra_programs, H)
         torch.library.wrap_triton(_paged_hstu_attention_kernel)[grid](
-            q, k, v, kv_cache, page_table, kv_lens, q_offsets, q_pos, dest,
+            q, k, v, kv_cache, page_table, kv_lens, q_offsets, q_pos, out, part,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            stride_os, stride_ot, stride_oh,
+            out.stride(0), out.stride(1), part.stride(0), part.stride(1),
             layer * kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-            max_pages, d, keys_per_split, splits,
+            max_pages, d, B, H, sms, num_splits, part_rows, row_programs, extra_programs,
             SCALE=1.0 / math.sqrt(d),
             INV_SCALE_LEN=1.0 / scale_len,
             PAGE_SIZE=page_size,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_D=triton.next_power_of_2(d),
+            MAX_USERS=max_users,
+            MAX_SPLITS=MAX_SPLITS,
             IEEE=q.dtype == torch.float32,
             SILU=0 if q.dtype == torch.float32 else silu,
             WARP_SPECIALIZE=warp_specialize,
             num_warps=num_warps,
             num_stages=num_stages,
         )
-        if splits == 1:
-            return out
-        return dest.sum(0).to(q.dtype)
+        block_r = 32  # a split batch has at most part_rows // 2 rows
+        torch.library.wrap_triton(_sum_splits_kernel)[(triton.cdiv(torch.sym_min(T, part_rows // 2), block_r), H)](
+            part, out, kv_lens, q_offsets,
+            part.stride(0), part.stride(1), out.stride(0), out.stride(1),
+            d, B, H, sms, num_splits, part_rows, extra_programs,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_R=block_r,
+            BLOCK_D=triton.next_power_of_2(d),
+            MAX_USERS=max_users,
+            MAX_SPLITS=MAX_SPLITS,
+            num_warps=4,
+        )
+        return out
 
     # The op torch.compile traces; eager calls use _launch_attention directly (see the caller).
     _paged_hstu_attention_op = torch.library.triton_op("hstu::paged_hstu_attention", _launch_attention, mutates_args=())
