@@ -172,12 +172,11 @@ if triton is not None:
         key count, row blocks and the running sum of blocks; the key splits, key blocks per split
         and the batch's rows.
 
-        Splits (forced_splits > 0 takes that many): none when the programs (row blocks x heads)
+        Splits (forced_splits > 0 takes that many): none when the programs P (row blocks x heads)
         cover half the SMs (H200, seed shapes: batch 8 = 96 programs on 132 SMs ran 241 us unsplit,
-        262-289 us split 2-4 ways), else the fewest whose waves over the SMs are at least 95% full,
-        searching up to twice the count that makes one wave (batch 1 = 12 programs: 11 splits,
-        57 us against 228 us unsplit); never more than the partial buffer's part_rows hold, nor more
-        than the grid's extra_programs run (row blocks x (splits - 1))."""
+        262-289 us split 2-4 ways), else SMs // P, so that one wave holds them all (batch 1 = 12
+        programs: 11 splits, 57 us against 228 us unsplit); never more than the key blocks, the
+        partial buffer's part_rows hold, or the grid's extra_programs run (row blocks x (splits - 1))."""
         users = tl.arange(0, MAX_USERS)
         live = users < num_users
         q_lo = tl.load(Q_OFF + users, mask=live, other=0)
@@ -187,21 +186,8 @@ if triton is not None:
         ends = tl.cumsum(blocks, axis=0)
         programs = tl.sum(blocks, axis=0) * num_heads
         key_blocks = tl.maximum((tl.max(tl.where(blocks > 0, kv, 0), axis=0) + BLOCK_N - 1) // BLOCK_N, 1)
-        # _choose_split: the fewest splits whose waves fill >= 95% of the SMs, searching up to
-        # twice the count that makes one wave; none when the programs cover half the SMs.
-        best = programs * 0 + 1
-        best_fill = programs.to(tl.float32) * 0.0
-        done = programs * 0
-        limit = 2 * tl.cdiv(num_sms, tl.maximum(programs, 1))
-        for want in tl.static_range(1, MAX_SPLITS + 1):
-            per_split = tl.cdiv(key_blocks, tl.minimum(key_blocks, want))
-            splits = tl.cdiv(key_blocks, per_split)
-            work = tl.maximum(programs, 1) * splits
-            fill = work.to(tl.float32) / (tl.cdiv(work, num_sms) * num_sms).to(tl.float32)
-            take = (done == 0) & (limit >= want) & (fill > best_fill + 1e-6)
-            best = tl.where(take, splits, best)
-            best_fill = tl.where(take, fill, best_fill)
-            done = tl.where(take & (fill >= 0.95), 1, done)
+        # As many splits as whole copies of the programs fit on the SMs: at least half full.
+        best = tl.minimum(tl.minimum(num_sms // tl.maximum(programs, 1), key_blocks), MAX_SPLITS)
         best = tl.where(2 * programs >= num_sms, 1, best)
         forced = tl.cdiv(key_blocks, tl.cdiv(key_blocks, tl.maximum(tl.minimum(tl.minimum(forced_splits, MAX_SPLITS), key_blocks), 1)))
         splits = tl.where(forced_splits > 0, forced, best)
@@ -235,10 +221,11 @@ if triton is not None:
         SILU: tl.constexpr,
         WARP_SPECIALIZE: tl.constexpr,
     ):
-        # Program (i, head): the first row_programs take row block i, key split 0 (row blocks are
-        # numbered user after user); the extra_programs after them take split >= 1 of a split batch.
-        pid = tl.program_id(0)
-        h = tl.program_id(1)
+        # Program (i, head), head fastest: the first row_programs take row block i, key split 0 (row
+        # blocks are numbered user after user); the extra_programs after them take split >= 1 of a
+        # split batch. The programs with work come first, so the GPU starts them first.
+        pid = tl.program_id(0) // num_heads
+        h = tl.program_id(0) % num_heads
         q_lo, q_hi, kv, blocks, ends, num_splits, blocks_per_split, total_rows = _batch_plan(
             Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, part_rows, extra_programs,
             MAX_USERS, BLOCK_M, BLOCK_N, MAX_SPLITS,
@@ -346,9 +333,11 @@ if triton is not None:
         dd = tl.arange(0, BLOCK_D)
         mask = (rows < total_rows)[:, None] & (dd < head_dim)[None, :]
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        for s in range(num_splits):
-            at = (s * total_rows + rows).to(tl.int64)
-            acc += tl.load(PART + at[:, None] * stride_pt + h * stride_ph + dd[None, :], mask=mask, other=0.0)
+        for s0 in range(0, num_splits, 4):  # four independent loads per round trip
+            for j in tl.static_range(4):
+                at = ((s0 + j) * total_rows + rows).to(tl.int64)
+                acc += tl.load(PART + at[:, None] * stride_pt + h * stride_ph + dd[None, :],
+                               mask=mask & (s0 + j < num_splits), other=0.0)
         tl.store(OUT + rows[:, None] * stride_ot + h * stride_oh + dd[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
 
     def _launch_attention(
@@ -379,6 +368,8 @@ if triton is not None:
             return out
         sms = _num_sms(q.device)
         part_rows = _partial_rows(T, H, block_m, sms, num_splits)
+        if num_splits == 1:  # never split: the kernel writes no partials (one row keeps the pointer valid)
+            part_rows = 1
         part = torch.empty((part_rows, H, d), dtype=torch.float32, device=q.device)
         if isinstance(B, int):  # >= 64: one compiled kernel for every batch of up to 63 users
             max_users = max(64, triton.next_power_of_2(B + 1))
@@ -387,7 +378,7 @@ if triton is not None:
             max_users = SYMBOLIC_MAX_USERS
         row_programs = triton.cdiv(T, block_m) + B  # >= the batch's row blocks, users padded or not
         extra_programs = _extra_programs(row_programs, H, sms, num_splits)
-        grid = (row_programs + extra_programs, H)
+        grid = ((row_programs + extra_programs) * H,)
         torch.library.wrap_triton(_paged_hstu_attention_kernel)[grid](
             q, k, v, kv_cache, page_table, kv_lens, q_offsets, q_pos, out, part,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -408,7 +399,9 @@ if triton is not None:
             num_warps=num_warps,
             num_stages=num_stages,
         )
-        block_r = 32  # a split batch has at most part_rows // 2 rows
+        block_r = 8  # a split batch has at most part_rows // 2 rows
+        if num_splits == 1:  # never split: the attention kernel wrote `out`
+            return out
         torch.library.wrap_triton(_sum_splits_kernel)[(triton.cdiv(torch.sym_min(T, part_rows // 2), block_r), H)](
             part, out, kv_lens, q_offsets,
             part.stride(0), part.stride(1), out.stride(0), out.stride(1),
@@ -466,7 +459,9 @@ def paged_hstu_attention_triton(
         SILU_MODES.index(cfg.silu), cfg.warp_specialize,
     )
     if torch.compiler.is_compiling():
-        return torch.ops.hstu.paged_hstu_attention(*args)
+        # One kernel, never split: with the partial-sum kernel after it, Inductor's build of the
+        # op computed wrong rows on the H200 (run AQ), which the eager launch did not.
+        return torch.ops.hstu.paged_hstu_attention(*args[:-3], 1, *args[-2:])
     # Eager (and CUDA-graph capture): launch directly; the custom-op dispatch costs ~100 us a call,
     # more than the kernel itself at batch 1 (benchmarks/RESULTS.md).
     return _launch_attention(*args)

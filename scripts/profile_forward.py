@@ -64,7 +64,8 @@ def _forwards(engine: RankingEngine, shape: BenchShape, batch: int, n: int, devi
         if split is not None:
             engine.cache.evict_gpu(users)
         requests = as_users(full, users)
-        for r in requests:  # digests as the server computes them: off the model thread
+        for r in requests:  # validation and digests where the server does them: off the model thread
+            r.validate(engine.config)
             r.identity(engine.model.identity).prefix(r.history_tokens(engine.config))
         sync(device)
         yield requests
