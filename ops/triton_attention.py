@@ -1,4 +1,4 @@
-"""Paged HSTU attention in Triton, registered as the op hstu::paged_hstu_attention (triton_op).
+"""Paged HSTU attention in Triton, registered as the custom op hstu::paged_hstu_attention.
 
 Semantics are those of hstu.ops.attention (see its docstring): no softmax,
 o_r = sum_j SiLU(q_r . k_j / sqrt(d)) v_j / scale_len over the keys row r sees: a history row at
@@ -109,9 +109,6 @@ def _num_sms(device: torch.device) -> int:
 # Key splits: at most this many per batch (batch 1 at the seed shapes wants 11), and the float32
 # partials of a split batch live in one buffer of rows (split, row), bounded below.
 MAX_SPLITS = 32
-# Users per batch when the batch size is symbolic (a dynamic-shape torch.compile): the kernel reads
-# every user's offsets as one vector of this length.
-SYMBOLIC_MAX_USERS = 1024
 
 
 def _partial_rows(rows: int, heads: int, block_m: int, num_sms: int, num_splits: int):
@@ -121,7 +118,7 @@ def _partial_rows(rows: int, heads: int, block_m: int, num_sms: int, num_splits:
     past what the buffer holds either way."""
     if num_splits > 0:
         return rows * min(num_splits, MAX_SPLITS)
-    return torch.sym_min(rows * MAX_SPLITS, 3 * triton.cdiv(num_sms, heads) * block_m)
+    return min(rows * MAX_SPLITS, 3 * triton.cdiv(num_sms, heads) * block_m)
 
 
 def _extra_programs(row_programs: int, heads: int, num_sms: int, num_splits: int) -> int:
@@ -198,9 +195,8 @@ if triton is not None:
         blocks_per_split = tl.cdiv(key_blocks, splits)
         return q_lo, q_hi, kv, blocks, ends, splits, blocks_per_split, total_rows
 
-    # The two scales are constexprs (model constants, so no extra compiles): as runtime floats,
-    # Inductor passes them as fp64, which promoted the accumulator to fp64 and failed to compile.
-    # Batch-dependent ints are not specialised: one compiled kernel serves every batch shape, so a
+    # The two scales are constexprs (model constants, so no extra compiles; as runtime floats,
+    # Inductor once passed them as fp64, which failed to compile). Batch-dependent ints are not specialised: one compiled kernel serves every batch shape, so a
     # new batch never pays a JIT compile (seen as 3 s latency spikes in the seed replay).
     @triton.jit(do_not_specialize=["max_pages", "num_users", "forced_splits", "part_rows", "row_programs", "extra_programs"])
     def _paged_hstu_attention_kernel(
@@ -371,15 +367,11 @@ if triton is not None:
         if num_splits == 1:  # never split: the kernel writes no partials (one row keeps the pointer valid)
             part_rows = 1
         part = torch.empty((part_rows, H, d), dtype=torch.float32, device=q.device)
-        if isinstance(B, int):  # >= 64: one compiled kernel for every batch of up to 63 users
-            max_users = max(64, triton.next_power_of_2(B + 1))
-        else:
-            torch._check(B < SYMBOLIC_MAX_USERS)
-            max_users = SYMBOLIC_MAX_USERS
+        max_users = max(64, triton.next_power_of_2(B + 1))  # >= 64: one compile for batches of up to 63 users
         row_programs = triton.cdiv(T, block_m) + B  # >= the batch's row blocks, users padded or not
         extra_programs = _extra_programs(row_programs, H, sms, num_splits)
         grid = ((row_programs + extra_programs) * H,)
-        torch.library.wrap_triton(_paged_hstu_attention_kernel)[grid](
+        _paged_hstu_attention_kernel[grid](
             q, k, v, kv_cache, page_table, kv_lens, q_offsets, q_pos, out, part,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), part.stride(0), part.stride(1),
@@ -402,7 +394,7 @@ if triton is not None:
         block_r = 8  # a split batch has at most part_rows // 2 rows
         if num_splits == 1:  # never split: the attention kernel wrote `out`
             return out
-        torch.library.wrap_triton(_sum_splits_kernel)[(triton.cdiv(torch.sym_min(T, part_rows // 2), block_r), H)](
+        _sum_splits_kernel[(triton.cdiv(min(T, part_rows // 2), block_r), H)](
             part, out, kv_lens, q_offsets,
             part.stride(0), part.stride(1), out.stride(0), out.stride(1),
             d, B, H, sms, num_splits, part_rows, extra_programs,
@@ -416,8 +408,17 @@ if triton is not None:
         )
         return out
 
-    # The op torch.compile traces; eager calls use _launch_attention directly (see the caller).
-    _paged_hstu_attention_op = torch.library.triton_op("hstu::paged_hstu_attention", _launch_attention, mutates_args=())
+    # The op torch.compile traces; eager calls use _launch_attention directly (see the caller). An
+    # opaque custom op: as a triton_op, whose kernels Inductor analyses and builds itself, the
+    # compiled layer returned an output the kernels had not written (runs AQ and AR: the kernels'
+    # writes lost once they read the batch's plan on the device), so Inductor now calls the same
+    # launch as eager code.
+    _paged_hstu_attention_op = torch.library.custom_op("hstu::paged_hstu_attention", _launch_attention, mutates_args=())
+
+    @_paged_hstu_attention_op.register_fake
+    def _paged_hstu_attention_fake(q, k, v, kv_cache, layer, page_table, kv_lens, q_offsets, q_pos, max_q, scale_len,
+                                   block_m, block_n, num_warps, num_stages, num_splits, silu=0, warp_specialize=False):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int) -> None:
@@ -459,9 +460,7 @@ def paged_hstu_attention_triton(
         SILU_MODES.index(cfg.silu), cfg.warp_specialize,
     )
     if torch.compiler.is_compiling():
-        # One kernel, never split: with the partial-sum kernel after it, Inductor's build of the
-        # op computed wrong rows on the H200 (run AQ), which the eager launch did not.
-        return torch.ops.hstu.paged_hstu_attention(*args[:-3], 1, *args[-2:])
+        return torch.ops.hstu.paged_hstu_attention(*args)
     # Eager (and CUDA-graph capture): launch directly; the custom-op dispatch costs ~100 us a call,
     # more than the kernel itself at batch 1 (benchmarks/RESULTS.md).
     return _launch_attention(*args)

@@ -316,8 +316,9 @@ def test_triton_attention_opcheck(num_splits):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_triton_attention_under_torch_compile_matches_eager(dtype):
-    """Inductor recompiles the user kernel from source with its own argument types (Python floats as
-    fp64): the compiled kernel must agree with the eager launch (it once failed to compile)."""
+    """A torch.compile'd layer calls the attention through its custom op and must agree with the
+    eager launch (as a triton_op, Inductor's own build of the kernel once failed to compile and
+    later returned rows the kernel had not written)."""
     from hstu.ops.triton_attention import paged_hstu_attention_triton
 
     c = make_paged_case([300, 50], [256, 0], [20, 4], page_size=32, heads=2, head_dim=128, dtype=dtype,
