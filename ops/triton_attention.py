@@ -371,6 +371,9 @@ if triton is not None:
         row_programs = triton.cdiv(T, block_m) + B  # >= the batch's row blocks, users padded or not
         extra_programs = _extra_programs(row_programs, H, sms, num_splits)
         grid = ((row_programs + extra_programs) * H,)
+        # the constants both kernels' _batch_plan reads: they must agree on the plan
+        plan = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d), MAX_USERS=max_users,
+                    MAX_SPLITS=MAX_SPLITS)
         _paged_hstu_attention_kernel[grid](
             q, k, v, kv_cache, page_table, kv_lens, q_offsets, q_pos, out, part,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -380,11 +383,7 @@ if triton is not None:
             SCALE=1.0 / math.sqrt(d),
             INV_SCALE_LEN=1.0 / scale_len,
             PAGE_SIZE=page_size,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_D=triton.next_power_of_2(d),
-            MAX_USERS=max_users,
-            MAX_SPLITS=MAX_SPLITS,
+            **plan,
             IEEE=q.dtype == torch.float32,
             SILU=0 if q.dtype == torch.float32 else silu,
             WARP_SPECIALIZE=warp_specialize,
@@ -398,12 +397,8 @@ if triton is not None:
             part, out, kv_lens, q_offsets,
             part.stride(0), part.stride(1), out.stride(0), out.stride(1),
             d, B, H, sms, num_splits, part_rows, extra_programs,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
             BLOCK_R=block_r,
-            BLOCK_D=triton.next_power_of_2(d),
-            MAX_USERS=max_users,
-            MAX_SPLITS=MAX_SPLITS,
+            **plan,
             num_warps=4,
         )
         return out
