@@ -14,9 +14,12 @@ A lane is what `lane_of(item)` names (the user's replica on the routing ring). `
 returns one outcome per item, in order: a value, or an exception (raised to that item's caller
 alone). When `send` raises an exception `retryable` accepts (a lost replica), the items queue
 again, in the lane `lane_of` now names, after the next of `backoff_s` (then fail with
-`exhausted(exc)`); any other exception fails the call's items. Every item has a deadline: one
-that passes while queued is failed with `expired()` and never sent; a caller stops waiting at
-its deadline, and what it waited for is dropped if not yet sent.
+`exhausted(exc)`); any other exception fails the call's items. A call silent for
+`silent_after_s` (neither answered nor failed) counts as lost too and its items are retried: a
+call that reached a replica killed mid-request once never failed, and held its request until the
+deadline (issue 16's CI flake, 2026-12-04). Every item has a deadline: one that passes while queued
+is failed with `expired()` and never sent; a caller stops waiting at its deadline, and what it
+waited for is dropped if not yet sent.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Generic, Hashable, Sequence, TypeVar
 
 T = TypeVar("T")
+
+
+class CallSilent(Exception):
+    """A remote call that neither answered nor failed within the coalescer's silent_after_s."""
 
 
 @dataclass
@@ -67,9 +74,13 @@ class CallCoalescer(Generic[T]):
         exhausted: Callable[[BaseException], BaseException],
         expired: Callable[[], BaseException],
         backoff_s: Sequence[float] = (0.05, 0.1, 0.2, 0.5),
+        silent_after_s: float | None = None,
     ) -> None:
         if max_calls < 1 or max_group < 1:
             raise ValueError(f"max_calls and max_group must be >= 1, got {max_calls} and {max_group}")
+        if silent_after_s is not None and silent_after_s <= 0:
+            raise ValueError(f"silent_after_s must be > 0 (or None: wait until the deadline), got {silent_after_s}")
+        self._silent_after_s = silent_after_s
         self._send, self._lane_of = send, lane_of
         self.max_calls, self.max_group = max_calls, max_group
         self._retryable, self._exhausted, self._expired = retryable, exhausted, expired
@@ -131,10 +142,15 @@ class CallCoalescer(Generic[T]):
             self.stats.calls += 1
             self.stats.items += len(group)
             call = self._send([p.item for p in group], [p.deadline - now for p in group])
+            budget = max(p.deadline for p in group) - now
+            wait_s = budget if self._silent_after_s is None else min(budget, self._silent_after_s)
             try:
-                outcomes = await asyncio.wait_for(call, max(p.deadline for p in group) - now)
+                outcomes = await asyncio.wait_for(call, wait_s)
             except TimeoutError:
-                self._fail(group, self._expired())
+                if wait_s < budget:  # silent, not late: another call may still make the deadline
+                    self._retry(group, CallSilent(f"no answer within {wait_s:.3g} s"))
+                else:
+                    self._fail(group, self._expired())
                 return
             except Exception as exc:  # noqa: BLE001  (every outcome reaches its caller)
                 if self._retryable(exc):

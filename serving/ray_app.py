@@ -73,6 +73,7 @@ DEFAULT_CALLS_PER_REPLICA = 4  # calls in flight from one ingress to one replica
 _LOST_REPLICA = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
 _RETRY_BACKOFF_S = (0.05, 0.1, 0.2, 0.5)
 _SCRAPE_TIMEOUT_S = 2.0
+_MIN_SILENT_S = 1.0  # a call may take this long before it counts as lost, however short the deadline
 _READY_POLL_S = 0.5
 _NO_ACCESS_LOG = {"enable_access_log": False}  # as `hstu serve` (uvicorn access_log=False): no per-request lines
 
@@ -185,6 +186,9 @@ class RemoteRuntime(Runtime):
             exhausted=self._lost,
             expired=lambda: RankError(504, "timeout", "request deadline passed"),
             backoff_s=_RETRY_BACKOFF_S,
+            # a call silent for a third of the request deadline is taken as lost and retried, so a
+            # retry still has most of the deadline left
+            silent_after_s=max(_MIN_SILENT_S, settings.request_timeout_ms / 1e3 / 3),
         )
         metrics.registry.register(_CoalescerCollector(self._calls.stats))
         self._call_overhead = Histogram(

@@ -109,6 +109,41 @@ def test_a_lost_call_is_retried_in_the_lane_named_now_then_fails_with_exhausted(
     assert first == 50 and remote.calls == [[5], [5], [6], [6], [6]] and c.stats.retried == 3
 
 
+def test_a_silent_call_is_retried_and_answered_before_the_deadline():
+    """A call that neither answers nor fails (a replica killed mid-request) holds its items only
+    for silent_after_s; the retry answers them."""
+
+    class Hangs(Remote):
+        async def send(self, items, timeouts):
+            if not self.calls:
+                self.calls.append(list(items))
+                await asyncio.Event().wait()  # never answers
+            return await super().send(items, timeouts)
+
+    async def go():
+        remote = Hangs()
+        remote.release.set()
+        c = coalescer(remote, lane_of=lambda item: 0, silent_after_s=0.05)
+        started = time.monotonic()
+        outcome = await c.submit(7, time.monotonic() + 5)
+        return outcome, time.monotonic() - started, remote, c
+
+    outcome, waited, remote, c = run(go())
+    assert outcome == 70 and waited < 1 and remote.calls == [[7], [7]] and c.stats.retried == 1
+
+
+def test_a_call_late_for_its_deadline_is_expired_not_retried():
+    async def go():
+        remote = Remote()  # never released
+        c = coalescer(remote, lane_of=lambda item: 0, silent_after_s=10.0)
+        with pytest.raises(TimeoutError, match="deadline"):
+            await c.submit(3, time.monotonic() + 0.05)
+        return remote, c
+
+    remote, c = run(go())
+    assert remote.calls == [[3]] and c.stats.retried == 0
+
+
 def test_other_failures_reach_every_item_of_the_call():
     async def go():
         remote = Remote()
@@ -143,3 +178,5 @@ def test_deadlines_bound_the_wait_and_expired_items_are_never_sent():
 def test_invalid_sizes_are_refused():
     with pytest.raises(ValueError, match="max_calls and max_group"):
         coalescer(Remote(), max_calls=0)
+    with pytest.raises(ValueError, match="silent_after_s"):
+        coalescer(Remote(), silent_after_s=0)
