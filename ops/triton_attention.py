@@ -331,9 +331,10 @@ if triton is not None:
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
         for s0 in range(0, num_splits, 4):  # four independent loads per round trip
             for j in tl.static_range(4):
-                at = ((s0 + j) * total_rows + rows).to(tl.int64)
+                split = rows * 0 + s0 + j  # as a tensor: the interpreter takes no scalar mask
+                at = (split * total_rows + rows).to(tl.int64)
                 acc += tl.load(PART + at[:, None] * stride_pt + h * stride_ph + dd[None, :],
-                               mask=mask & (s0 + j < num_splits), other=0.0)
+                               mask=mask & (split < num_splits)[:, None], other=0.0)
         tl.store(OUT + rows[:, None] * stride_ot + h * stride_oh + dd[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
 
     def _launch_attention(

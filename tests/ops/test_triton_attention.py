@@ -1,11 +1,12 @@
 """The Triton paged HSTU attention kernel on the CPU, through Triton's interpreter.
 
-The interpreter runs the kernel's logic (page-table walk, causal and candidate masks, key splits)
-on CPU tensors; it needs TRITON_INTERPRET=1 before the kernel module is imported, so the checks run
-in a fresh interpreter process. Skipped where triton is missing. The interpreter of Triton 3.6
-cannot take a tensor as a loop bound under numpy >= 2.4, and it truncates float32 -> bfloat16 (the
-GPU rounds to nearest), so bf16 accuracy against the 2x bound is checked on the GPU only
-(test_cuda_kernels.py).
+The interpreter runs the kernel's logic (page-table walk, causal and candidate masks, the batch's
+plan read on the device, forced and automatic key splits with their partial sums, a batch padded
+like a CUDA graph bucket) on CPU tensors; it needs TRITON_INTERPRET=1 before the kernel module is
+imported, so the checks run in a fresh interpreter process. Skipped where triton is missing. The
+interpreter of Triton 3.6 cannot take a tensor as a loop bound under numpy >= 2.4 (3.9's can), and
+it truncates float32 -> bfloat16 (the GPU rounds to nearest), so bf16 accuracy against the 2x
+bound is checked on the GPU only (test_cuda_kernels.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("triton")
-if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4):
-    pytest.skip("Triton's interpreter needs numpy < 2.4 for tensor loop bounds", allow_module_level=True)
+triton = pytest.importorskip("triton")
+_TRITON = tuple(int(x) for x in triton.__version__.split(".")[:2])
+if _TRITON < (3, 7) and tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4):
+    pytest.skip("Triton 3.6's interpreter needs numpy < 2.4 for tensor loop bounds", allow_module_level=True)
 
 _SCRIPT = textwrap.dedent(
     """
@@ -38,16 +40,36 @@ _SCRIPT = textwrap.dedent(
         ([65, 1], [1, 0], [4, 17], 32, 40, 3, ta.AttentionConfig(32, 16, 4, 1), 1),
         ([130], [0], [2], 64, 64, 1, ta.AttentionConfig(64, 64, 4, 1), 2),
         ([20, 33, 5], [20, 0, 5], [0, 2, 1], 16, 32, 2, ta.AttentionConfig(16, 16, 4, 1), 0),
+        ([300], [256], [40], 16, 32, 2, ta.AttentionConfig(16, 16, 4, 1, silu="tanh"), 0),
     ]
-    for i, (hist, cached, cand, ps, d, h, cfg, splits) in enumerate(cases):
-        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-            c = make_paged_case(hist, cached, cand, page_size=ps, head_dim=d, heads=h, dtype=dtype, seed=i)
-            out = ta.paged_hstu_attention_triton(
-                c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=cfg, num_splits=splits
-            )
-            assert out.dtype == dtype and out.shape == c.q.shape
-            err = rel_err(out, reference_fp64(c))
-            assert err < tol, (i, dtype, err)
+    for sms in (1, 132):  # 132 (an H200's SMs): the automatic key splits of few programs
+        ta._num_sms = lambda device: sms
+        for i, (hist, cached, cand, ps, d, h, cfg, splits) in enumerate(cases):
+            for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+                c = make_paged_case(hist, cached, cand, page_size=ps, head_dim=d, heads=h, dtype=dtype, seed=i)
+                out = ta.paged_hstu_attention_triton(
+                    c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=cfg, num_splits=splits
+                )
+                assert out.dtype == dtype and out.shape == c.q.shape
+                err = rel_err(out, reference_fp64(c))
+                assert err < tol, (sms, i, dtype, err)
+
+    # Padded as a CUDA graph bucket pads it (rows past T, empty user slots): the same rows, bit for bit.
+    from types import SimpleNamespace
+    c = make_paged_case([70], [48], [9], page_size=16, head_dim=32, heads=2, dtype=torch.float32, seed=9)
+    m, T, T_pad, slots = c.meta, c.q.shape[0], 96, 4
+    pad = lambda t: torch.cat([t, torch.randn((T_pad - T, *t.shape[1:]))])
+    padded = SimpleNamespace(
+        page_table=torch.cat([m.page_table, m.page_table.new_zeros((slots - 1, m.page_table.shape[1]))]),
+        kv_lens=torch.cat([m.kv_lens, m.kv_lens.new_zeros(slots - 1)]),
+        q_offsets=torch.cat([m.q_offsets, m.q_offsets.new_full((slots - 1,), T)]),
+        q_pos=torch.cat([m.q_pos, m.q_pos.new_zeros(T_pad - T)]),
+        max_q=T_pad,
+    )
+    cfg = ta.AttentionConfig(16, 16, 4, 1)
+    want = ta.paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, m, c.scale_len, config=cfg)
+    got = ta.paged_hstu_attention_triton(pad(c.q), pad(c.k), pad(c.v), c.kv_cache, c.layer, padded, c.scale_len, config=cfg)
+    assert torch.equal(got[:T], want)
     print("ok")
     """
 )
