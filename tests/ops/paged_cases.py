@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -99,3 +100,22 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.detach().cpu().double(), ref.detach().cpu().double()
     assert torch.isfinite(out).all(), "non-finite output"
     return float((out - ref).norm() / ref.norm())
+
+
+def padded_like_graph_bucket(case: PagedCase, rows: int, user_slots: int):
+    """(q, k, v, metadata) of the case's batch padded as a CUDA graph bucket pads it: random rows
+    past T up to `rows`, user slots past B up to `user_slots` with kv_len 0 and q_offsets at T."""
+    m, T = case.meta, case.q.shape[0]
+    extra_users = user_slots - m.kv_lens.shape[0]
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, torch.randn((rows - T, *t.shape[1:]), device=t.device).to(t.dtype)])
+
+    meta = SimpleNamespace(
+        page_table=torch.cat([m.page_table, m.page_table.new_zeros((extra_users, m.page_table.shape[1]))]),
+        kv_lens=torch.cat([m.kv_lens, m.kv_lens.new_zeros(extra_users)]),
+        q_offsets=torch.cat([m.q_offsets, m.q_offsets.new_full((extra_users,), T)]),
+        q_pos=torch.cat([m.q_pos, m.q_pos.new_zeros(rows - T)]),
+        max_q=rows,
+    )
+    return pad(case.q), pad(case.k), pad(case.v), meta

@@ -22,7 +22,7 @@ pytestmark = [
 
 if torch.cuda.is_available() and cuda_build_enabled():
     from hstu.ops import kv_ops
-    from tests.ops.paged_cases import make_paged_case, reference_fp64, rel_err
+    from tests.ops.paged_cases import make_paged_case, padded_like_graph_bucket, reference_fp64, rel_err
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
 # (heads, head_dim): row bytes multiple of 16 in bf16 and fp32; of 8 only in bf16 (-> 4-byte
@@ -256,28 +256,14 @@ def test_triton_attention_padded_like_a_graph_bucket_matches_the_batch(num_split
     """A CUDA graph runs the batch padded to its bucket (rows past T, user slots past B with
     kv_len 0 and q_offsets at T): the kernel plans from the metadata on the device, so the padded
     call computes the same rows bit for bit, a lone user's key split included."""
-    from types import SimpleNamespace
-
     from hstu.ops.triton_attention import paged_hstu_attention_triton
 
     c = make_paged_case([700], [640], [96], page_size=32, heads=2, head_dim=256, dtype=torch.bfloat16,
                         device="cuda", seed=11)
-    m, T = c.meta, c.q.shape[0]
-    T_pad, slots = 1024, 8
-
-    def pad_rows(t):
-        return torch.cat([t, torch.randn((T_pad - T, *t.shape[1:]), device="cuda").to(t.dtype)])
-
-    padded = SimpleNamespace(
-        page_table=torch.cat([m.page_table, m.page_table.new_zeros((slots - 1, m.page_table.shape[1]))]),
-        kv_lens=torch.cat([m.kv_lens, m.kv_lens.new_zeros(slots - 1)]),
-        q_offsets=torch.cat([m.q_offsets, m.q_offsets.new_full((slots - 1,), T)]),
-        q_pos=torch.cat([m.q_pos, m.q_pos.new_zeros(T_pad - T)]),
-        max_q=T_pad,
-    )
-    want = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, m, c.scale_len, num_splits=num_splits)
-    got = paged_hstu_attention_triton(pad_rows(c.q), pad_rows(c.k), pad_rows(c.v), c.kv_cache, c.layer, padded,
-                                      c.scale_len, num_splits=num_splits)
+    T = c.q.shape[0]
+    q, k, v, padded = padded_like_graph_bucket(c, rows=1024, user_slots=8)
+    want = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, num_splits=num_splits)
+    got = paged_hstu_attention_triton(q, k, v, c.kv_cache, c.layer, padded, c.scale_len, num_splits=num_splits)
     assert torch.equal(got[:T], want)
     assert rel_err(want, reference_fp64(c)) < 1e-2
 

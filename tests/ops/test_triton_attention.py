@@ -30,7 +30,7 @@ _SCRIPT = textwrap.dedent(
     import sys
     import torch
     sys.path.insert(0, {root!r})
-    from tests.ops.paged_cases import make_paged_case, reference_fp64, rel_err
+    from tests.ops.paged_cases import make_paged_case, padded_like_graph_bucket, reference_fp64, rel_err
     from hstu.ops import triton_attention as ta
 
     cases = [
@@ -55,20 +55,11 @@ _SCRIPT = textwrap.dedent(
                 assert err < tol, (sms, i, dtype, err)
 
     # Padded as a CUDA graph bucket pads it (rows past T, empty user slots): the same rows, bit for bit.
-    from types import SimpleNamespace
     c = make_paged_case([70], [48], [9], page_size=16, head_dim=32, heads=2, dtype=torch.float32, seed=9)
-    m, T, T_pad, slots = c.meta, c.q.shape[0], 96, 4
-    pad = lambda t: torch.cat([t, torch.randn((T_pad - T, *t.shape[1:]))])
-    padded = SimpleNamespace(
-        page_table=torch.cat([m.page_table, m.page_table.new_zeros((slots - 1, m.page_table.shape[1]))]),
-        kv_lens=torch.cat([m.kv_lens, m.kv_lens.new_zeros(slots - 1)]),
-        q_offsets=torch.cat([m.q_offsets, m.q_offsets.new_full((slots - 1,), T)]),
-        q_pos=torch.cat([m.q_pos, m.q_pos.new_zeros(T_pad - T)]),
-        max_q=T_pad,
-    )
-    cfg = ta.AttentionConfig(16, 16, 4, 1)
-    want = ta.paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, m, c.scale_len, config=cfg)
-    got = ta.paged_hstu_attention_triton(pad(c.q), pad(c.k), pad(c.v), c.kv_cache, c.layer, padded, c.scale_len, config=cfg)
+    T, cfg = c.q.shape[0], ta.AttentionConfig(16, 16, 4, 1)
+    q, k, v, padded = padded_like_graph_bucket(c, rows=96, user_slots=4)
+    want = ta.paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=cfg)
+    got = ta.paged_hstu_attention_triton(q, k, v, c.kv_cache, c.layer, padded, c.scale_len, config=cfg)
     assert torch.equal(got[:T], want)
     print("ok")
     """
