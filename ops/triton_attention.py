@@ -12,16 +12,17 @@ Shapes and dtypes:
   page_table [B, max_pages] int32; kv_lens [B] int32; q_offsets [B+1] int32; q_pos [T] int64
   returns    [T, H, d] in q's dtype
 
-Kernel: one program per (block of BLOCK_M query rows of one user, head, key split). It loads its
-Q tile once, walks K/V tiles of BLOCK_N keys gathered row by row through the page table (fp32
-accumulation, SiLU weights cast to the value dtype for the second matmul), and masks only the tiles
-that cross the causal boundary. Because there is no softmax, the key range can be split over
-several programs whose partial outputs simply add: with few users (batch 1) the key range is split
-so that the grid fills the GPU, and the float32 partials are summed by a second kernel.
-Every program reads the batch's plan (each user's row blocks, the split count) from the metadata
-on the device (_batch_plan): the grid depends on the row count and the users' capacity only, so a
-CUDA graph captured for a row bucket still splits a batch of one user and does not launch a
-program per (user slot, row block of the whole bucket).
+Kernel: the work is units (a block of BLOCK_M query rows of one user, for one head), each a walk
+over K/V tiles of BLOCK_N keys gathered row by row through the page table (fp32 accumulation, SiLU
+weights cast to the value dtype for the second matmul; only tiles across the causal boundary are
+masked), after one load of its Q tile. Because there is no softmax, a unit's key range can be cut
+into pieces whose partial outputs simply add. When the units fill their waves over the SMs well
+enough (AttentionConfig.balance_below), each program runs one unit; otherwise (by default under
+half: at the seed shapes batch 1's 12 units on 132 SMs, the batch-8 re-rank's 64) one wave of
+programs takes equal shares of all the batch's tiles, cutting units where the shares end
+(stream-K), and a second kernel adds the float32 pieces of every cut unit. Every program reads
+this schedule from the batch's metadata on the device (_batch_plan), so a CUDA graph captured for
+a row bucket still schedules each batch by its own users and rows.
 
 SiLU: each score costs an exponential and a division on the SMs' special-function units, which
 at head dim 256 is about half the tensor-core time of the two matmuls around it. Three forms
@@ -61,7 +62,8 @@ SILU_MODES = ("exact", "fast", "tanh")
 class AttentionConfig:
     """Tile shape and launch parameters of the kernel; silu is one of SILU_MODES (16-bit inputs
     only), warp_specialize asks Triton to split the unmasked key loop into producer and consumer
-    warps."""
+    warps; a batch whose units (row block x head) fill their waves over the SMs less than
+    balance_below runs as one balanced wave instead (_batch_plan; 0: never)."""
 
     block_m: int
     block_n: int
@@ -69,6 +71,7 @@ class AttentionConfig:
     num_stages: int
     silu: str = "exact"
     warp_specialize: bool = False
+    balance_below: float = 0.5
 
     def __post_init__(self) -> None:
         if self.silu not in SILU_MODES:
@@ -106,27 +109,17 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-# Key splits: at most this many per batch (batch 1 at the seed shapes wants 11), and the float32
-# partials of a split batch live in one buffer of rows (split, row), bounded below.
+# Balanced schedule (stream-K): the partials of units cut between programs live in two slots per
+# program, each one head's BLOCK_M x d tile in float32; forced piece counts (tests) are capped.
 MAX_SPLITS = 32
 
 
-def _partial_rows(rows: int, heads: int, block_m: int, num_sms: int, num_splits: int):
-    """Rows of the float32 partial buffer. A forced split count may split any batch. The automatic
-    rule splits only while the programs (row blocks x heads, P) cover under half the SMs, into at
-    most 2 cdiv(SMs, P) splits, so splits x row blocks < 3 SMs / heads; the kernel never splits
-    past what the buffer holds either way."""
-    if num_splits > 0:
-        return rows * min(num_splits, MAX_SPLITS)
-    return min(rows * MAX_SPLITS, 3 * triton.cdiv(num_sms, heads) * block_m)
-
-
-def _extra_programs(row_programs: int, heads: int, num_sms: int, num_splits: int) -> int:
-    """Programs per head beyond the row blocks, for the key splits >= 1 of a split batch: row blocks
-    x (splits - 1), bounded as in _partial_rows. They return at once when the batch is not split."""
-    if num_splits > 0:
-        return row_programs * (min(num_splits, MAX_SPLITS) - 1)
-    return 3 * triton.cdiv(num_sms, heads)
+def _grid_programs(rows: int, users: int, heads: int, block_m: int, num_sms: int, num_splits: int) -> int:
+    """Programs the kernel is launched with: at least one per unit (row block x head; a batch of
+    `rows` rows over `users` users has at most cdiv(rows, block_m) + users row blocks) and at least
+    one per SM (a balanced batch runs one wave); a forced split count multiplies the units."""
+    units = (triton.cdiv(rows, block_m) + users) * heads
+    return max(num_sms, units * min(max(num_splits, 1), MAX_SPLITS))
 
 
 # Triton 3.6's interpreter (TRITON_INTERPRET=1, the CPU test path) runs tl.dot on bf16's uint16
@@ -161,88 +154,65 @@ if triton is not None:
 
     @triton.jit
     def _batch_plan(
-        Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, part_rows, extra_programs,
-        MAX_USERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
+        Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, grid_programs,
+        MAX_USERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BALANCE_BELOW: tl.constexpr,
     ):
-        """The batch's work, read from its metadata on the device, so that a CUDA graph replays
-        each batch's own decision rather than the captured one's: per user its first row, end row,
-        key count, row blocks and the running sum of blocks; the key splits, key blocks per split
-        and the batch's rows.
+        """The batch's schedule, read from its metadata on the device, so that a CUDA graph replays
+        each batch's own schedule rather than the captured one's.
 
-        Splits (forced_splits > 0 takes that many): none when the programs P (row blocks x heads)
-        cover half the SMs (H200, seed shapes: batch 8 = 96 programs on 132 SMs ran 241 us unsplit,
-        262-289 us split 2-4 ways), else SMs // P, so that one wave holds them all (batch 1 = 12
-        programs: 11 splits, 57 us against 228 us unsplit); never more than the key blocks, the
-        partial buffer's part_rows hold, or the grid's extra_programs run (row blocks x (splits - 1))."""
+        Work is counted in iterations (one BLOCK_N-key tile of one unit; a unit is one row block of
+        one user and one head; a user's units take cdiv(kv_len, BLOCK_N) iterations each), numbered
+        user after user, unit after unit. `programs` programs each take a contiguous equal share of
+        them: one per unit (each program one whole unit) when the units fill their waves over the
+        SMs at least BALANCE_BELOW full; else one wave of SMs, each program cutting through unit
+        boundaries (stream-K; at the seed shapes batch 1 is 12 units on 132 SMs, batch 8 96: the
+        split of run AR, 11 programs per unit at batch 1, is about what this gives);
+        forced_splits > 0 cuts every unit into about that many pieces (tests).
+
+        Returns per user (vectors over MAX_USERS) first row, end row, key count, row blocks,
+        iterations per unit and the running sum of iterations (inclusive); the total iterations,
+        the number of programs that take a share, and whether each program takes one unit whole
+        (aligned: users' units may differ in length, so equal shares would cut them)."""
         users = tl.arange(0, MAX_USERS)
         live = users < num_users
         q_lo = tl.load(Q_OFF + users, mask=live, other=0)
         q_hi = tl.load(Q_OFF + users + 1, mask=live, other=0)
         kv = tl.load(KV_LENS + users, mask=live, other=0)
         blocks = tl.where(live, (q_hi - q_lo + BLOCK_M - 1) // BLOCK_M, 0)
-        ends = tl.cumsum(blocks, axis=0)
-        programs = tl.sum(blocks, axis=0) * num_heads
-        key_blocks = tl.maximum((tl.max(tl.where(blocks > 0, kv, 0), axis=0) + BLOCK_N - 1) // BLOCK_N, 1)
-        # As many splits as whole copies of the programs fit on the SMs: at least half full.
-        best = tl.minimum(tl.minimum(num_sms // tl.maximum(programs, 1), key_blocks), MAX_SPLITS)
-        best = tl.where(2 * programs >= num_sms, 1, best)
-        forced = tl.cdiv(key_blocks, tl.cdiv(key_blocks, tl.maximum(tl.minimum(tl.minimum(forced_splits, MAX_SPLITS), key_blocks), 1)))
-        splits = tl.where(forced_splits > 0, forced, best)
-        total_rows = tl.max(tl.where(live, q_hi, 0), axis=0)
-        total_blocks = tl.maximum(tl.max(ends, axis=0), 1)
-        splits = tl.minimum(splits, tl.minimum(part_rows // tl.maximum(total_rows, 1), 1 + extra_programs // total_blocks))
-        splits = tl.maximum(splits, 1)
-        blocks_per_split = tl.cdiv(key_blocks, splits)
-        return q_lo, q_hi, kv, blocks, ends, splits, blocks_per_split, total_rows
+        unit_iters = tl.where(blocks > 0, tl.maximum((kv + BLOCK_N - 1) // BLOCK_N, 1), 0)
+        ends = tl.cumsum(blocks * num_heads * unit_iters, axis=0)
+        total = tl.max(ends, axis=0)
+        units = tl.sum(blocks, axis=0) * num_heads
+        waves = tl.cdiv(tl.maximum(units, 1), num_sms)
+        full = units.to(tl.float32) >= BALANCE_BELOW * (waves * num_sms).to(tl.float32)
+        aligned = full & (forced_splits <= 0)
+        programs = tl.where(full, units, tl.minimum(num_sms, total))
+        programs = tl.where(forced_splits > 0, tl.minimum(units * forced_splits, total), programs)
+        programs = tl.maximum(tl.minimum(programs, grid_programs), 1)
+        return q_lo, q_hi, kv, blocks, unit_iters, ends, total, programs, aligned
 
-    # The two scales are constexprs (model constants, so no extra compiles; as runtime floats,
-    # Inductor once passed them as fp64, which failed to compile). Batch-dependent ints are not specialised: one compiled kernel serves every batch shape, so a
-    # new batch never pays a JIT compile (seen as 3 s latency spikes in the seed replay).
-    @triton.jit(do_not_specialize=["max_pages", "num_users", "forced_splits", "part_rows", "row_programs", "extra_programs"])
-    def _paged_hstu_attention_kernel(
-        Q, K, V, KV, PT, KV_LENS, Q_OFF, Q_POS, OUT, PART,
+    @triton.jit
+    def _program_of(iteration, total, programs):
+        """The program whose share [g * total // programs, (g + 1) * total // programs) holds `iteration`."""
+        return (((iteration.to(tl.int64) + 1) * programs + total - 1) // total - 1).to(tl.int32)
+
+    @triton.jit
+    def _attend_block(
+        Q, K, V, KV, PT, Q_POS,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_ot, stride_oh, stride_pt, stride_ph,
-        layer_offset, page_stride, kv_stride, token_stride,
-        max_pages, head_dim, num_users, num_heads, num_sms, forced_splits, part_rows, row_programs, extra_programs,
+        layer_offset, page_stride, kv_stride, token_stride, max_pages, head_dim,
+        b, h, row0, q_end, kv_len, key_lo, key_cap, with_self,
         SCALE: tl.constexpr,
-        INV_SCALE_LEN: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
-        MAX_USERS: tl.constexpr,
-        MAX_SPLITS: tl.constexpr,
         IEEE: tl.constexpr,
         SILU: tl.constexpr,
         WARP_SPECIALIZE: tl.constexpr,
     ):
-        # Program (i, head), head fastest: the first row_programs take row block i, key split 0 (row
-        # blocks are numbered user after user); the extra_programs after them take split >= 1 of a
-        # split batch. The programs with work come first, so the GPU starts them first.
-        pid = tl.program_id(0) // num_heads
-        h = tl.program_id(0) % num_heads
-        q_lo, q_hi, kv, blocks, ends, num_splits, blocks_per_split, total_rows = _batch_plan(
-            Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, part_rows, extra_programs,
-            MAX_USERS, BLOCK_M, BLOCK_N, MAX_SPLITS,
-        )
-        in_rows = pid < row_programs
-        if (pid >= row_programs) & (num_splits == 1):
-            return
-        extra = tl.maximum(pid - row_programs, 0)
-        per_block = tl.maximum(num_splits - 1, 1)
-        pid_m = tl.where(in_rows, pid, extra // per_block)
-        split = tl.where(in_rows, 0, 1 + extra % per_block)
-        if pid_m >= tl.max(ends, axis=0):
-            return
-        users = tl.arange(0, MAX_USERS)
-        b = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
-        mine = users == b
-        first_block = tl.sum(tl.where(mine, ends - blocks, 0), axis=0)
-        q_end = tl.sum(tl.where(mine, q_hi, 0), axis=0)
-        row0 = tl.sum(tl.where(mine, q_lo, 0), axis=0) + (pid_m - first_block) * BLOCK_M
-        kv_len = tl.sum(tl.where(mine, kv, 0), axis=0)
-        keys_per_split = blocks_per_split * BLOCK_N
+        """Float32 attention sums of rows row0.. (< q_end) of user b, head h, over the keys in
+        [key_lo, key_cap) each row sees, plus each candidate's own key when with_self."""
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_end
         dd = tl.arange(0, BLOCK_D)
@@ -253,8 +223,7 @@ if triton is not None:
         last_key = tl.where(row_ok, tl.where(is_cand, kv_len - 1, q_pos), -1)
         hi = tl.max(last_key, axis=0) + 1
         lo_all = tl.min(tl.where(row_ok, last_key, 2147483647), axis=0) + 1
-        key_lo = split * keys_per_split
-        key_hi = tl.minimum(key_lo + keys_per_split, hi)
+        key_hi = tl.minimum(key_cap, hi)
         full_hi = key_lo + tl.maximum(tl.minimum(key_hi, lo_all) - key_lo, 0) // BLOCK_N * BLOCK_N
 
         io_mask = row_ok[:, None] & d_ok[None, :]
@@ -288,53 +257,145 @@ if triton is not None:
             acc += _dot(w, v_tile, IEEE)
 
         # Candidates also see themselves (their K/V are not in the cache).
-        if split == 0:
+        if with_self:
             k_self = tl.load(K + rows[:, None] * stride_kt + h * stride_kh + dd[None, :], mask=io_mask, other=0.0)
             v_self = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + dd[None, :], mask=io_mask, other=0.0)
             s_self = tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1) * SCALE
             w_self = tl.where(is_cand & row_ok, _silu(s_self, SILU), 0.0)
             acc += w_self[:, None] * v_self.to(tl.float32)
+        return acc, rows, io_mask
 
-        acc = acc * INV_SCALE_LEN
-        if num_splits == 1:
-            out_ptrs = OUT + rows[:, None] * stride_ot + h * stride_oh + dd[None, :]
-            tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=io_mask)
-        else:  # a float32 partial at row (split, row); _sum_splits_kernel adds them
-            part_rows_at = split * total_rows + rows
-            part_ptrs = PART + part_rows_at[:, None].to(tl.int64) * stride_pt + h * stride_ph + dd[None, :]
-            tl.store(part_ptrs, acc, mask=io_mask)
-
-    @triton.jit(do_not_specialize=["num_users", "forced_splits", "part_rows", "extra_programs"])
-    def _sum_splits_kernel(
-        PART, OUT, KV_LENS, Q_OFF,
-        stride_pt, stride_ph, stride_ot, stride_oh,
-        head_dim, num_users, num_heads, num_sms, forced_splits, part_rows, extra_programs,
+    # The two scales are constexprs (model constants, so no extra compiles; as runtime floats,
+    # Inductor once passed them as fp64, which failed to compile). Batch-dependent ints are not
+    # specialised: one compiled kernel serves every batch shape, so a new batch never pays a JIT
+    # compile (seen as 3 s latency spikes in the seed replay).
+    @triton.jit(do_not_specialize=["max_pages", "num_users", "forced_splits", "grid_programs"])
+    def _paged_hstu_attention_kernel(
+        Q, K, V, KV, PT, KV_LENS, Q_OFF, Q_POS, OUT, PART,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_ot, stride_oh,
+        layer_offset, page_stride, kv_stride, token_stride,
+        max_pages, head_dim, num_users, num_heads, num_sms, forced_splits, grid_programs,
+        SCALE: tl.constexpr,
+        INV_SCALE_LEN: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        BLOCK_R: tl.constexpr,
         BLOCK_D: tl.constexpr,
         MAX_USERS: tl.constexpr,
-        MAX_SPLITS: tl.constexpr,
+        BALANCE_BELOW: tl.constexpr,
+        IEEE: tl.constexpr,
+        SILU: tl.constexpr,
+        WARP_SPECIALIZE: tl.constexpr,
     ):
-        """OUT rows = the sum of their float32 partials, when the batch was split (else nothing:
-        the attention kernel wrote OUT itself)."""
-        _, _, _, _, _, num_splits, _, total_rows = _batch_plan(
-            Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, part_rows, extra_programs,
-            MAX_USERS, BLOCK_M, BLOCK_N, MAX_SPLITS,
+        # Program g takes iterations [g * total // programs, (g + 1) * total // programs): whole
+        # units go to OUT; a unit cut at the share's start or end goes to the program's slot 2g or
+        # 2g + 1 of PART ([slot, BLOCK_M, BLOCK_D] float32 for one head) and _sum_pieces_kernel
+        # adds its pieces.
+        g = tl.program_id(0)
+        q_lo, q_hi, kv, blocks, unit_iters, ends, total, programs, aligned = _batch_plan(
+            Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, grid_programs,
+            MAX_USERS, BLOCK_M, BLOCK_N, BALANCE_BELOW,
         )
-        if num_splits == 1:
+        users = tl.arange(0, MAX_USERS)
+        it = (g.to(tl.int64) * total // programs).to(tl.int32)
+        end = ((g.to(tl.int64) + 1) * total // programs).to(tl.int32)
+        if aligned:  # program g takes unit g whole
+            unit_ends = tl.cumsum(blocks * num_heads, axis=0)
+            ub = tl.sum((unit_ends <= g).to(tl.int32), axis=0)
+            at_ub = users == ub
+            ub_iters = tl.sum(tl.where(at_ub, unit_iters, 0), axis=0)
+            ub_units = tl.sum(tl.where(at_ub, blocks, 0), axis=0) * num_heads
+            it = (tl.sum(tl.where(at_ub, ends, 0), axis=0) - ub_units * ub_iters
+                  + (g - (tl.sum(tl.where(at_ub, unit_ends, 0), axis=0) - ub_units)) * ub_iters)
+            end = it + ub_iters
+        end = tl.where(g < programs, end, it)  # programs past the batch's count take nothing
+        first = g * 0 + 1
+        while it < end:
+            b = tl.sum((ends <= it).to(tl.int32), axis=0)
+            mine = users == b
+            per_unit = tl.sum(tl.where(mine, unit_iters, 0), axis=0)
+            local = it - (tl.sum(tl.where(mine, ends, 0), axis=0) - tl.sum(tl.where(mine, blocks, 0), axis=0) * num_heads * per_unit)
+            unit = local // per_unit
+            ki = local % per_unit
+            take = tl.minimum(end - it, per_unit - ki)
+            acc, rows, io_mask = _attend_block(
+                Q, K, V, KV, PT, Q_POS,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                layer_offset, page_stride, kv_stride, token_stride, max_pages, head_dim,
+                b, unit % num_heads,
+                tl.sum(tl.where(mine, q_lo, 0), axis=0) + unit // num_heads * BLOCK_M,
+                tl.sum(tl.where(mine, q_hi, 0), axis=0),
+                tl.sum(tl.where(mine, kv, 0), axis=0),
+                ki * BLOCK_N, (ki + take) * BLOCK_N, ki == 0,
+                SCALE, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, SILU, WARP_SPECIALIZE,
+            )
+            acc = acc * INV_SCALE_LEN
+            h = unit % num_heads
+            dd = tl.arange(0, BLOCK_D)
+            if (ki == 0) & (take == per_unit):
+                out_ptrs = OUT + rows[:, None] * stride_ot + h * stride_oh + dd[None, :]
+                tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=io_mask)
+            else:
+                slot = 2 * g + 1 - first
+                offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_D + dd[None, :]
+                tl.store(PART + slot.to(tl.int64) * (BLOCK_M * BLOCK_D) + offs, acc, mask=io_mask)
+            it += take
+            first = first * 0
+
+    @triton.jit(do_not_specialize=["num_users", "forced_splits", "grid_programs"])
+    def _sum_pieces_kernel(
+        PART, OUT, KV_LENS, Q_OFF,
+        stride_ot, stride_oh,
+        head_dim, num_users, num_heads, num_sms, forced_splits, grid_programs,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        MAX_USERS: tl.constexpr,
+        BALANCE_BELOW: tl.constexpr,
+    ):
+        """One program per BLOCK_R rows of a possible unit (row block x head), so that the pieces
+        of the few units of a small batch are read by many programs at once: a unit cut between
+        programs gets the sum of its pieces; a whole unit, or none, returns at once."""
+        q_lo, q_hi, kv, blocks, unit_iters, ends, total, programs, aligned = _batch_plan(
+            Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, grid_programs,
+            MAX_USERS, BLOCK_M, BLOCK_N, BALANCE_BELOW,
+        )
+        if aligned:
             return
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        h = tl.program_id(1)
+        chunk = tl.program_id(0) % (BLOCK_M // BLOCK_R)
+        pid = tl.program_id(0) // (BLOCK_M // BLOCK_R)
+        block = pid // num_heads
+        h = pid % num_heads
+        block_ends = tl.cumsum(blocks, axis=0)
+        if block >= tl.max(block_ends, axis=0):
+            return
+        users = tl.arange(0, MAX_USERS)
+        b = tl.sum((block_ends <= block).to(tl.int32), axis=0)
+        mine = users == b
+        per_unit = tl.sum(tl.where(mine, unit_iters, 0), axis=0)
+        user_blocks = tl.sum(tl.where(mine, blocks, 0), axis=0)
+        local_block = block - (tl.sum(tl.where(mine, block_ends, 0), axis=0) - user_blocks)
+        unit_start = (tl.sum(tl.where(mine, ends, 0), axis=0) - user_blocks * num_heads * per_unit
+                      + (local_block * num_heads + h) * per_unit)
+        g_first = _program_of(unit_start, total, programs)
+        g_last = _program_of(unit_start + per_unit - 1, total, programs)
+        if g_first == g_last:
+            return
+        r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of the unit's tile
+        rows = tl.sum(tl.where(mine, q_lo, 0), axis=0) + local_block * BLOCK_M + r
         dd = tl.arange(0, BLOCK_D)
-        mask = (rows < total_rows)[:, None] & (dd < head_dim)[None, :]
-        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        for s0 in range(0, num_splits, 4):  # four independent loads per round trip
-            for j in tl.static_range(4):
-                split = rows * 0 + s0 + j  # as a tensor: the interpreter takes no scalar mask
-                at = (split * total_rows + rows).to(tl.int64)
-                acc += tl.load(PART + at[:, None] * stride_pt + h * stride_ph + dd[None, :],
-                               mask=mask & (split < num_splits)[:, None], other=0.0)
+        mask = (rows < tl.sum(tl.where(mine, q_hi, 0), axis=0))[:, None] & (dd < head_dim)[None, :]
+        offs = r[:, None] * BLOCK_D + dd[None, :]
+        # g_first's piece is its last (slot 2g + 1) unless its share starts at the unit; every later
+        # program's piece is its first (slot 2g).
+        starts_here = (g_first.to(tl.int64) * total // programs).to(tl.int32) == unit_start
+        slot = 2 * g_first + 1 - starts_here.to(tl.int32)
+        acc = tl.load(PART + slot.to(tl.int64) * (BLOCK_M * BLOCK_D) + offs, mask=mask, other=0.0)
+        zero = g_first.to(tl.int64) * 0  # an int64 tensor: the loop index may be a plain int
+        for g in range(g_first + 1, g_last + 1):
+            acc += tl.load(PART + (zero + 2 * g) * (BLOCK_M * BLOCK_D) + offs, mask=mask, other=0.0)
         tl.store(OUT + rows[:, None] * stride_ot + h * stride_oh + dd[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
 
     def _launch_attention(
@@ -356,6 +417,7 @@ if triton is not None:
         num_splits: int,
         silu: int = 0,
         warp_specialize: bool = False,
+        balance_below: float = 0.5,
     ) -> torch.Tensor:
         T, H, d = q.shape
         L, P, _, page_size, Hc, dc = kv_cache.shape
@@ -364,23 +426,21 @@ if triton is not None:
         if T == 0 or B == 0 or max_q == 0:
             return out
         sms = _num_sms(q.device)
-        part_rows = _partial_rows(T, H, block_m, sms, num_splits)
-        if num_splits == 1:  # never split: the kernel writes no partials (one row keeps the pointer valid)
-            part_rows = 1
-        part = torch.empty((part_rows, H, d), dtype=torch.float32, device=q.device)
-        max_users = max(64, triton.next_power_of_2(B + 1))  # >= 64: one compile for batches of up to 63 users
-        row_programs = triton.cdiv(T, block_m) + B  # >= the batch's row blocks, users padded or not
-        extra_programs = _extra_programs(row_programs, H, sms, num_splits)
-        grid = ((row_programs + extra_programs) * H,)
-        # the constants both kernels' _batch_plan reads: they must agree on the plan
-        plan = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d), MAX_USERS=max_users,
-                    MAX_SPLITS=MAX_SPLITS)
-        _paged_hstu_attention_kernel[grid](
+        num_splits = min(num_splits, MAX_SPLITS)
+        programs = _grid_programs(T, B, H, block_m, sms, num_splits)
+        block_d = triton.next_power_of_2(d)
+        # Two partial slots per program that may cut units: one wave of SMs, or the forced pieces.
+        slots = 2 * (programs if num_splits > 0 else sms)
+        part = torch.empty((slots, block_m, block_d), dtype=torch.float32, device=q.device)
+        # the constants both kernels' _batch_plan reads: they must agree on the schedule
+        plan = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BALANCE_BELOW=balance_below,
+                    MAX_USERS=max(64, triton.next_power_of_2(B + 1)))  # >= 64: one compile up to 63 users
+        _paged_hstu_attention_kernel[(programs,)](
             q, k, v, kv_cache, page_table, kv_lens, q_offsets, q_pos, out, part,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), part.stride(0), part.stride(1),
+            out.stride(0), out.stride(1),
             layer * kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-            max_pages, d, B, H, sms, num_splits, part_rows, row_programs, extra_programs,
+            max_pages, d, B, H, sms, num_splits, programs,
             SCALE=1.0 / math.sqrt(d),
             INV_SCALE_LEN=1.0 / scale_len,
             PAGE_SIZE=page_size,
@@ -391,15 +451,13 @@ if triton is not None:
             num_warps=num_warps,
             num_stages=num_stages,
         )
-        block_r = 8  # a split batch has at most part_rows // 2 rows
-        if num_splits == 1:  # never split: the attention kernel wrote `out`
-            return out
-        _sum_splits_kernel[(triton.cdiv(min(T, part_rows // 2), block_r), H)](
+        block_r = min(8, block_m)
+        _sum_pieces_kernel[((triton.cdiv(T, block_m) + B) * H * (block_m // block_r),)](
             part, out, kv_lens, q_offsets,
-            part.stride(0), part.stride(1), out.stride(0), out.stride(1),
-            d, B, H, sms, num_splits, part_rows, extra_programs,
-            BLOCK_R=block_r,
+            out.stride(0), out.stride(1),
+            d, B, H, sms, num_splits, programs,
             **plan,
+            BLOCK_R=block_r,
             num_warps=4,
         )
         return out
@@ -413,7 +471,8 @@ if triton is not None:
 
     @_paged_hstu_attention_op.register_fake
     def _paged_hstu_attention_fake(q, k, v, kv_cache, layer, page_table, kv_lens, q_offsets, q_pos, max_q, scale_len,
-                                   block_m, block_n, num_warps, num_stages, num_splits, silu=0, warp_specialize=False):
+                                   block_m, block_n, num_warps, num_stages, num_splits, silu=0, warp_specialize=False,
+                                   balance_below=0.5):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -445,15 +504,15 @@ def paged_hstu_attention_triton(
     """Paged HSTU attention of the jagged batch `meta` (a KVCacheMetadata) through the Triton op.
 
     Reads meta.page_table, meta.kv_lens, meta.q_offsets, meta.q_pos and meta.max_q. `config`
-    overrides the tile configuration; num_splits > 0 fixes the number of key splits (0: chosen to
-    fill the GPU). Returns [T, H, d] in q's dtype.
+    overrides the tile configuration; num_splits > 0 cuts every unit's keys into about that many
+    pieces (tests; 0: the schedule of _batch_plan). Returns [T, H, d] in q's dtype.
     """
     _check(q, k, v, kv_cache, layer)
     cfg = config or default_config(q.shape[2])
     args = (
         q, k, v, kv_cache, layer, meta.page_table, meta.kv_lens, meta.q_offsets, meta.q_pos, meta.max_q, scale_len,
         cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, num_splits,
-        SILU_MODES.index(cfg.silu), cfg.warp_specialize,
+        SILU_MODES.index(cfg.silu), cfg.warp_specialize, cfg.balance_below,
     )
     if torch.compiler.is_compiling():
         return torch.ops.hstu.paged_hstu_attention(*args)

@@ -157,7 +157,10 @@ def _sweep() -> list[ta.AttentionConfig]:
     nothing: benchmarks/RESULTS.md.)"""
     tiles = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 1)]
     configs = [ta.AttentionConfig(*t, silu="tanh") for t in tiles]
-    return configs + [ta.AttentionConfig(128, 64, 8, 2, silu=mode) for mode in ("exact", "fast")]
+    configs += [ta.AttentionConfig(128, 64, 8, 2, silu=mode) for mode in ("exact", "fast")]
+    # the balanced wave (stream-K) never, and for batches filling their waves less than 75% / 90%
+    # (the default: 50%, batch 1 balanced and batch 8 one unit per program, as run AR measured)
+    return configs + [ta.AttentionConfig(128, 64, 8, 2, silu="tanh", balance_below=b) for b in (0.0, 0.75, 0.9)]
 
 
 SWEEP = _sweep()
@@ -270,7 +273,8 @@ def bench_copies(cache: torch.Tensor) -> dict:
 
 def _config_name(c: dict) -> str:
     ws = " ws" if c.get("warp_specialize") else ""
-    return f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} {c.get('silu', 'exact')}{ws}"
+    balance = f" b{c['balance_below']:g}" if c.get("balance_below", 0.5) != 0.5 else ""
+    return f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} {c.get('silu', 'exact')}{ws}{balance}"
 
 
 def format_summary(res: dict, gpu: str) -> str:

@@ -1,8 +1,9 @@
 """The Triton paged HSTU attention kernel on the CPU, through Triton's interpreter.
 
 The interpreter runs the kernel's logic (page-table walk, causal and candidate masks, the batch's
-plan read on the device, forced and automatic key splits with their partial sums, a batch padded
-like a CUDA graph bucket) on CPU tensors; it needs TRITON_INTERPRET=1 before the kernel module is
+schedule read on the device: one unit per program, the balanced wave that cuts units, forced pieces,
+with their partial sums; random batches under each; a batch padded like a CUDA graph bucket) on
+CPU tensors; it needs TRITON_INTERPRET=1 before the kernel module is
 imported, so the checks run in a fresh interpreter process. Skipped where triton is missing. The
 interpreter of Triton 3.6 cannot take a tensor as a loop bound under numpy >= 2.4 (3.9's can), and
 it truncates float32 -> bfloat16 (the GPU rounds to nearest), so bf16 accuracy against the 2x
@@ -53,6 +54,25 @@ _SCRIPT = textwrap.dedent(
                 assert out.dtype == dtype and out.shape == c.q.shape
                 err = rel_err(out, reference_fp64(c))
                 assert err < tol, (sms, i, dtype, err)
+
+    # Random batches under every schedule: SM counts, balance thresholds, forced pieces.
+    import random
+    rng = random.Random(0)
+    for i in range(15):
+        B = rng.randint(1, 5)
+        hist = [rng.randint(1, 90) for _ in range(B)]
+        cached = [rng.randint(0, h - 1) if rng.random() < 0.7 else 0 for h in hist]
+        cand = [rng.randint(0, 6) for _ in range(B)]
+        sms = rng.choice([1, 3, 7, 132])
+        ta._num_sms = lambda device, sms=sms: sms
+        cfg = ta.AttentionConfig(16, rng.choice([16, 32]), 4, 1, balance_below=rng.choice([0.0, 0.5, 1.0]))
+        splits = rng.choice([0, 0, 1, 2, 5])
+        c = make_paged_case(hist, cached, cand, page_size=rng.choice([8, 16]), head_dim=16, heads=rng.choice([1, 3]),
+                            dtype=torch.float32, seed=100 + i)
+        out = ta.paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=cfg,
+                                             num_splits=splits)
+        err = rel_err(out, reference_fp64(c))
+        assert err < 1e-5, (i, hist, cached, cand, sms, cfg, splits, err)
 
     # Padded as a CUDA graph bucket pads it (rows past T, empty user slots): the same rows, bit for bit.
     c = make_paged_case([70], [48], [9], page_size=16, head_dim=32, heads=2, dtype=torch.float32, seed=9)
