@@ -4,7 +4,8 @@
 //   kv_cache    [L, P, 2, page_size, H, d]              GPU page table (index 0 = K, 1 = V)
 //   host_arena  [S, L, pages_per_chunk, 2, page_size, H, d]  host chunk slots (page images)
 //   k, v        [T, H, d]                               new tokens' keys / values (jagged batch)
-// Index tensors are int32. Errors name the offending values.
+// Index tensors are int32 (append_kvcache's rows: int64, as the metadata holds them). Errors name the
+// offending values.
 //
 // Messages format integers with std::to_string (num/dims below), never through ostream's
 // operator<<(long): on the GPU image an extension built by nvcc crashed inside its own copy of
@@ -14,6 +15,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -64,24 +66,33 @@ inline void check_range_cpu(const at::Tensor& idx, const char* name, int64_t upp
               " max ", num(hi));
 }
 
+// rows (optional, int64 [n]): token t's K/V are row rows[t] of k and v, which may hold any number of
+// rows (a layer's whole projection); without it, k and v are the n tokens themselves.
 inline void check_append(const at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
-                         const at::Tensor& page_ids, const at::Tensor& page_offsets, int64_t layer) {
+                         const at::Tensor& page_ids, const at::Tensor& page_offsets, int64_t layer,
+                         const std::optional<at::Tensor>& rows) {
   check_kv_cache(kv_cache);
   check_layer(kv_cache, layer);
   check_index(page_ids, "page_ids", 1);
   check_index(page_offsets, "page_offsets", 1);
-  const int64_t T = k.size(0);
   TORCH_CHECK(k.dim() == 3 && k.size(1) == kv_cache.size(4) && k.size(2) == kv_cache.size(5),
               "k must be [T, H=", num(kv_cache.size(4)), ", d=", num(kv_cache.size(5)), "], got ", dims(k.sizes()));
   TORCH_CHECK(v.sizes() == k.sizes(), "v must match k ", dims(k.sizes()), ", got ", dims(v.sizes()));
   TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type(),
               "k/v dtype ", k.scalar_type(), "/", v.scalar_type(), " must equal kv_cache dtype ",
               kv_cache.scalar_type());
-  TORCH_CHECK(page_ids.size(0) == T && page_offsets.size(0) == T, "page_ids/page_offsets need ", num(T),
+  const int64_t n = rows ? rows->numel() : k.size(0);
+  TORCH_CHECK(page_ids.size(0) == n && page_offsets.size(0) == n, "page_ids/page_offsets need ", num(n),
               " entries, got ", num(page_ids.size(0)), "/", num(page_offsets.size(0)));
   TORCH_CHECK(k.device() == kv_cache.device() && page_ids.device() == kv_cache.device() &&
                   page_offsets.device() == kv_cache.device(),
               "append_kvcache tensors must share kv_cache's device ", kv_cache.device());
+  if (rows) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->is_contiguous(),
+                "rows must be a contiguous 1-d int64 tensor, got ", rows->scalar_type(), " ", dims(rows->sizes()));
+    TORCH_CHECK(rows->device() == kv_cache.device(), "rows must be on kv_cache's device ", kv_cache.device());
+    check_range_cpu(*rows, "rows", k.size(0));
+  }
   check_range_cpu(page_ids, "page_ids", kv_cache.size(1));
   check_range_cpu(page_offsets, "page_offsets", kv_cache.size(3));
 }

@@ -14,14 +14,24 @@ namespace {
 
 // Writes each new token's K and V into its (page, offset) slot of one layer.
 void append_kvcache_cpu(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v,
-                        const at::Tensor& page_ids, const at::Tensor& page_offsets, int64_t layer) {
-  check_append(kv_cache, k, v, page_ids, page_offsets, layer);
-  if (k.size(0) == 0) return;
+                        const at::Tensor& page_ids, const at::Tensor& page_offsets, int64_t layer,
+                        const std::optional<at::Tensor>& rows, int64_t skip_page) {
+  check_append(kv_cache, k, v, page_ids, page_offsets, layer, rows);
+  if (page_ids.size(0) == 0) return;
   auto layer_cache = kv_cache.select(0, layer);  // [P, 2, ps, H, d]
-  const auto pages = page_ids.to(at::kLong);
-  const auto offsets = page_offsets.to(at::kLong);
-  layer_cache.select(1, 0).index_put_({pages, offsets}, k);
-  layer_cache.select(1, 1).index_put_({pages, offsets}, v);
+  auto pages = page_ids.to(at::kLong);
+  auto offsets = page_offsets.to(at::kLong);
+  auto ks = rows ? k.index_select(0, *rows) : k;
+  auto vs = rows ? v.index_select(0, *rows) : v;
+  if (skip_page >= 0) {  // tokens bound for the skipped page are not written
+    const auto keep = pages.ne(skip_page).nonzero().squeeze(1);
+    pages = pages.index_select(0, keep);
+    offsets = offsets.index_select(0, keep);
+    ks = ks.index_select(0, keep);
+    vs = vs.index_select(0, keep);
+  }
+  layer_cache.select(1, 0).index_put_({pages, offsets}, ks);
+  layer_cache.select(1, 1).index_put_({pages, offsets}, vs);
 }
 
 // Pages -> contiguous jagged K and V ([sum_len, H, d] each) of one layer.
@@ -74,7 +84,7 @@ void store_host_chunks_cpu(at::Tensor host_arena, const at::Tensor& chunks, cons
 
 TORCH_LIBRARY(hstu, m) {
   m.def("append_kvcache(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor page_ids, Tensor page_offsets, "
-        "int layer) -> ()");
+        "int layer, Tensor? rows=None, int skip_page=-1) -> ()");
   m.def("gather_kvcache(Tensor kv_cache, int layer, Tensor page_indices, Tensor page_indptr, "
         "Tensor last_page_len) -> (Tensor, Tensor)");
   m.def("gather_kvcache_all_layers(Tensor kv_cache, Tensor page_ids) -> Tensor");

@@ -29,8 +29,9 @@ Padding (static shapes per bucket of T_pad rows, at most max_batch users):
                          user (q_offsets stops at T), their outputs ignored;
   candidate rows M..     row 0: gathered and scored, the logits past M are ignored;
   users B..max_batch-1   kv_lens 0, q_offsets == T: no programs do work for them;
-  appends Tn..T_pad-1    write into a scratch page that no user owns (the manager allocates
-                         num_pages + 1 pages and never hands out the last);
+  appends Tn..T_pad-1    name a scratch page that no user owns (the manager allocates
+                         num_pages + 1 pages and never hands out the last); the append skips them
+                         (metadata.skip_page);
   page_table             [max_batch, ceil(max_seq_len / page_size)], padded with the scratch page;
   max_q                  = T_pad, the static upper bound the attention grid is sized for.
 Metadata not padded for a bucket runs eagerly.
@@ -136,7 +137,8 @@ class ForwardGraphs:
         total = meta_bytes + 5 * rows * 8
         device_buffer = torch.zeros(total, dtype=torch.uint8, device=self.device)
         device_buffer[:meta_bytes].copy_(empty.packed[0])
-        meta = PackedMetadata(device_buffer[:meta_bytes], layout, rows).to(self.device)  # views, no copy
+        # views, no copy; the layers skip the padded appends bound for the scratch page
+        meta = PackedMetadata(device_buffer[:meta_bytes], layout, rows, self.scratch_page).to(self.device)
         inputs = device_buffer[meta_bytes:].view(torch.int64).view(5, rows)
         staging = [torch.zeros(total, dtype=torch.uint8, pin_memory=self.capture) for _ in range(_STAGING_SLOTS)]
         model, kv, fns = self.model, self.kv_cache, self.layer_fns

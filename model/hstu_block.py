@@ -39,14 +39,11 @@ class HSTUBlock(nn.Module):
         """Layer `index` on the jagged new tokens [T, D]: append new history K/V, paged attention."""
         layer = self.layers[index]
         u, q, k, v = layer.project(x)
-        rows = meta.append_rows
+        # the new history rows' K/V straight from the projection (no gathered copy); a graph
+        # bucket's padded appends are skipped rather than written to its scratch page
         append_kvcache(
-            kv_cache,
-            k.index_select(0, rows).contiguous(),
-            v.index_select(0, rows).contiguous(),
-            meta.append_page_ids,
-            meta.append_offsets,
-            index,
+            kv_cache, k, v, meta.append_page_ids, meta.append_offsets, index, rows=meta.append_rows,
+            skip_page=meta.skip_page,
         )
         attn = paged_hstu_attention(q, k, v, kv_cache, index, meta, self.config.attention_scale_len)
         return layer.finish(x, attn, u)

@@ -19,7 +19,7 @@ _ops = torch.ops.hstu
 
 
 @torch.library.register_fake("hstu::append_kvcache")
-def _append_fake(kv_cache, k, v, page_ids, page_offsets, layer) -> None:
+def _append_fake(kv_cache, k, v, page_ids, page_offsets, layer, rows=None, skip_page=-1) -> None:
     return None
 
 
@@ -47,10 +47,21 @@ def _store_fake(host_arena, chunks, slot_ids) -> None:
 
 
 def append_kvcache(
-    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor, page_offsets: torch.Tensor, layer: int
+    kv_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    page_ids: torch.Tensor,
+    page_offsets: torch.Tensor,
+    layer: int,
+    rows: torch.Tensor | None = None,
+    skip_page: int = -1,
 ) -> None:
-    """Write new tokens' K/V [T, H, d] of `layer` into slots (page_ids[t], page_offsets[t]) in place."""
-    _ops.append_kvcache(kv_cache, k, v, page_ids, page_offsets, layer)
+    """Write new tokens' K/V of `layer` into slots (page_ids[t], page_offsets[t]) in place.
+
+    Token t's K/V are k[t], v[t] ([T, H, d]), or with `rows` (int64 [n]) rows rows[t] of a larger
+    k, v (a layer's whole projection: no gathered copy). Tokens bound for page `skip_page` (>= 0: a
+    CUDA graph bucket's scratch page, where its padded appends would go) are not written."""
+    _ops.append_kvcache(kv_cache, k, v, page_ids, page_offsets, layer, rows, skip_page)
 
 
 def gather_kvcache(
@@ -77,12 +88,15 @@ def store_host_chunks(host_arena: torch.Tensor, chunks: torch.Tensor, slot_ids: 
     _ops.store_host_chunks(host_arena, chunks, slot_ids)
 
 
-def append_kvcache_reference(kv_cache, k, v, page_ids, page_offsets, layer) -> None:
+def append_kvcache_reference(kv_cache, k, v, page_ids, page_offsets, layer, rows=None, skip_page=-1) -> None:
     """Readable definition of append_kvcache, one token at a time."""
-    for t in range(k.shape[0]):
+    for t in range(page_ids.shape[0]):
         page, off = int(page_ids[t]), int(page_offsets[t])
-        kv_cache[layer, page, 0, off] = k[t]
-        kv_cache[layer, page, 1, off] = v[t]
+        if page == skip_page:
+            continue
+        row = int(rows[t]) if rows is not None else t
+        kv_cache[layer, page, 0, off] = k[row]
+        kv_cache[layer, page, 1, off] = v[row]
 
 
 def gather_kvcache_reference(kv_cache, layer, page_indices, page_indptr, last_page_len):

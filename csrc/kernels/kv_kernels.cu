@@ -59,6 +59,7 @@ __global__ void copy_items_kernel(Addr addr, int64_t n_items, int64_t vecs_per_i
   const int64_t lane_stride = static_cast<int64_t>(gridDim.y) * blockDim.x;
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; item < n_items;
        item += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+    if (addr.skip(item)) continue;
     const Vec* __restrict__ src = reinterpret_cast<const Vec*>(addr.src(item));
     Vec* __restrict__ dst = reinterpret_cast<Vec*>(addr.dst(item));
     for (int64_t v0 = lane; v0 < vecs_per_item; v0 += lane_stride * kUnroll) {
@@ -124,17 +125,22 @@ void copy_items(const Addr& addr, int64_t n_items, int64_t item_bytes, int vec_b
 
 uint64_t addr_of(const void* p) { return reinterpret_cast<uint64_t>(p); }
 
-// append_kvcache: item i = (token i/2, K or V by i%2) -> kv_cache[layer, page, kv, offset].
+// append_kvcache: item i = (token i/2, K or V by i%2) -> kv_cache[layer, page, kv, offset]; the
+// token's row of k / v is rows[t] when rows is given (else t); tokens bound for skip_page (a CUDA
+// graph bucket's padding, written to the scratch page otherwise) are not copied.
 struct AppendAddr {
   const char* k;
   const char* v;
   char* layer_base;  // kv_cache[layer]
   const int32_t* page_ids;
   const int32_t* offsets;
+  const int64_t* rows;  // nullptr: token t is row t
+  int64_t skip_page;    // -1: none
   int64_t k_stride, v_stride;  // bytes between tokens
   int64_t row_bytes, page_size;
+  __device__ bool skip(int64_t i) const { return page_ids[i >> 1] == skip_page; }
   __device__ const char* src(int64_t i) const {
-    const int64_t t = i >> 1;
+    const int64_t t = rows ? rows[i >> 1] : (i >> 1);
     return (i & 1) ? v + t * v_stride : k + t * k_stride;
   }
   __device__ char* dst(int64_t i) const {
@@ -151,9 +157,10 @@ at::Tensor rows_view(const at::Tensor& x) {
 }
 
 void append_kvcache_cuda(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& page_ids,
-                         const at::Tensor& page_offsets, int64_t layer) {
-  check_append(kv_cache, k, v, page_ids, page_offsets, layer);
-  const int64_t T = k.size(0);
+                         const at::Tensor& page_offsets, int64_t layer, const std::optional<at::Tensor>& rows,
+                         int64_t skip_page) {
+  check_append(kv_cache, k, v, page_ids, page_offsets, layer, rows);
+  const int64_t T = page_ids.size(0);
   if (T == 0) return;
   const c10::cuda::CUDAGuard guard(kv_cache.device());
   const auto kr = rows_view(k);
@@ -166,6 +173,8 @@ void append_kvcache_cuda(at::Tensor kv_cache, const at::Tensor& k, const at::Ten
                   static_cast<char*>(kv_cache.data_ptr()) + layer * layer_bytes,
                   page_ids.data_ptr<int32_t>(),
                   page_offsets.data_ptr<int32_t>(),
+                  rows ? rows->data_ptr<int64_t>() : nullptr,
+                  skip_page,
                   kr.stride(0) * es,
                   vr.stride(0) * es,
                   row_bytes,
@@ -178,6 +187,7 @@ void append_kvcache_cuda(at::Tensor kv_cache, const at::Tensor& k, const at::Ten
 
 // gather_kvcache: item i = (token i/2, K or V) from its slot to out_k / out_v row.
 struct GatherRowsAddr {
+  __device__ bool skip(int64_t) const { return false; }  // copies every item
   const char* layer_base;
   char* out_k;
   char* out_v;
@@ -229,6 +239,7 @@ std::tuple<at::Tensor, at::Tensor> gather_kvcache_cuda(const at::Tensor& kv_cach
 
 // gather_kvcache_all_layers: item i = (chunk c, layer l, page p) in output order.
 struct GatherAllAddr {
+  __device__ bool skip(int64_t) const { return false; }  // copies every item
   const char* cache;
   char* out;
   const int32_t* page_ids;  // [n, ppc]
@@ -262,6 +273,7 @@ at::Tensor gather_kvcache_all_layers_cuda(const at::Tensor& kv_cache, const at::
 
 // onload_kvcache zero-copy: item i = (chunk i/ppc, page i%ppc), read from mapped host memory.
 struct OnloadAddr {
+  __device__ bool skip(int64_t) const { return false; }  // copies every item
   const char* arena;  // device pointer of host_arena
   char* layer_base;   // kv_cache[layer]
   const int32_t* idx; // [n] slot ids then [n*ppc] page ids

@@ -72,6 +72,8 @@ class KVCacheMetadata:
     append_rows    [Tn] int64             rows of new history tokens
     append_page_ids, append_offsets [Tn] int32  their page slots
     max_q          int                    longest user's row count (static for compile)
+    skip_page      int                    the scratch page that padded appends name (a CUDA graph
+                                          bucket's), not to be written; -1 when not padded
     """
 
     page_table: torch.Tensor
@@ -88,6 +90,7 @@ class KVCacheMetadata:
     append_page_ids: torch.Tensor
     append_offsets: torch.Tensor
     max_q: int
+    skip_page: int = -1
     # (one host buffer, [(field, byte offset, dtype, shape)]) when built by from_pages: `to` moves it whole.
     packed: tuple[torch.Tensor, list[tuple[str, int, torch.dtype, tuple[int, ...]]]] | None = field(
         default=None, repr=False, compare=False
@@ -119,17 +122,19 @@ class KVCacheMetadata:
         return None if self.packed is None else tuple(self.packed[1])
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor field by name (not max_q, not the packed buffer)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("max_q", "packed")}
+        """Every tensor field by name (not max_q, skip_page or the packed buffer)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("max_q", "skip_page", "packed")}
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "KVCacheMetadata":
         """This metadata on `device`: one copy of the packed buffer when there is one."""
         if self.packed is not None:
             buffer, layout = self.packed
             moved_buffer = buffer.to(device, non_blocking=non_blocking)
-            return KVCacheMetadata(**_views(moved_buffer, layout), max_q=self.max_q, packed=(moved_buffer, layout))
+            return KVCacheMetadata(
+                **_views(moved_buffer, layout), max_q=self.max_q, skip_page=self.skip_page, packed=(moved_buffer, layout)
+            )
         moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors().items()}
-        return KVCacheMetadata(**moved, max_q=self.max_q)
+        return KVCacheMetadata(**moved, max_q=self.max_q, skip_page=self.skip_page)
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,7 @@ class PackedMetadata:
     buffer: torch.Tensor
     layout: tuple[tuple[str, int, torch.dtype, tuple[int, ...]], ...]
     max_q: int
+    skip_page: int = -1
 
     @property
     def packed(self) -> tuple[torch.Tensor, tuple]:
@@ -152,7 +158,9 @@ class PackedMetadata:
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> KVCacheMetadata:
         moved = self.buffer.to(device, non_blocking=non_blocking)
-        return KVCacheMetadata(**_views(moved, self.layout), max_q=self.max_q, packed=(moved, self.layout))
+        return KVCacheMetadata(
+            **_views(moved, self.layout), max_q=self.max_q, skip_page=self.skip_page, packed=(moved, self.layout)
+        )
 
 
 def pack_layout(page_lists, layout, page_size: int, pin: bool = False, pad: PadSpec | None = None) -> PackedMetadata:
@@ -219,7 +227,7 @@ def pack_metadata(
         buffer, [offset for _, offset, _, _ in layout], page_lists, list(history_lens), list(cached_lens),
         list(num_candidates), page_size, nB, nP, nT, nTn, pad is not None, pad.scratch_page if pad is not None else 0,
     )
-    return PackedMetadata(buffer, tuple(layout), max_q)
+    return PackedMetadata(buffer, tuple(layout), max_q, pad.scratch_page if pad is not None else -1)
 
 
 # Bytes: every packed array starts 16-byte aligned, as a separate allocation would. Triton

@@ -69,6 +69,26 @@ def test_append_writes_rows_to_their_slots(dtype, heads, head_dim, strided):
     assert torch.equal(cache, expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_append_from_rows_of_a_strided_projection_skipping_a_page(dtype):
+    """As the paged layer appends: token t from row rows[t] of k, v (column slices of one fused
+    projection), tokens bound for skip_page (a graph bucket's padding) not written."""
+    L, P, ps, heads, head_dim, n, layer = 3, 11, 8, 4, 64, 29, 1
+    cache = rand_cache(L, P, ps, heads, head_dim, dtype)
+    slots = distinct(n, (P - 1) * ps)
+    page_ids, offsets = (slots // ps).int().cuda(), (slots % ps).int().cuda()
+    page_ids[::3] = P - 1  # padding: the scratch page
+    rows = torch.randperm(50)[:n].cuda()
+    fused = torch.randn((50, 2, heads * head_dim + 8), device="cuda").to(dtype)
+    k = fused[:, 0, : heads * head_dim].view(50, heads, head_dim)
+    v = fused[:, 1, : heads * head_dim].view(50, heads, head_dim)
+    expected = cache.clone()
+    kv_ops.append_kvcache_reference(expected, k, v, page_ids, offsets, layer, rows=rows, skip_page=P - 1)
+    kv_ops.append_kvcache(cache, k, v, page_ids, offsets, layer, rows=rows, skip_page=P - 1)
+    torch.cuda.synchronize()
+    assert torch.equal(cache, expected)
+
+
 def test_append_with_no_tokens_leaves_cache_untouched():
     cache = rand_cache(2, 4, 8, 2, 64, torch.bfloat16)
     before = cache.clone()

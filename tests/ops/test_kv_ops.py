@@ -36,6 +36,32 @@ def test_append_matches_reference(dtype):
     assert torch.equal(cache, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_append_from_rows_skipping_a_page_matches_reference(dtype):
+    """Tokens taken from rows of a larger k, v (a layer's whole projection), and the tokens bound
+    for skip_page (a graph bucket's padding) left unwritten: that page keeps its old contents."""
+    cache, _, _, pages, offs, layer = _append_args(dtype)
+    k, v = torch.randn(20, H, D).to(dtype), torch.randn(20, H, D).to(dtype)
+    rows = torch.randperm(20)[: pages.shape[0]]
+    skip = int(pages[2])
+    before, expected = cache.clone(), cache.clone()
+    kv_ops.append_kvcache_reference(expected, k, v, pages, offs, layer, rows=rows, skip_page=skip)
+    kv_ops.append_kvcache(cache, k, v, pages, offs, layer, rows=rows, skip_page=skip)
+    assert torch.equal(cache, expected)
+    assert torch.equal(cache[:, skip], before[:, skip])
+    kv_ops.append_kvcache_reference(before, k, v, pages, offs, layer, rows=rows)  # without the skip
+    assert not torch.equal(cache, before)
+
+
+def test_append_rejects_rows_out_of_range_or_not_int64():
+    cache, _, _, pages, offs, layer = _append_args()
+    k = v = torch.randn(5, H, D)
+    with pytest.raises(RuntimeError, match=r"rows values must lie in \[0, 5\)"):
+        kv_ops.append_kvcache(cache, k, v, pages, offs, layer, rows=torch.arange(7) + 1)
+    with pytest.raises(RuntimeError, match="rows must be a contiguous 1-d int64"):
+        kv_ops.append_kvcache(cache, k, v, pages, offs, layer, rows=torch.arange(7, dtype=torch.int32))
+
+
 def _csr():
     pages = torch.randperm(P)[:7].to(torch.int32)
     indptr = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
@@ -95,6 +121,9 @@ def _opcheck(op, args):
 
 def test_opcheck_append():
     _opcheck(torch.ops.hstu.append_kvcache.default, _append_args())
+    cache, _, _, pages, offs, layer = _append_args()
+    k, v = torch.randn(9, H, D), torch.randn(9, H, D)
+    _opcheck(torch.ops.hstu.append_kvcache.default, (cache, k, v, pages, offs, layer, torch.arange(7) + 2, int(pages[0])))
 
 
 def test_opcheck_gather():
