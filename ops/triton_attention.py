@@ -256,13 +256,20 @@ if triton is not None:
             w = tl.where(keys[None, :] <= last_key[:, None], _silu(s, SILU), 0.0).to(v_tile.dtype)
             acc += _dot(w, v_tile, IEEE)
 
-        # Candidates also see themselves (their K/V are not in the cache).
-        if with_self:
-            k_self = tl.load(K + rows[:, None] * stride_kt + h * stride_kh + dd[None, :], mask=io_mask, other=0.0)
-            v_self = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + dd[None, :], mask=io_mask, other=0.0)
-            s_self = tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1) * SCALE
-            w_self = tl.where(is_cand & row_ok, _silu(s_self, SILU), 0.0)
-            acc += w_self[:, None] * v_self.to(tl.float32)
+        # Candidates also see themselves (their K/V are not in the cache): the block's own K/V rows
+        # as key tiles on the tensor cores, each candidate row keeping only its own key. (An
+        # elementwise q . k over the row, float32 copies of Q and K beside the accumulator, made
+        # ptxas spill ~4 KB a thread at 128 x 256 tiles: Triton 3.9, sm_90a.)
+        if with_self & (tl.max(is_cand.to(tl.int32), axis=0) > 0):
+            for start in range(row0, row0 + BLOCK_M, BLOCK_N):
+                own = start + tl.arange(0, BLOCK_N)
+                own_mask = (own < q_end)[:, None] & d_ok[None, :]
+                k_tile = tl.load(K + own[:, None] * stride_kt + h * stride_kh + dd[None, :], mask=own_mask, other=0.0)
+                v_tile = tl.load(V + own[:, None] * stride_vt + h * stride_vh + dd[None, :], mask=own_mask, other=0.0)
+                s = _dot(q, tl.trans(k_tile), IEEE) * SCALE
+                mine = (own[None, :] == rows[:, None]) & is_cand[:, None]
+                w = tl.where(mine, _silu(s, SILU), 0.0).to(v_tile.dtype)
+                acc += _dot(w, v_tile, IEEE)
         return acc, rows, io_mask
 
     # The two scales are constexprs (model constants, so no extra compiles; as runtime floats,
