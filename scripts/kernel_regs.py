@@ -1,0 +1,91 @@
+"""Registers and spills of the paged attention kernel per tile config, compiled for a GPU without one.
+
+Triton compiles the kernel ahead of time for a target (sm_90 by default) and ptxas reports each
+config's registers and spill bytes per thread: a screen for configs before a device call (spills
+in the key loop cost the kernel a large share of its time), not a measurement of speed.
+
+    pip install --target /tmp/tritonsite triton        (any machine; no GPU needed)
+    PYTHONPATH=/tmp/tritonsite python3 -m hstu.scripts.kernel_regs --configs 128,64,8,2 64,64,8,2
+
+Uses Triton's own ptxas (the newest one it bundles, for the newest PTX it emits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+
+
+def ptxas_path() -> Path:
+    """The newest ptxas Triton bundles (ptxas-blackwell reads the PTX versions Triton >= 3.7 emits)."""
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    for name in ("ptxas-blackwell", "ptxas"):
+        if (bin_dir / name).exists():
+            return bin_dir / name
+    raise FileNotFoundError(f"no ptxas under {bin_dir}")
+
+
+def compile_config(block_m: int, block_n: int, num_warps: int, num_stages: int, *, head_dim: int = 256,
+                   dtype: str = "bf16", silu: str = "tanh", arch: int = 90) -> dict:
+    """The kernel for one tile config at `head_dim`: shared memory bytes, registers and spill bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hstu.ops import triton_attention as ta
+
+    fn = ta._paged_hstu_attention_kernel
+    pointers = {name: f"*{dtype}" for name in ("Q", "K", "V", "KV", "OUT")}
+    pointers.update({"PT": "*i32", "KV_LENS": "*i32", "Q_OFF": "*i32", "Q_POS": "*i64", "PART": "*fp32"})
+    constants = dict(
+        SCALE=head_dim**-0.5, INV_SCALE_LEN=1 / 4352, PAGE_SIZE=32, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim), MAX_USERS=64, BALANCE_BELOW=0.5, IEEE=dtype == "fp32",
+        SILU=0 if dtype == "fp32" else ta.SILU_MODES.index(silu), WARP_SPECIALIZE=False,
+    )
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
+    kernel = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constants),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        report = subprocess.run(
+            [str(ptxas_path()), f"-arch=sm_{arch}a", "-v", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True, text=True, check=True,
+        ).stderr
+    spills, regs = _SPILL.search(report), _REGS.search(report)
+    return {
+        "config": (block_m, block_n, num_warps, num_stages),
+        "shared_bytes": kernel.metadata.shared,
+        "registers": int(regs.group(1)) if regs else None,
+        "spill_store_bytes": int(spills.group(1)) if spills else 0,
+        "spill_load_bytes": int(spills.group(2)) if spills else 0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", nargs="+", default=["128,64,8,2", "64,64,8,2"], help="block_m,block_n,warps,stages")
+    parser.add_argument("--head-dim", type=int, default=256)
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args()
+    print(f"{'config':<16}{'smem':>8}{'regs':>6}{'spill st':>10}{'spill ld':>10}")
+    for spec in args.configs:
+        bm, bn, w, s = (int(x) for x in spec.split(","))
+        r = compile_config(bm, bn, w, s, head_dim=args.head_dim, dtype=args.dtype, arch=args.arch)
+        print(f"{spec:<16}{r['shared_bytes']:>8}{r['registers'] or '-':>6}{r['spill_store_bytes']:>10}{r['spill_load_bytes']:>10}")
+
+
+if __name__ == "__main__":
+    main()
