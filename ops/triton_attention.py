@@ -109,8 +109,9 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-# Balanced schedule (stream-K): the partials of units cut between programs live in two slots per
-# program, each one head's BLOCK_M x d tile in float32; forced piece counts (tests) are capped.
+# Forced piece counts (num_splits, for tests) are capped here. (Under the balanced schedule the
+# partials of units cut between programs live in two slots per program, each one head's
+# BLOCK_M x BLOCK_D tile in float32.)
 MAX_SPLITS = 32
 
 

@@ -13,9 +13,10 @@ One run measures, as medians of triton.testing.do_bench (CUDA events, L2 flushed
              re-rank of an unchanged history, 4096 cached + 256 candidates, and the uncached
              batch, 4096 new + 256 candidates, both at batch 8): useful TFLOP/s (masked-out work
              not counted) over the matmul ceiling, timed as CUDA-graph replays of the 8 layers
-             (per layer), for the default tile config, a sweep of configs, SiLU forms and key
-             splits (each checked against the torch implementation), the torch implementation,
-             and the default's eager time (the op's host overhead included).
+             (per layer), for the default tile config, a sweep of tile configs, SiLU forms and
+             thresholds of the balanced schedule (each checked against the torch
+             implementation), the torch implementation, and the default's eager time (the op's
+             host overhead included).
 Prints a short table last and writes everything as JSON to --out.
 
 Usage: python3 scripts/bench_kernels.py --out kernels.json [--sections ceilings attention]
