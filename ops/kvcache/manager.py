@@ -357,6 +357,7 @@ class AsyncKVCacheManager:
         handle.wait_done()
         failed = sorted(prepared.onload_users) if handle.failed else []
         jobs: list[tuple[int, int]] = []
+        cached = computed = candidates = 0
         with self._index_lock:
             for b, u in enumerate(plan.user_ids):
                 if u in failed:
@@ -366,11 +367,10 @@ class AsyncKVCacheManager:
                     self.gpu.commit(u, n, prepared.digests[b])
                     self._identities[u] = plan.identities[b]
                     jobs.append((u, b))
-                self.stats.add(
-                    cached_tokens=plan.cached_lens[b],
-                    computed_tokens=n - plan.cached_lens[b],
-                    candidate_tokens=plan.layout.num_candidates[b],
-                )
+                cached += plan.cached_lens[b]
+                computed += n - plan.cached_lens[b]
+                candidates += plan.layout.num_candidates[b]
+            self.stats.add(cached_tokens=cached, computed_tokens=computed, candidate_tokens=candidates)
             if failed:
                 self.gpu.release(failed)
                 for u in failed:
