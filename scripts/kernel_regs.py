@@ -4,8 +4,8 @@ Triton compiles the kernel ahead of time for a target (sm_90 by default) and ptx
 config's registers and spill bytes per thread: a screen for configs before a device call (spills
 in the key loop cost the kernel a large share of its time), not a measurement of speed.
 
-    pip install --target /tmp/tritonsite triton        (any machine; no GPU needed)
-    PYTHONPATH=/tmp/tritonsite python3 -m hstu.scripts.kernel_regs --configs 128,64,8,2 64,64,8,2
+    pip install --target <dir> triton        (any machine; no GPU needed)
+    PYTHONPATH=<dir> python3 -m hstu.scripts.kernel_regs --configs 128,64,8,2 64,64,8,2
 
 Uses Triton's own ptxas (the newest one it bundles, for the newest PTX it emits).
 """
