@@ -55,17 +55,28 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Serve's router asks a replica its queue length before sending it a request, within 0.1 s doubling
+# up to 1 s, and retries for as long as no replica answers. On a 2-core CI machine a replica busy
+# recomputing the users of a killed one missed every probe for over a minute (fresh-clone CI,
+# 2026-12-04, twice), so a request waited past its deadline unsent; the workers started below
+# inherit these longer probe deadlines.
+_PROBE_DEADLINES = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "0.5", "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "10"}
+
+
 @pytest.fixture(scope="module")
 def cluster() -> str:
     """The Serve proxy's base URL on a local Ray cluster of 4 logical CPUs."""
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in _PROBE_DEADLINES.items():
+            env.setenv(name, value)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+            ray.shutdown()
 
 
 def serve_config(url: str, replicas: int) -> ServeDeploySchema:
