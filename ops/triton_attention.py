@@ -171,9 +171,10 @@ if triton is not None:
         forced_splits > 0 cuts every unit into about that many pieces (tests).
 
         Returns per user (vectors over MAX_USERS) first row, end row, key count, row blocks,
-        iterations per unit and the running sum of iterations (inclusive); the total iterations,
-        the number of programs that take a share, and whether each program takes one unit whole
-        (aligned: users' units may differ in length, so equal shares would cut them)."""
+        iterations per unit, first and end iteration and first row block (over the batch); the
+        total iterations, the number of programs that take a share, and whether each program takes
+        one unit whole (aligned: users' units may differ in length, so equal shares would cut
+        them)."""
         users = tl.arange(0, MAX_USERS)
         live = users < num_users
         q_lo = tl.load(Q_OFF + users, mask=live, other=0)
@@ -182,6 +183,8 @@ if triton is not None:
         blocks = tl.where(live, (q_hi - q_lo + BLOCK_M - 1) // BLOCK_M, 0)
         unit_iters = tl.where(blocks > 0, tl.maximum((kv + BLOCK_N - 1) // BLOCK_N, 1), 0)
         ends = tl.cumsum(blocks * num_heads * unit_iters, axis=0)
+        starts = ends - blocks * num_heads * unit_iters
+        first_block = tl.cumsum(blocks, axis=0) - blocks
         total = tl.max(ends, axis=0)
         units = tl.sum(blocks, axis=0) * num_heads
         waves = tl.cdiv(tl.maximum(units, 1), num_sms)
@@ -190,7 +193,13 @@ if triton is not None:
         programs = tl.where(full, units, tl.minimum(num_sms, total))
         programs = tl.where(forced_splits > 0, tl.minimum(units * forced_splits, total), programs)
         programs = tl.maximum(tl.minimum(programs, grid_programs), 1)
-        return q_lo, q_hi, kv, blocks, unit_iters, ends, total, programs, aligned
+        return q_lo, q_hi, kv, blocks, unit_iters, starts, ends, first_block, total, programs, aligned
+
+    @triton.jit
+    def _at(values, one_hot):
+        """The entry of a per-user vector where the boolean vector one_hot is set (vectors cannot
+        be indexed: a masked sum)."""
+        return tl.sum(tl.where(one_hot, values, 0), axis=0)
 
     @triton.jit
     def _program_of(iteration, total, programs):
@@ -301,29 +310,25 @@ if triton is not None:
         # 2g + 1 of PART ([slot, BLOCK_M, BLOCK_D] float32 for one head) and _sum_pieces_kernel
         # adds its pieces.
         g = tl.program_id(0)
-        q_lo, q_hi, kv, blocks, unit_iters, ends, total, programs, aligned = _batch_plan(
+        q_lo, q_hi, kv, blocks, unit_iters, starts, ends, first_block, total, programs, aligned = _batch_plan(
             Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, grid_programs,
             MAX_USERS, BLOCK_M, BLOCK_N, BALANCE_BELOW,
         )
         users = tl.arange(0, MAX_USERS)
         it = (g.to(tl.int64) * total // programs).to(tl.int32)
         end = ((g.to(tl.int64) + 1) * total // programs).to(tl.int32)
-        if aligned:  # program g takes unit g whole
-            unit_ends = tl.cumsum(blocks * num_heads, axis=0)
-            ub = tl.sum((unit_ends <= g).to(tl.int32), axis=0)
-            at_ub = users == ub
-            ub_iters = tl.sum(tl.where(at_ub, unit_iters, 0), axis=0)
-            ub_units = tl.sum(tl.where(at_ub, blocks, 0), axis=0) * num_heads
-            it = (tl.sum(tl.where(at_ub, ends, 0), axis=0) - ub_units * ub_iters
-                  + (g - (tl.sum(tl.where(at_ub, unit_ends, 0), axis=0) - ub_units)) * ub_iters)
+        if aligned:  # program g takes unit g whole (units numbered user after user, head fastest)
+            at_ub = users == tl.sum(((first_block + blocks) * num_heads <= g).to(tl.int32), axis=0)
+            ub_iters = _at(unit_iters, at_ub)
+            it = _at(starts, at_ub) + (g - _at(first_block, at_ub) * num_heads) * ub_iters
             end = it + ub_iters
         end = tl.where(g < programs, end, it)  # programs past the batch's count take nothing
         first = g * 0 + 1
         while it < end:
             b = tl.sum((ends <= it).to(tl.int32), axis=0)
             mine = users == b
-            per_unit = tl.sum(tl.where(mine, unit_iters, 0), axis=0)
-            local = it - (tl.sum(tl.where(mine, ends, 0), axis=0) - tl.sum(tl.where(mine, blocks, 0), axis=0) * num_heads * per_unit)
+            per_unit = _at(unit_iters, mine)
+            local = it - _at(starts, mine)
             unit = local // per_unit
             ki = local % per_unit
             take = tl.minimum(end - it, per_unit - ki)
@@ -331,10 +336,7 @@ if triton is not None:
                 Q, K, V, KV, PT, Q_POS,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                 layer_offset, page_stride, kv_stride, token_stride, max_pages, head_dim,
-                b, unit % num_heads,
-                tl.sum(tl.where(mine, q_lo, 0), axis=0) + unit // num_heads * BLOCK_M,
-                tl.sum(tl.where(mine, q_hi, 0), axis=0),
-                tl.sum(tl.where(mine, kv, 0), axis=0),
+                b, unit % num_heads, _at(q_lo, mine) + unit // num_heads * BLOCK_M, _at(q_hi, mine), _at(kv, mine),
                 ki * BLOCK_N, (ki + take) * BLOCK_N, ki == 0,
                 SCALE, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, SILU, WARP_SPECIALIZE,
             )
@@ -366,7 +368,7 @@ if triton is not None:
         """One program per BLOCK_R rows of a possible unit (row block x head), so that the pieces
         of the few units of a small batch are read by many programs at once: a unit cut between
         programs gets the sum of its pieces; a whole unit, or none, returns at once."""
-        q_lo, q_hi, kv, blocks, unit_iters, ends, total, programs, aligned = _batch_plan(
+        q_lo, q_hi, kv, blocks, unit_iters, starts, ends, first_block, total, programs, aligned = _batch_plan(
             Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, grid_programs,
             MAX_USERS, BLOCK_M, BLOCK_N, BALANCE_BELOW,
         )
@@ -376,25 +378,20 @@ if triton is not None:
         pid = tl.program_id(0) // (BLOCK_M // BLOCK_R)
         block = pid // num_heads
         h = pid % num_heads
-        block_ends = tl.cumsum(blocks, axis=0)
-        if block >= tl.max(block_ends, axis=0):
+        if block >= tl.sum(blocks, axis=0):
             return
-        users = tl.arange(0, MAX_USERS)
-        b = tl.sum((block_ends <= block).to(tl.int32), axis=0)
-        mine = users == b
-        per_unit = tl.sum(tl.where(mine, unit_iters, 0), axis=0)
-        user_blocks = tl.sum(tl.where(mine, blocks, 0), axis=0)
-        local_block = block - (tl.sum(tl.where(mine, block_ends, 0), axis=0) - user_blocks)
-        unit_start = (tl.sum(tl.where(mine, ends, 0), axis=0) - user_blocks * num_heads * per_unit
-                      + (local_block * num_heads + h) * per_unit)
+        mine = tl.arange(0, MAX_USERS) == tl.sum((first_block + blocks <= block).to(tl.int32), axis=0)
+        per_unit = _at(unit_iters, mine)
+        local_block = block - _at(first_block, mine)
+        unit_start = _at(starts, mine) + (local_block * num_heads + h) * per_unit
         g_first = _program_of(unit_start, total, programs)
         g_last = _program_of(unit_start + per_unit - 1, total, programs)
         if g_first == g_last:
             return
         r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of the unit's tile
-        rows = tl.sum(tl.where(mine, q_lo, 0), axis=0) + local_block * BLOCK_M + r
+        rows = _at(q_lo, mine) + local_block * BLOCK_M + r
         dd = tl.arange(0, BLOCK_D)
-        mask = (rows < tl.sum(tl.where(mine, q_hi, 0), axis=0))[:, None] & (dd < head_dim)[None, :]
+        mask = (rows < _at(q_hi, mine))[:, None] & (dd < head_dim)[None, :]
         offs = r[:, None] * BLOCK_D + dd[None, :]
         # g_first's piece is its last (slot 2g + 1) unless its share starts at the unit; every later
         # program's piece is its first (slot 2g).

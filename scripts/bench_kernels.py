@@ -156,9 +156,9 @@ def _sweep() -> list[ta.AttentionConfig]:
     """Tile configs with the tanh SiLU, then the default tiles with the other SiLU forms. (Run AP
     swept every tile config with each form, and Triton's warp specialisation, which changed
     nothing: benchmarks/RESULTS.md.)"""
-    # ptxas (Triton 3.9, sm_90a) on the default tiles: 255 registers and ~2.3 KB of spills per
-    # thread (the 128 x 256 float32 accumulator and the Q tile live in registers); 64 x 64 with 8
-    # warps spills ~0.14 KB, 16 warps use 128 registers but still spill ~2.2 KB.
+    # ptxas (Triton 3.9, sm_90a; scripts/kernel_regs.py) on the default tiles: 255 registers and
+    # ~1.5 KB of spills per thread (the 128 x 256 float32 accumulator and the Q tile live in
+    # registers); 64 x 64 with 8 warps spills ~0.4 KB, 16 warps use 128 registers but still spill.
     tiles = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3),
              (128, 64, 16, 2), (128, 128, 8, 1)]
     configs = [ta.AttentionConfig(*t, silu="tanh") for t in tiles]
