@@ -1,5 +1,5 @@
 // pybind11 bindings of the cache bookkeeping backends (GpuPageManager, HostStorage) and of the
-// batch's host inputs (batch_features.cpp, pack_metadata.cpp).
+// batch's host inputs (batch_features.cpp, pack_metadata.cpp) and request checks (request_checks.cpp).
 //
 // Python view: user ids and lengths are int, digests are bytes (b"" = none), page/slot lists are
 // list[int]. C++ errors map to Python as: CacheCapacityError -> ext.CacheCapacityError (a
@@ -23,6 +23,7 @@ using hstu::HostStorage;
 namespace hstu {
 void bind_batch_features(py::module& m);  // batch_features.cpp
 void bind_pack_metadata(py::module& m);   // pack_metadata.cpp
+void bind_request_checks(py::module& m);  // request_checks.cpp
 }
 
 namespace {
@@ -38,6 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::register_exception<hstu::CacheCapacityError>(m, "CacheCapacityError", PyExc_RuntimeError);
   hstu::bind_batch_features(m);
   hstu::bind_pack_metadata(m);
+  hstu::bind_request_checks(m);
 
   py::class_<GpuPageManager>(m, "GpuPageManager",
                              "GPU KV page pool bookkeeping: per-user page lists, user LRU, pinning.")

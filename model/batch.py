@@ -9,6 +9,7 @@ decide whether cached K/V may be reused.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -107,15 +108,17 @@ class RankingRequest:
             raise ValueError(
                 f"user {self.user_id}: history of {n} events is {tokens} tokens; max_seq_len is {config.max_seq_len}"
             )
-        _check_range(self.user_id, "item_ids", self.item_ids, config.num_items)
-        _check_range(self.user_id, "candidates", self.candidates, config.num_items)
-        _check_range(self.user_id, "actions", self.actions, config.num_actions)
-        _check_range(self.user_id, "contextual", self.contextual, config.num_contextual_features)
-        if n > 1 and np.any(np.diff(self.timestamps) < 0):
-            bad = int(np.argmax(np.diff(self.timestamps) < 0)) + 1
-            raise ValueError(f"user {self.user_id}: timestamps must be non-decreasing, event {bad} goes back in time")
-        if n and self.timestamps.min() < 0:
-            raise ValueError(f"user {self.user_id}: timestamps must be >= 0, got {int(self.timestamps.min())}")
+        code, index, value = _ext().check_request(
+            self.item_ids, self.actions, self.timestamps, self.candidates, self.contextual,
+            config.num_items, config.num_actions, config.num_contextual_features,
+        )
+        if code == 5:
+            raise ValueError(f"user {self.user_id}: timestamps must be non-decreasing, event {index} goes back in time")
+        if code == 6:
+            raise ValueError(f"user {self.user_id}: timestamps must be >= 0, got {value}")
+        if code:
+            name, upper = _RANGE_FIELDS[code - 1]
+            raise ValueError(f"user {self.user_id}: {name} value {value} out of range [0, {getattr(config, upper)})")
         self._valid_for = config
 
     def identity(self, model_id: bytes) -> HistoryIdentity:
@@ -141,7 +144,16 @@ def _frozen(values) -> np.ndarray:
     return arr
 
 
-def _check_range(user_id: int, name: str, values: np.ndarray, upper: int) -> None:
-    if values.size and (values.min() < 0 or values.max() >= upper):
-        bad = int(values[(values < 0) | (values >= upper)][0])
-        raise ValueError(f"user {user_id}: {name} value {bad} out of range [0, {upper})")
+# check_request's fields 1-4 (csrc/request_checks.cpp): the array's name and the config bound.
+_RANGE_FIELDS = (
+    ("item_ids", "num_items"), ("candidates", "num_items"), ("actions", "num_actions"),
+    ("contextual", "num_contextual_features"),
+)
+
+
+@functools.cache
+def _ext():
+    """The C++ extension (loaded on the first check, not at import: the request model is light)."""
+    from hstu.ops._build import load_extension
+
+    return load_extension()

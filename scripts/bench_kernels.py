@@ -31,6 +31,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -257,6 +258,7 @@ def main() -> None:
         logger.info("attention")
         res["attention"] = {name: bench_attention(cache, b, cached) for name, b, cached in ATTENTION_SHAPES}
     res["wall_s"] = time.time() - t0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
     print(format_summary(res, props.name))

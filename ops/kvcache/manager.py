@@ -193,8 +193,20 @@ class AsyncKVCacheManager:
         an offload reading the entry's full chunks may run on beside it."""
         gpu_len, gpu_digest = self.gpu.lookup(user)
         unchanged_rerank = gpu_len == n and self.config.on_no_new_tokens == "candidates"
-        kept = 0 < gpu_len and (gpu_len < n or unchanged_rerank) and bool(gpu_digest)
-        return (kept and ident.prefix(gpu_len) == gpu_digest) or self._read_only_length(user, n, ident) > 0
+        kept = 0 < gpu_len and (gpu_len < n or unchanged_rerank)
+        return (kept and self._gpu_prefix_matches(user, ident, gpu_len, gpu_digest)) or self._read_only_length(user, n, ident) > 0
+
+    def _gpu_prefix_matches(self, user: int, ident: HistoryIdentity, length: int, digest: bytes) -> bool:
+        """Whether the request's first `length` tokens are those the user's GPU entry (digest
+        `digest` over its first `length` tokens) was computed from. Compared byte for byte with
+        the identity the entry was committed with, when that one still carries the digest (the
+        request then adopts its block digests instead of hashing the prefix); else by digest."""
+        if not digest:
+            return False
+        stored = self._identities.get(user)
+        if stored is not None and stored.num_tokens >= length and stored.prefix(length) == digest:
+            return ident.shares_prefix(stored, length)
+        return ident.prefix(length) == digest
 
     def _read_only_length(self, user: int, n: int, ident: HistoryIdentity) -> int:
         """Under on_shorter_history="reuse": the length of the user's GPU entry when the request's
@@ -206,14 +218,14 @@ class AsyncKVCacheManager:
         stored = self._identities.get(user)
         if not 0 < n < gpu_len or not gpu_digest or stored is None or stored.num_tokens != gpu_len:
             return 0
-        if stored.prefix(gpu_len) != gpu_digest or stored.prefix(n) != ident.prefix(n):
+        if stored.prefix(gpu_len) != gpu_digest or not ident.shares_prefix(stored, n):
             return 0
         return gpu_len
 
     def _gpu_extension(self, user: int, n: int, ident: HistoryIdentity) -> int:
         """Cached length when the request plainly extends the user's GPU entry, else 0."""
         gpu_len, gpu_digest = self.gpu.lookup(user)
-        if 0 < gpu_len < n and gpu_digest and ident.prefix(gpu_len) == gpu_digest:
+        if 0 < gpu_len < n and self._gpu_prefix_matches(user, ident, gpu_len, gpu_digest):
             return gpu_len
         return 0
 
@@ -233,7 +245,7 @@ class AsyncKVCacheManager:
                 plan.read_only[user] = entry
                 self.stats.add(shorter_reused=1)
                 return n, "gpu"
-            usable = self._usable_length(user, n, ident, gpu_len, gpu_digest)
+            usable = self._usable_length(user, n, ident, gpu_len, gpu_digest, on_gpu=True)
             if usable > 0:
                 return usable, "gpu"
         slots, host_digest = self.host.lookup(user)
@@ -247,7 +259,9 @@ class AsyncKVCacheManager:
                 return usable, "host"
         return 0, "miss"
 
-    def _usable_length(self, user: int, n: int, ident: HistoryIdentity, cached: int, cached_digest: bytes) -> int:
+    def _usable_length(
+        self, user: int, n: int, ident: HistoryIdentity, cached: int, cached_digest: bytes, on_gpu: bool = False
+    ) -> int:
         """How much of a cached prefix of `cached` tokens a request of `n` tokens may reuse (0 = none).
 
         The request's history is the truth: a shorter history (policy "invalidate") or one whose
@@ -265,7 +279,11 @@ class AsyncKVCacheManager:
             self.invalidate(user)
             self.stats.add(invalidations=1, invalidated_shorter=1)
             return 0
-        if not cached_digest or ident.prefix(cached) != cached_digest:
+        same = (
+            self._gpu_prefix_matches(user, ident, cached, cached_digest) if on_gpu
+            else bool(cached_digest) and ident.prefix(cached) == cached_digest
+        )
+        if not same:
             self.invalidate(user)
             self.stats.add(invalidations=1, invalidated_diverged=1)
             return 0

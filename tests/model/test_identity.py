@@ -236,3 +236,44 @@ def test_a_pickled_identity_brings_its_digests_and_hashes_nothing_again(monkeypa
     assert received.prefix(received.num_tokens) == whole and received.prefix(700) == part
     with pytest.raises(AssertionError, match="hashed again"):
         received.prefix(701)  # a length nobody asked for yet
+
+
+@pytest.mark.parametrize("length", [0, 5, BLOCK_TOKENS, BLOCK_TOKENS + 40, 2 * BLOCK_TOKENS + 9])
+def test_a_shared_prefix_is_found_byte_for_byte_and_its_digests_are_adopted(length, monkeypatch):
+    """The cache checks a GPU hit against the identity its entry was committed with by comparing
+    records (no hashing); the adopted digests are the ones hashing would have given."""
+    from hstu.model import identity as identity_module
+
+    rng = np.random.default_rng(length)
+    records = rng.integers(0, 2**40, (2 * BLOCK_TOKENS + 50, 2))
+    stored = HistoryIdentity(b"model", records[: 2 * BLOCK_TOKENS + 9])
+    stored.prefix(length)
+    longer = HistoryIdentity(b"model", records)
+    hashed = []
+    monkeypatch.setattr(identity_module, "_h", lambda *parts: hashed.append(parts) or b"x" * 32)
+    assert longer.shares_prefix(stored, length)
+    assert not hashed and longer.prefix(length) == stored.prefix(length)
+    monkeypatch.undo()
+    assert longer.prefix(longer.num_tokens) == HistoryIdentity(b"model", records).prefix(longer.num_tokens)
+
+
+def test_a_prefix_differing_in_one_field_or_in_the_model_is_not_shared():
+    rng = np.random.default_rng(0)
+    records = rng.integers(0, 2**40, (BLOCK_TOKENS + 50, 2))
+    stored = HistoryIdentity(b"model", records)
+    for row, col in ((0, 0), (BLOCK_TOKENS + 49, 1), (BLOCK_TOKENS, 0)):
+        changed = records.copy()
+        changed[row, col] ^= 1
+        assert not HistoryIdentity(b"model", changed).shares_prefix(stored, BLOCK_TOKENS + 50), (row, col)
+    later = records.copy()
+    later[BLOCK_TOKENS + 10, 0] += 1
+    assert HistoryIdentity(b"model", later).shares_prefix(stored, BLOCK_TOKENS + 10)
+    assert not HistoryIdentity(b"other", records).shares_prefix(stored, 10)
+    assert not HistoryIdentity(b"model", records[:20]).shares_prefix(stored, 21)
+
+
+def test_token_records_lay_out_contextual_then_item_and_action_tokens():
+    rec = token_records(np.array([7, 8]), np.array([1, 2]), np.array([0, 3]), np.array([50, 60]))
+    assert rec.dtype == np.int64 and rec.tolist() == [[7, 0], [8, 0], [1, 50], [0, 50], [2, 60], [3, 60]]
+    assert token_records(np.array([], dtype=np.int64), np.array([], dtype=np.int64), np.array([], dtype=np.int64),
+                         np.array([], dtype=np.int64)).shape == (0, 2)
