@@ -4,8 +4,9 @@ A request's path (`rank`), all on the calling thread, which holds the engine loc
 one at a time (the server's batcher calls rank from its single model thread):
   1. validate every request; digests of each history under the model's identity (model/identity.py)
   2. cache.plan(): lookup (GPU, then host, reused only on an exact digest match), the batch's row
-     layout, and the prepare job started on the cache's prepare worker
-  3. model.embed(): only the new history tokens and the candidates (overlaps 2's worker)
+     layout, and the prepare job (pages, metadata; on the model thread, or on the cache's prepare
+     worker under KVCacheConfig.prepare_worker)
+  3. model.embed(): only the new history tokens and the candidates
   4. cache.wait(): pages and metadata; the block runs layer by layer, layer i first calling the
      plan's ready hook (its onload), as per-layer CUDA graphs when a bucket fits, else eagerly
   5. model.logits(): candidate rows through the postprocessor and the head

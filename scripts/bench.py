@@ -241,8 +241,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--cuda-graphs", action="store_true", help="end-to-end models replay per-layer CUDA graphs (CUDA only)")
     p.add_argument("--compile", action="store_true", help="those graphs capture torch.compile'd layers (implies --cuda-graphs)")
     p.add_argument("--no-planner", action="store_true", help="skip the host-tier pass with the compute-or-load planner")
-    p.add_argument("--prepare-inline", action="store_true", default=None,
-                   help="each batch's prepare job on the model thread instead of the cache's prepare worker")
+    p.add_argument("--prepare-worker", action="store_true", default=None,
+                   help="each batch's prepare job on the cache's prepare worker instead of the model thread")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", type=Path, default=Path("out/bench"))

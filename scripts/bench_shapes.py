@@ -32,7 +32,7 @@ class BenchShape:
     num_contextual: int = 2
     num_items: int = 100_000
     mlp_hidden: int = 512
-    prepare_inline: bool = False  # KVCacheConfig.prepare_inline: each batch's prepare job on the model thread
+    prepare_worker: bool = False  # KVCacheConfig.prepare_worker: each batch's prepare job on a worker thread
 
     def __post_init__(self) -> None:
         C = self.num_contextual
@@ -87,7 +87,7 @@ class BenchShape:
             on_shorter_history="raise",
         )
         chunks = host_batches * B * (self.history_tokens // self.chunk_tokens)
-        return dataclasses.replace(base, host_capacity_bytes=chunks * base.chunk_bytes, prepare_inline=self.prepare_inline)
+        return dataclasses.replace(base, host_capacity_bytes=chunks * base.chunk_bytes, prepare_worker=self.prepare_worker)
 
 
 TINY_SHAPE = BenchShape(

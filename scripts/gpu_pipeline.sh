@@ -4,7 +4,7 @@
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
 # STAGES picks the stages (default: the first six; also split, replay_sync, pytest_pipeline, profile_split, replay_ab,
-# regimes, profile, rest, rest_invalidate, rest_switch, rest_inline, replay_inline, pytest_serving, rest_engine, rest_front2, rest_front3,
+# regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank,
 # rest_ray, rest_ray_direct, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
@@ -90,11 +90,11 @@ REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--on-shorter-history invalidate" stage r
 # thread took ~2x the in-process host time per batch in session 12)
 REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--gil-switch-interval-ms 0.5" stage rest_switch 200 \
   bash scripts/gpu_rest.sh "$OUT/rest_switch"
-# each batch's prepare job on the model thread (compare with "rest" in the same call: the model thread
-# waited 0.25-0.43 ms per batch for the prepare worker in session 13); the in-process replay both ways
-REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--prepare-inline" stage rest_inline 200 bash scripts/gpu_rest.sh "$OUT/rest_inline"
-stage replay_inline 120 python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress \
-  --prepare-inline --no-uncached --out "$OUT/replay_inline"
+# each batch's prepare job on the cache's worker thread (compare with "rest" in the same call: the worker
+# made the e2e forward 0.28-0.32 ms slower in session 15); the in-process replay with the worker too
+REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--prepare-worker" stage rest_worker 200 bash scripts/gpu_rest.sh "$OUT/rest_worker"
+stage replay_worker 120 python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress \
+  --prepare-worker --no-uncached --out "$OUT/replay_worker"
 # the same server with its engine in a child process (compare with "rest" in the same call)
 REFERENCE=0 SERVE_ARGS=--engine-process stage rest_engine 240 bash scripts/gpu_rest.sh "$OUT/rest_engine"
 # two and three HTTP front ends before the one engine process (issue 18: the front end's loop was the limit)

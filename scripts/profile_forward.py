@@ -146,7 +146,7 @@ def device_profile(engine, shape, batch, n, device, rerank=False) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     shape = TINY_SHAPE if args.tiny else BenchShape()
-    shape = dataclasses.replace(shape, prepare_inline=args.prepare_inline)
+    shape = dataclasses.replace(shape, prepare_worker=args.prepare_worker)
     if args.cached_tokens is not None:
         shape = dataclasses.replace(shape, cached_tokens=args.cached_tokens)
     device = torch.device(args.device)
@@ -211,8 +211,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--onload-fraction", type=float, default=None, metavar="F",
         help="the cached prefix in the host tier instead: onload its share F, recompute the rest",
     )
-    p.add_argument("--prepare-inline", action="store_true",
-                   help="each batch's prepare job on the model thread instead of the cache's prepare worker")
+    p.add_argument("--prepare-worker", action="store_true",
+                   help="each batch's prepare job on the cache's prepare worker instead of the model thread")
     p.add_argument("--rerank", action="store_true",
                    help="re-rank the unchanged history (the whole history cached, candidates computed)")
     p.add_argument("--out", type=Path, default=Path("out/profile"))

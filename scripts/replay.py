@@ -250,7 +250,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="in-process cached pass: the compute-or-load planner, costs measured first (default: on for CUDA, as hstu serve)",
     )
     p.add_argument("--offload-min-seen", type=int, help="host-tier admission: sightings before a user's chunks are offloaded (default: hstu serve's)")
-    p.add_argument("--prepare-inline", action="store_true", help="each batch's prepare job on the model thread (as hstu serve --prepare-inline)")
+    p.add_argument("--prepare-worker", action="store_true", help="each batch's prepare job on a worker thread (as hstu serve --prepare-worker)")
     p.add_argument("--out", type=Path, default=Path("out/replay"))
     p.set_defaults(func=main)
     return p
@@ -276,7 +276,7 @@ def settings_from_args(args: argparse.Namespace) -> ReplaySettings:
         "chunk_tokens": args.chunk_tokens,
         "host_capacity_bytes": None if args.host_capacity_mb is None else int(args.host_capacity_mb * 2**20),
         "offload_min_seen": args.offload_min_seen,
-        "prepare_inline": args.prepare_inline or None,
+        "prepare_worker": args.prepare_worker or None,
     }
     cache = dataclasses.replace(preset_cache, **{k: v for k, v in overrides.items() if v is not None})
     if args.server:

@@ -46,7 +46,7 @@ class CacheSettings:
     chunk_tokens: int = 64
     host_capacity_bytes: int = 256 << 20
     offload_min_seen: int = ServerSettings.offload_min_seen
-    prepare_inline: bool = False
+    prepare_worker: bool = False
 
     def build(self, model: HSTUConfig, workload: WorkloadConfig, batch_size: int) -> KVCacheConfig:
         per_batch = batch_size * -(-workload.history_limit(model) // self.page_size)
@@ -63,7 +63,7 @@ class CacheSettings:
             chunk_tokens=self.chunk_tokens,
             host_capacity_bytes=self.host_capacity_bytes,
             offload_min_seen=self.offload_min_seen,
-            prepare_inline=self.prepare_inline,
+            prepare_worker=self.prepare_worker,
             on_no_new_tokens="raise",
             on_shorter_history="invalidate",
         )

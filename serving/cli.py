@@ -84,8 +84,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "409 (raise, strict mode)",
     )
     p.add_argument(
-        "--prepare-inline", action="store_true", default=None,
-        help="run each batch's prepare job (pages, metadata) on the model thread, not on its worker (an experiment)",
+        "--prepare-worker", action="store_true", default=None,
+        help="run each batch's prepare job (pages, metadata) on a worker thread, not on the model thread (an experiment)",
     )
     p.add_argument(
         "--engine-process", action=argparse.BooleanOptionalAction, default=None,
@@ -136,7 +136,7 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
         cuda_graphs=True if (args.cuda_graphs or args.compile) else None,
         compile_layers=True if args.compile else None,
         engine_process=args.engine_process,
-        prepare_inline=args.prepare_inline,
+        prepare_worker=args.prepare_worker,
     )
     return ServerSettings.load(args.config_file, env, **flags)
 

@@ -105,8 +105,8 @@ class ServerSettings:
     # offload worker) runs Python. An experiment knob: 0.5 ms ran the sent load 1.15x faster in one
     # H200 call and 0.76x in another (RESULTS.md, thirteenth session), within the runs' spread.
     gil_switch_interval_ms: float | None = None
-    # KVCacheConfig.prepare_inline: each batch's prepare job on the model thread (an experiment knob)
-    prepare_inline: bool = False
+    # KVCacheConfig.prepare_worker: each batch's prepare job on a worker thread (an experiment knob)
+    prepare_worker: bool = False
 
     def __post_init__(self) -> None:
         cuda = self.device.startswith("cuda")
@@ -205,7 +205,7 @@ class ServerSettings:
             on_shorter_history=self.on_shorter_history,
             offload_min_seen=self.offload_min_seen,
             offload_bytes_per_s=None if self.offload_mb_per_s is None else self.offload_mb_per_s * 2**20,
-            prepare_inline=self.prepare_inline,
+            prepare_worker=self.prepare_worker,
         )
 
 

@@ -26,8 +26,6 @@ class PreparedBatch:
     handle: OnloadHandle
     kv_pages: torch.Tensor
     onload_users: list[int]
-    # Digest of each user's whole history, for the commit: finished on the prepare worker.
-    digests: list[bytes]
     # Submits the host->GPU copies to the onload worker; None once submitted (or nothing to onload).
     _start_onload: Callable[[], None] | None = field(default=None, repr=False)
 

@@ -30,11 +30,12 @@ class KVCacheConfig:
     no request can make another request for the same user fail.
     Offload: a user's chunks go to the host tier once it was seen offload_min_seen times (1: always,
     ops/kvcache/admission.py), at most offload_bytes_per_s (None: unlimited).
-    prepare_inline: run each batch's prepare job (reserve, metadata, onload plan) on the model
-    thread inside plan() instead of on the prepare worker. An experiment knob: with the batch's
-    features one C++ pass, the worker overlaps ~20 us of the model thread's work and adds a thread
-    and a GIL handoff; on the H200 the model thread waited 0.25-0.43 ms per batch for it
-    (benchmarks/RESULTS.md, thirteenth session).
+    prepare_worker: run each batch's prepare job (reserve, metadata, onload plan) on the prepare
+    worker thread, overlapped with the model thread's features, instead of inside plan() on the
+    model thread (the default). Off by default: the job and the features are both C++ passes
+    holding the GIL, so the worker overlapped nothing and added a thread handoff and GIL waits; on
+    the H200 the cached forward took 0.28-0.32 ms longer with it at batch 1 and 8 (e2e with CUDA
+    graphs, benchmarks/RESULTS.md, fifteenth session).
     """
 
     num_layers: int
@@ -50,7 +51,7 @@ class KVCacheConfig:
     onload_timeout_s: float = 60.0
     offload_min_seen: int = 1
     offload_bytes_per_s: float | None = None
-    prepare_inline: bool = False
+    prepare_worker: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.num_pages <= 0:

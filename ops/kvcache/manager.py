@@ -4,7 +4,8 @@ Interface (the engine, engine/engine.py, is its only caller; one model thread dr
   plan(users, history_lens, identities, num_candidates) -> BatchPlan
                    sync, microseconds: cached length per user (GPU tier, else host tier, reused
                    only when the stored digest equals the request's, model/identity.py), the
-                   batch's row layout, and the prepare job started on the prepare worker: reserve
+                   batch's row layout, and the prepare job (here, or started on the prepare
+                   worker under config.prepare_worker): reserve
                    pages (pins users, evicts LRU unpinned users), pack the metadata (pack_layout),
                    list the host->GPU copies.
   wait(plan) -> PreparedBatch
@@ -22,8 +23,8 @@ Interface (the engine, engine/engine.py, is its only caller; one model thread dr
 
 Threads and state:
   model thread     plan, wait, finish, abort, invalidate, evict_gpu, drain, close
-  prepare worker   GPU reserve (+ evictions), metadata, digests of whole histories (the model
-                   thread itself under config.prepare_inline)
+  prepare worker   only under config.prepare_worker (else the model thread inside plan): GPU
+                   reserve (+ evictions), metadata; finish hashes the whole histories after the launch
   onload worker    host->GPU copies on the onload stream; host unpin when done
   offload worker   gather + D2H on the offload stream; host reserve/commit/abort; GPU unpin
   Every multi-step change of the two C++ indexes runs under `_index_lock` (the indexes also lock
@@ -293,9 +294,9 @@ class AsyncKVCacheManager:
 
     # ---------------------------------------------------------------- prepare
     def _start_prepare(self, plan: BatchPlan) -> Future:
-        """The prepare job on the prepare worker, or (config.prepare_inline) run here, its outcome
+        """The prepare job on the prepare worker (config.prepare_worker), or run here, its outcome
         in a completed future: wait() and abort() treat both alike."""
-        if not self.config.prepare_inline:
+        if self.config.prepare_worker:
             return self._prepare_pool.submit(self._prepare, plan)
         future: Future = Future()
         try:
@@ -328,8 +329,7 @@ class AsyncKVCacheManager:
             handle = OnloadHandle(self.config.num_layers, self.device, self.config.onload_timeout_s)
             slot_ids, page_ids = self._onload_plan(plan, pages)
             start = functools.partial(self.transfers.onload_async, handle, onload_users, slot_ids, page_ids)
-        digests = [ident.prefix(n) for ident, n in zip(plan.identities, plan.history_lens)]
-        return PreparedBatch(pages, metadata, handle, self.kv_pages, onload_users, digests, start)
+        return PreparedBatch(pages, metadata, handle, self.kv_pages, onload_users, start)
 
     def _reserve(self, plan: BatchPlan, keep: list[int]) -> list[list[int]]:
         """Pages per user for its whole history; a read-only user keeps its longer entry whole and
@@ -376,13 +376,20 @@ class AsyncKVCacheManager:
         failed = sorted(prepared.onload_users) if handle.failed else []
         jobs: list[tuple[int, int]] = []
         cached = computed = candidates = 0
+        # Hashed here, after the launch, while the GPU runs the batch, and outside the index lock
+        # (a GPU hit adopted its prefix's digests at lookup and hashes only its new blocks).
+        digests = {
+            b: ident.prefix(n)
+            for b, (u, n, ident) in enumerate(zip(plan.user_ids, plan.history_lens, plan.identities))
+            if u not in failed and u not in plan.read_only
+        }
         with self._index_lock:
             for b, u in enumerate(plan.user_ids):
                 if u in failed:
                     continue
                 n = plan.history_lens[b]
                 if u not in plan.read_only:
-                    self.gpu.commit(u, n, prepared.digests[b])
+                    self.gpu.commit(u, n, digests[b])
                     self._identities[u] = plan.identities[b]
                     jobs.append((u, b))
                 cached += plan.cached_lens[b]

@@ -16,17 +16,17 @@ from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from tests.conftest import HistoryBook, rel_err
 
 
-def _model(config, num_pages, host_chunks, prepare_inline=False):
+def _model(config, num_pages, host_chunks, prepare_worker=False):
     kv = KVCacheConfig.for_model(config, page_size=4, num_pages=num_pages, chunk_tokens=8)
     kv = KVCacheConfig.for_model(config, page_size=4, num_pages=num_pages, chunk_tokens=8,
-                                 host_capacity_bytes=host_chunks * kv.chunk_bytes, prepare_inline=prepare_inline)
+                                 host_capacity_bytes=host_chunks * kv.chunk_bytes, prepare_worker=prepare_worker)
     mgr = AsyncKVCacheManager(kv)
     return RankingEngine(InferenceRankingGR(config), mgr), mgr
 
 
-@pytest.mark.parametrize("prepare_inline", [False, True], ids=["prepare-worker", "prepare-inline"])
-def test_oracle_many_users_growing_histories_with_eviction(tiny_config, prepare_inline):
-    model, mgr = _model(tiny_config, num_pages=96, host_chunks=250, prepare_inline=prepare_inline)
+@pytest.mark.parametrize("prepare_worker", [True, False], ids=["prepare-worker", "prepare-inline"])
+def test_oracle_many_users_growing_histories_with_eviction(tiny_config, prepare_worker):
+    model, mgr = _model(tiny_config, num_pages=96, host_chunks=250, prepare_worker=prepare_worker)
     book = HistoryBook(tiny_config, seed=1)
     rng = np.random.default_rng(2)
     rounds = {u: int(rng.integers(3, 6)) for u in range(60)}

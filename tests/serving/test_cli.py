@@ -32,9 +32,9 @@ def test_serve_defaults_bind_loopback_port_8000_on_cpu_with_the_embedded_config(
     assert settings.host_cache_bytes == 1 << 30 and settings.num_pages == 1024
     assert settings.history_store_bytes == 256 << 20 and settings.gil_switch_interval_ms is None
     assert settings_from_args(parse(["serve", "--gil-switch-interval-ms", "0.5"]), env={}).gil_switch_interval_ms == 0.5
-    assert not settings.prepare_inline and not settings.kv_config(settings.resolve_model_config()).prepare_inline
-    inline = settings_from_args(parse(["serve", "--prepare-inline"]), env={})
-    assert inline.kv_config(inline.resolve_model_config()).prepare_inline
+    assert not settings.prepare_worker and not settings.kv_config(settings.resolve_model_config()).prepare_worker
+    worker = settings_from_args(parse(["serve", "--prepare-worker"]), env={})
+    assert worker.kv_config(worker.resolve_model_config()).prepare_worker
     assert callable(args.func)
 
 

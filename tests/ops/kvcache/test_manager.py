@@ -127,9 +127,9 @@ def test_rerank_after_gpu_eviction_onloads_the_whole_history_from_the_host(tiny_
     assert out.cached_tokens == 24 and mgr.stats.snapshot()["host_hits"] == 1
 
 
-@pytest.mark.parametrize("prepare_inline", [False, True], ids=["prepare-worker", "prepare-inline"])
-def test_batch_over_capacity_raises_and_leaves_state_intact(tiny_config, book, prepare_inline):
-    model, mgr = _setup(tiny_config, num_pages=8, prepare_inline=prepare_inline)
+@pytest.mark.parametrize("prepare_worker", [True, False], ids=["prepare-worker", "prepare-inline"])
+def test_batch_over_capacity_raises_and_leaves_state_intact(tiny_config, book, prepare_worker):
+    model, mgr = _setup(tiny_config, num_pages=8, prepare_worker=prepare_worker)
     big = [book.request(u, 10) for u in range(3)]  # 3 x 6 pages > 8
     with pytest.raises(CacheCapacityError, match=r"batch needs 18 pages, 8 free, 0 evictable of 8 total"):
         model.rank(big)
