@@ -169,7 +169,16 @@ class AsyncKVCacheManager:
         # Settle in-flight offloads of users this lookup may shrink, drop or onload, before taking
         # the index lock (the offload worker needs it to finish). A user whose GPU entry is reused
         # as it is (extended, or re-ranked unchanged) does not wait: its pages only grow.
-        waiting = [u for u, n, i in zip(user_ids, history_lens, identities) if not self._reuses_gpu_entry(u, n, i)]
+        # extended: users plainly extending their GPU entry -> (its length, its digest), the most
+        # common case, looked up once (under the lock only checked to be the same entry still).
+        extended: dict[int, tuple[int, bytes]] = {}
+        waiting = []
+        for u, n, ident in zip(user_ids, history_lens, identities):
+            entry = self.gpu.lookup(u)
+            if 0 < entry[0] < n and self._gpu_prefix_matches(u, ident, *entry):
+                extended[u] = entry
+            elif not self._reuses_gpu_entry(u, n, ident):
+                waiting.append(u)
         self.transfers.join(waiting)
         plan = BatchPlan(list(user_ids), list(history_lens), list(identities), [], [])
         for u in user_ids:
@@ -177,7 +186,12 @@ class AsyncKVCacheManager:
         with self._index_lock:
             try:
                 for u, n, ident in zip(user_ids, history_lens, identities):
-                    cached, source = self._lookup_one(u, n, ident, plan)
+                    entry = extended.get(u)
+                    if entry is not None and self.gpu.lookup(u) == entry:
+                        cached, source = entry[0], "gpu"
+                        self._prefetcher.looked_up(u, source)
+                    else:
+                        cached, source = self._lookup_one(u, n, ident, plan)
                     plan.cached_lens.append(cached)
                     plan.sources.append(source)
             except BaseException:
@@ -199,13 +213,17 @@ class AsyncKVCacheManager:
 
     def _gpu_prefix_matches(self, user: int, ident: HistoryIdentity, length: int, digest: bytes) -> bool:
         """Whether the request's first `length` tokens are those the user's GPU entry (digest
-        `digest` over its first `length` tokens) was computed from. Compared byte for byte with
-        the identity the entry was committed with, when that one still carries the digest (the
-        request then adopts its block digests instead of hashing the prefix); else by digest."""
+        `digest` over its first `length` tokens) was computed from. By digest when the request's
+        is at hand (hashed off the model thread, by the front end); else byte for byte against the
+        identity the entry was committed with, when that one still carries the digest (the request
+        then adopts its block digests instead of hashing the prefix); else by hashing."""
         if not digest:
             return False
         stored = self._identities.get(user)
-        if stored is not None and stored.num_tokens >= length and stored.prefix(length) == digest:
+        if (
+            not ident.hashed_through(length) and stored is not None and stored.num_tokens >= length
+            and stored.prefix(length) == digest
+        ):
             return ident.shares_prefix(stored, length)
         return ident.prefix(length) == digest
 

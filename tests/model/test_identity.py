@@ -277,3 +277,11 @@ def test_token_records_lay_out_contextual_then_item_and_action_tokens():
     assert rec.dtype == np.int64 and rec.tolist() == [[7, 0], [8, 0], [1, 50], [0, 50], [2, 60], [3, 60]]
     assert token_records(np.array([], dtype=np.int64), np.array([], dtype=np.int64), np.array([], dtype=np.int64),
                          np.array([], dtype=np.int64)).shape == (0, 2)
+
+
+def test_a_digest_is_at_hand_through_the_blocks_hashed_plus_one_partial_block():
+    records = np.arange(2 * (2 * BLOCK_TOKENS + 50), dtype=np.int64).reshape(-1, 2)
+    ident = HistoryIdentity(b"m", records)
+    assert ident.hashed_through(BLOCK_TOKENS - 1) and not ident.hashed_through(BLOCK_TOKENS + 1)
+    ident.prefix(BLOCK_TOKENS + 7)
+    assert ident.hashed_through(2 * BLOCK_TOKENS - 1) and not ident.hashed_through(2 * BLOCK_TOKENS)
