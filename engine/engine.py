@@ -171,14 +171,16 @@ class RankingEngine:
         """Per-user outputs in request order (users must be distinct within a batch)."""
         return self._rank(requests)[0]
 
-    def _rank(self, requests: list[RankingRequest]) -> tuple[list[RankOutput], torch.Tensor | None]:
-        """(outputs, the batch's logits in request order when one forward produced them all)."""
+    def _rank(self, requests: list[RankingRequest], owned: bool = True) -> tuple[list[RankOutput], torch.Tensor | None]:
+        """(outputs, the batch's logits in request order when one forward produced them all).
+        owned=False: a graph-replayed batch's logits may be views of the graph's static output,
+        which the next replay overwrites; the caller copies them out first, on the same stream."""
         self.model.validate(requests)
         with self._lock:
             if self.cache is None:
                 logits = self.model.dense_logits(requests)
                 return self._split(requests, logits, [0] * len(requests)), logits
-            return self._rank_cached(requests)
+            return self._rank_cached(requests, owned)
 
     @torch.inference_mode()
     def rank_async(self, requests: list[RankingRequest], dtype: torch.dtype | None = None) -> PendingRank:
@@ -187,7 +189,9 @@ class RankingEngine:
         PendingRank.result() waits for them. Batches keep their order on the device (one compute
         stream), so a later batch may be launched, and the cache may hand out pages of this one's
         users, before it completes."""
-        outputs, logits = self._rank(requests)
+        # On CUDA the logits are copied out below, on the compute stream, so ahead of any later
+        # replay: they need no copy of their own first (one kernel and allocation per batch).
+        outputs, logits = self._rank(requests, owned=self.model.device.type != "cuda")
         if self.model.device.type != "cuda":
             if dtype is not None:
                 outputs = [dataclasses.replace(o, logits=o.logits.to(dtype)) for o in outputs]
@@ -296,21 +300,25 @@ class RankingEngine:
             self.graphs.capture_all()
 
     # -------------------------------------------------------------- pipeline
-    def _rank_cached(self, requests: list[RankingRequest]) -> tuple[list[RankOutput], torch.Tensor | None]:
+    def _rank_cached(
+        self, requests: list[RankingRequest], owned: bool = True
+    ) -> tuple[list[RankOutput], torch.Tensor | None]:
         outputs: dict[int, RankOutput] = {}
         todo = requests
         for attempt in range(_MAX_ATTEMPTS):
-            failed, logits = self._rank_batch(todo, outputs)
+            failed, logits = self._rank_batch(todo, outputs, owned)
             if not failed:
                 return [outputs[r.user_id] for r in requests], logits if attempt == 0 else None
+            if not owned:  # the retry's replay may overwrite the static output these views read
+                outputs = {u: dataclasses.replace(o, logits=o.logits.clone()) for u, o in outputs.items()}
             todo = [r for r in todo if r.user_id in failed]
         raise RuntimeError(f"users {sorted(failed)} failed to onload on every attempt")
 
     def _rank_batch(
-        self, requests: list[RankingRequest], outputs: dict[int, RankOutput]
+        self, requests: list[RankingRequest], outputs: dict[int, RankOutput], owned: bool = True
     ) -> tuple[set[int], torch.Tensor]:
         """Rank one batch into `outputs`; returns the users whose onload failed (to rank again)
-        and the batch's logits."""
+        and the batch's logits (see _rank for `owned`)."""
         cache, model = self.cache, self.model
         model_id = model.identity
         timing = ForwardTiming()
@@ -325,7 +333,7 @@ class RankingEngine:
         )
         timing.plan_s = time.perf_counter() - t0
         try:
-            logits = self._forward(requests, plan, timing)
+            logits = self._forward(requests, plan, timing, owned)
         except BaseException:
             cache.abort(plan)
             raise
@@ -339,7 +347,9 @@ class RankingEngine:
         self.timings.append(timing)
         return failed, logits
 
-    def _forward(self, requests: list[RankingRequest], plan: BatchPlan, timing: ForwardTiming) -> torch.Tensor:
+    def _forward(
+        self, requests: list[RankingRequest], plan: BatchPlan, timing: ForwardTiming, owned: bool = True
+    ) -> torch.Tensor:
         """Logits of the planned batch: one graph replay when it fits a bucket, else eagerly."""
         model = self.model
         t0 = time.perf_counter()
@@ -359,7 +369,7 @@ class RankingEngine:
 
         if plan.pad is not None:
             before_layer = ready if prepared.onload_users else None
-            logits = self.graphs.run(plan.pad, prepared.metadata, plan.layout.num_candidate_rows, before_layer)
+            logits = self.graphs.run(plan.pad, prepared.metadata, plan.layout.num_candidate_rows, before_layer, owned)
             if logits is None:  # padded metadata only fits its graph bucket
                 raise RuntimeError(f"no CUDA graph replayed the batch of {plan.layout.num_rows} rows padded for one")
         else:

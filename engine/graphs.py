@@ -191,9 +191,11 @@ class ForwardGraphs:
         meta: KVCacheMetadata | PackedMetadata,
         num_candidates: int,
         before_layer: Callable[[int], None] | None = None,
+        copy: bool = True,
     ) -> torch.Tensor | None:
-        """Logits [num_candidates, num_tasks] of one batch (a fresh tensor), or None when its
-        metadata is not the bucket's (the caller runs eagerly).
+        """Logits [num_candidates, num_tasks] of one batch (a fresh tensor; with copy=False a view
+        of the static output, valid until the next replay), or None when its metadata is not the
+        bucket's (the caller runs eagerly).
 
         pad: the plan's PadSpec, whose staging slot holds the packed metadata `meta` and the
         inputs (inputs_of). before_layer(i): layer i's onload wait; None when the batch onloads
@@ -222,4 +224,4 @@ class ForwardGraphs:
             logits = bucket.segment_logits
             self.segmented_replays += 1
         self.replays += 1
-        return logits[:num_candidates].clone()
+        return logits[:num_candidates].clone() if copy else logits[:num_candidates]

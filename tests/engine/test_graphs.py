@@ -85,14 +85,14 @@ def test_cuda_graphs_with_the_torch_attention_match_eager(tiny_config, book):
         eager.close()
 
 
-def _static_engine(config, host_bytes: int = 1 << 20):
+def _static_engine(config, host_bytes: int = 1 << 20, onload_fault=None):
     from hstu.engine import RankingEngine
     from hstu.model.ranking import InferenceRankingGR
     from hstu.ops.kvcache.config import KVCacheConfig
     from hstu.ops.kvcache.manager import AsyncKVCacheManager
 
     kv = KVCacheConfig.for_model(config, page_size=4, num_pages=256, chunk_tokens=8, host_capacity_bytes=host_bytes)
-    return RankingEngine(InferenceRankingGR(config), AsyncKVCacheManager(kv))
+    return RankingEngine(InferenceRankingGR(config), AsyncKVCacheManager(kv, onload_fault=onload_fault))
 
 
 def test_the_static_forward_path_matches_no_cache_through_hits_onloads_and_fallbacks(tiny_config, book):
@@ -131,3 +131,26 @@ def test_static_inputs_pad_features_and_candidate_rows_to_the_bucket(tiny_config
     assert not inputs[:, T:].any() and not inputs[4, M:].any()
     with pytest.raises(ValueError, match=f"a batch of {T} rows does not fit a bucket of 8"):
         model.static_inputs(reqs, layout, torch.zeros((5, 8), dtype=torch.int64))
+
+
+def test_logits_left_in_the_static_output_survive_a_retried_batch(tiny_config, book):
+    """rank_async on CUDA takes a replayed batch's logits as views of the graph's static output
+    (copied out on the stream before the next replay). A batch whose onload failed is ranked
+    again (its failed users as misses, a whole replay, while the first was segmented); the
+    engine copies the first replay's logits before the retry, and every user's logits are its own."""
+
+    def fail_user_one(users, layer):
+        if 1 in users:
+            raise RuntimeError("injected onload failure")
+
+    engine = _static_engine(tiny_config, onload_fault=fail_user_one)
+    engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96), capture=False)
+    engine.rank([book.request(u, 6, 2) for u in (1, 2)])
+    engine.cache.drain()
+    engine.cache.evict_gpu([1])  # user 1 onloads from the host tier, and fails
+    reqs = [book.request(1, 2, 2), book.request(2, 2, 3)]
+    with torch.inference_mode():
+        outputs, logits = engine._rank(reqs, owned=False)
+    assert logits is None and engine.cache.stats.snapshot()["recomputes"] == 1
+    torch.testing.assert_close(torch.cat([o.logits for o in outputs]), engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
+    engine.close()
