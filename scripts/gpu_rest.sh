@@ -8,7 +8,9 @@
 #   bash scripts/gpu_rest.sh OUT_DIR      (called by gpu_pipeline.sh's "rest" stage)
 # REFERENCE=0 skips the in-process replay and SERVER_REPLAY=0 the replay over HTTP (for a second
 # server variant measured in the same call); SERVE_ARGS adds `hstu serve` flags (a variant);
-# SENT_REPEATS=k repeats the sent run k times; PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
+# SENT_REPEATS=k repeats the sent run k times; REQUESTS=n sets the seed workload's length for the in-process
+# replay and the answered and sent runs alike (default 200: a sent run then lasts ~0.15 s on the H200, and
+# sent runs in one call spread by 15-60%; 2000 measures over ~1.5 s); PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
 # during one more, longer load run (collapsed stacks per thread, busy samples only, in OUT_DIR/pyspy.txt;
 # PYSPY_IDLE=1: idle samples too, to see where threads wait; PYSPY_GIL=1: only samples holding the GIL), with
 # the GPU's utilisation every 100 ms beside it (OUT_DIR/gpu_util.csv). The server's /metrics at the end: metrics_end.txt.
@@ -18,9 +20,10 @@ port=${PORT:-8123}
 url=http://127.0.0.1:$port
 mkdir -p "$out"
 rc=0
+requests=${REQUESTS:-200}
 if [ "${REFERENCE:-1}" = 1 ]; then
   python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --no-uncached --no-progress \
-    --out "$out/in_process" || rc=1
+    --requests "$requests" --out "$out/in_process" || rc=1
 fi
 python3 -c "import json; from hstu.scripts.bench import BenchShape; print(json.dumps(BenchShape().model_config().to_dict()))" \
   > "$out/seed_model.json"
@@ -48,7 +51,7 @@ fi
 replay_load() {  # replay_load ORDER FIRST_USER NAME: the seed workload's 200 requests, a user's next one
   # waiting for the previous answer (answered) or send (sent, every answer verified); 32 connections in
   # each of 4 processes: more than the users in flight
-  python3 -m hstu.cli loadgen --server "$url" --workload replay --order "$1" --rate 3000 --requests 200 --users 64 \
+  python3 -m hstu.cli loadgen --server "$url" --workload replay --order "$1" --rate 3000 --requests "$requests" --users 64 \
     --connections 128 --processes 4 --first-user "$2" $([ "$1" = sent ] && echo --verify) --out "$out/$3" || rc=1
 }
 replay_load answered 200000 loadgen_answered

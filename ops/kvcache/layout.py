@@ -8,6 +8,7 @@ lengths); the model embeds exactly these rows and reads its logits from `candida
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,8 +45,7 @@ class JaggedLayout:
     @classmethod
     def build(cls, history_lens: list[int], cached_lens: list[int], num_candidates: list[int]) -> "JaggedLayout":
         rows = [h - c + m for h, c, m in zip(history_lens, cached_lens, num_candidates)]
-        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(rows, out=offsets[1:])
+        offsets = np.fromiter(itertools.accumulate(rows, initial=0), dtype=np.int64, count=len(rows) + 1)
         return cls(list(history_lens), list(cached_lens), list(num_candidates), offsets)
 
     @functools.cached_property
