@@ -15,9 +15,10 @@ returns one outcome per item, in order: a value, or an exception (raised to that
 alone). When `send` raises an exception `retryable` accepts (a lost replica), the items queue
 again, in the lane `lane_of` now names, after the next of `backoff_s` (then fail with
 `exhausted(exc)`); any other exception fails the call's items. A call silent for
-`silent_after_s` (neither answered nor failed) counts as lost too and its items are retried: a
-call that reached a replica killed mid-request once never failed, and held its request until the
-deadline (issue 16's CI flake, 2026-12-04). Every item has a deadline: one that passes while queued
+`silent_after_s` (neither answered nor failed) counts as lost too: its awaitable is cancelled
+(RemoteRuntime then cancels the Serve call, so a merely slow call does not run beside its retry)
+and its items are retried: a call that reached a replica killed mid-request once never failed,
+and held its request until the deadline (issue 16's CI flake, 2026-12-04). Every item has a deadline: one that passes while queued
 is failed with `expired()` and never sent; a caller stops waiting at its deadline, and what it
 waited for is dropped if not yet sent.
 """

@@ -157,6 +157,20 @@ class _CoalescerCollector(Collector):
             yield family
 
 
+async def await_or_cancel(response: Any) -> Any:
+    """Await a Serve call (a DeploymentResponse); if the awaiting task is cancelled (the coalescer
+    gave up on a silent call and retries it, or the caller left), cancel the call itself too.
+    Awaiting alone does not: the call stayed queued in Serve's router, or ran on its replica, and a
+    merely slow call's retry then doubled the work of an overloaded replica (issue 16). Serve
+    drops a cancelled call still waiting for a replica, and a replica's handler sees the
+    cancellation, which its batcher turns into dropping the requests not started yet."""
+    try:
+        return await response
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
+
+
 class RemoteRuntime(Runtime):
     """The ingress's Runtime: ranks through a handle to the ranking deployment, with the user id as
     the routing key. `model` is a ServedModel once a replica described itself; no cache here
@@ -246,7 +260,7 @@ class RemoteRuntime(Runtime):
         call = self._ranking.rank_many.remote(
             requests, timeouts_s, **{USERS_KEY: [r.user_id for r in requests], ROUTING_KEY: requests[0].user_id}
         )
-        outcomes, inside_s = await call
+        outcomes, inside_s = await await_or_cancel(call)
         self._call_overhead.observe(max(0.0, time.monotonic() - started - inside_s))
         return outcomes
 

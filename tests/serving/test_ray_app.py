@@ -242,3 +242,31 @@ def test_incremental_requests_are_rebuilt_at_the_ingress_and_hit_the_users_repli
             previous = response.json()
             assert matches_reference(reference, as_events(full_columns(timeline, events, [4, 5])), previous)
             assert previous["cached_tokens"] > 0 and previous["history_length"] == events
+
+
+def test_a_call_given_up_on_is_cancelled_at_serve_too():
+    """The coalescer gives up on a silent call by cancelling the task awaiting it; the Serve call
+    must be cancelled with it, or a merely slow call and its retry both run."""
+    from hstu.serving.ray_app import await_or_cancel
+
+    class SlowResponse:
+        def __init__(self) -> None:
+            self.cancelled = False
+            self._never = asyncio.get_running_loop().create_future()
+
+        def __await__(self):
+            return self._never.__await__()
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    async def scenario() -> tuple[bool, bool]:
+        slow = SlowResponse()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(await_or_cancel(slow), 0.01)
+        fast = SlowResponse()
+        fast._never.set_result("answer")
+        assert await await_or_cancel(fast) == "answer"
+        return slow.cancelled, fast.cancelled
+
+    assert asyncio.run(scenario()) == (True, False)
