@@ -125,9 +125,12 @@ def _valid(cfg, h: dict) -> bool:
 NUM_CASES = 21
 
 
+@pytest.mark.parametrize("prehashed", [False, True], ids=["records-compared", "digest-at-hand"])
 @pytest.mark.parametrize("case", range(NUM_CASES))
 @torch.inference_mode()
-def test_a_changed_past_event_is_never_served_from_the_cache(tiny_config, case):
+def test_a_changed_past_event_is_never_served_from_the_cache(tiny_config, case, prehashed):
+    """Both ways the cache checks a GPU entry: the request's records against the entry's (a
+    request hashed by nobody yet), and its digest (one a front end hashed already)."""
     cases = _near_collisions(tiny_config)
     assert len(cases) == NUM_CASES
     name, original, changed, first_changed, against_mix = cases[case]
@@ -140,6 +143,8 @@ def test_a_changed_past_event_is_never_served_from_the_cache(tiny_config, case):
     model, mgr = _model(tiny_config)
     model.rank([_request(tiny_config, 1, original, EVENTS)])
     req = _request(tiny_config, 1, changed, EVENTS, new=2, seed=1)
+    if prehashed:
+        req.identity(model.model.identity).prefix(req.history_tokens(tiny_config))
     (out,) = model.rank([req])
     assert out.cached_tokens <= first_changed, f"{name}: reused {out.cached_tokens} tokens past {first_changed}"
     assert mgr.stats.snapshot()["invalidated_diverged"] == 1, name
