@@ -48,11 +48,16 @@ def _engine(shape: BenchShape, device: torch.device, batch: int, cuda_graphs: bo
     return engine
 
 
-def _forwards(engine: RankingEngine, shape: BenchShape, batch: int, n: int, device: torch.device, rerank: bool = False):
+def _forwards(
+    engine: RankingEngine, shape: BenchShape, batch: int, n: int, device: torch.device, rerank: bool = False,
+    cold: bool = False,
+):
     """Yield n times: prefill (untimed), then the caller times one cached forward. With the
     engine's cache given an onload split (FixedSplit), the prefix is evicted to the host tier
     first, so the forward onloads that share of it and recomputes the rest. rerank: the prefill
-    is the full requests themselves, so the forward computes the candidates only."""
+    is the full requests themselves, so the forward computes the candidates only. cold: the
+    requests reach the timed forward neither validated nor hashed (as `hstu bench` times them;
+    by default both happen before, where the server does them: off the model thread)."""
     prefix, full = make_requests(shape, engine.config, batch)
     split = engine.cache.cost_model
     for _ in range(n):
@@ -64,7 +69,7 @@ def _forwards(engine: RankingEngine, shape: BenchShape, batch: int, n: int, devi
         if split is not None:
             engine.cache.evict_gpu(users)
         requests = as_users(full, users)
-        for r in requests:  # validation and digests where the server does them: off the model thread
+        for r in [] if cold else requests:  # validation and digests where the server does them
             r.validate(engine.config)
             r.identity(engine.model.identity).prefix(r.history_tokens(engine.config))
         sync(device)
@@ -74,11 +79,11 @@ def _forwards(engine: RankingEngine, shape: BenchShape, batch: int, n: int, devi
 _PHASES = ("plan_s", "inputs_s", "prepare_wait_s", "onload_wait_s", "forward_s", "finish_s", "total_s")
 
 
-def phase_profile(engine, shape, batch, n, device, rerank=False) -> dict:
+def phase_profile(engine, shape, batch, n, device, rerank=False, cold=False) -> dict:
     """Median host ms per phase of the model thread (RankingEngine.timings), no profiler attached;
     total is the engine's whole batch, wall adds the device sync after it."""
     walls, timings = [], []
-    for requests in _forwards(engine, shape, batch, n, device, rerank):
+    for requests in _forwards(engine, shape, batch, n, device, rerank, cold):
         t0 = time.perf_counter()
         engine.rank(requests)
         sync(device)
@@ -89,9 +94,9 @@ def phase_profile(engine, shape, batch, n, device, rerank=False) -> dict:
     return out
 
 
-def host_profile(engine, shape, batch, n, device, rerank=False) -> dict:
+def host_profile(engine, shape, batch, n, device, rerank=False, cold=False) -> dict:
     prof, wall = cProfile.Profile(), 0.0
-    for requests in _forwards(engine, shape, batch, n, device, rerank):
+    for requests in _forwards(engine, shape, batch, n, device, rerank, cold):
         t0 = time.perf_counter()
         prof.enable()
         engine.rank(requests)
@@ -108,14 +113,14 @@ def host_profile(engine, shape, batch, n, device, rerank=False) -> dict:
     return {"wall_ms_per_forward": wall / n * 1e3, "profiled_host_ms_per_forward": total_own, "top_own_time": top}
 
 
-def device_profile(engine, shape, batch, n, device, rerank=False) -> dict:
+def device_profile(engine, shape, batch, n, device, rerank=False, cold=False) -> dict:
     if device.type != "cuda":
         return {}
     from torch.profiler import ProfilerActivity, profile
 
     busy, wall = 0.0, 0.0
     by_kernel: dict[str, float] = {}
-    for requests in _forwards(engine, shape, batch, n, device, rerank):
+    for requests in _forwards(engine, shape, batch, n, device, rerank, cold):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
             engine.rank(requests)
@@ -151,7 +156,7 @@ def main(args: argparse.Namespace) -> int:
         shape = dataclasses.replace(shape, cached_tokens=args.cached_tokens)
     device = torch.device(args.device)
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": dataclasses.asdict(shape), "cuda_graphs": args.cuda_graphs,
-           "onload_fraction": args.onload_fraction, "rerank": args.rerank}
+           "onload_fraction": args.onload_fraction, "rerank": args.rerank, "cold_requests": args.cold_requests}
     for batch in args.batch:
         engine = _engine(dataclasses.replace(shape, batch_sizes=(batch,)), device, batch, args.cuda_graphs)
         if args.onload_fraction is not None:
@@ -159,9 +164,9 @@ def main(args: argparse.Namespace) -> int:
         for _ in _forwards(engine, shape, batch, 3, device, args.rerank):  # warm-up: compiles, allocator
             pass
         doc[str(batch)] = {
-            "phases": phase_profile(engine, shape, batch, args.forwards, device, args.rerank),
-            "host": host_profile(engine, shape, batch, args.forwards, device, args.rerank),
-            "device": device_profile(engine, shape, batch, args.forwards, device, args.rerank),
+            "phases": phase_profile(engine, shape, batch, args.forwards, device, args.rerank, args.cold_requests),
+            "host": host_profile(engine, shape, batch, args.forwards, device, args.rerank, args.cold_requests),
+            "device": device_profile(engine, shape, batch, args.forwards, device, args.rerank, args.cold_requests),
         }
         engine.close()
     report.write_json(args.out / "profile.json", doc)
@@ -211,6 +216,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--onload-fraction", type=float, default=None, metavar="F",
         help="the cached prefix in the host tier instead: onload its share F, recompute the rest",
     )
+    p.add_argument("--cold-requests", action="store_true",
+                   help="requests neither validated nor hashed before the timed forward (as hstu bench times them)")
     p.add_argument("--prepare-worker", action="store_true",
                    help="each batch's prepare job on the cache's prepare worker instead of the model thread")
     p.add_argument("--rerank", action="store_true",
