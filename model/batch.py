@@ -9,13 +9,13 @@ decide whether cached K/V may be reused.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from hstu.model.config import HSTUConfig
 from hstu.model.identity import HistoryIdentity, token_records
+from hstu.ops._build import load_extension
 
 TOKEN_CONTEXTUAL, TOKEN_ITEM, TOKEN_ACTION, TOKEN_CANDIDATE = 0, 1, 2, 3
 
@@ -108,7 +108,7 @@ class RankingRequest:
             raise ValueError(
                 f"user {self.user_id}: history of {n} events is {tokens} tokens; max_seq_len is {config.max_seq_len}"
             )
-        code, index, value = _ext().check_request(
+        code, index, value = load_extension().check_request(
             self.item_ids, self.actions, self.timestamps, self.candidates, self.contextual,
             config.num_items, config.num_actions, config.num_contextual_features,
         )
@@ -150,10 +150,3 @@ _RANGE_FIELDS = (
     ("contextual", "num_contextual_features"),
 )
 
-
-@functools.cache
-def _ext():
-    """The C++ extension (loaded on the first check, not at import: the request model is light)."""
-    from hstu.ops._build import load_extension
-
-    return load_extension()

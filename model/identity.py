@@ -28,12 +28,13 @@ again after a checkpoint load), so K/V never outlive the weights that produced t
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 
 import numpy as np
 import torch
+
+from hstu.ops._build import load_extension
 
 BLOCK_TOKENS = 512  # ~95 us for a 4k-event history here (128: ~165 us, Python per block)
 DIGEST_BYTES = 32
@@ -50,14 +51,7 @@ def _h(role: bytes, *parts) -> bytes:
 def token_records(contextual: np.ndarray, item_ids: np.ndarray, actions: np.ndarray, timestamps: np.ndarray) -> np.ndarray:
     """[num_contextual + 2E, 2] little-endian int64 records, one per history token (layout above;
     one C++ pass, csrc/request_checks.cpp)."""
-    return _ext().token_records(contextual, item_ids, actions, timestamps)
-
-
-@functools.cache
-def _ext():
-    from hstu.ops._build import load_extension
-
-    return load_extension()
+    return load_extension().token_records(contextual, item_ids, actions, timestamps)
 
 
 _MAX_TAILS = 8  # tail digests kept per identity (a few lengths are asked for per batch)

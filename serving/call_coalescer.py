@@ -18,9 +18,9 @@ again, in the lane `lane_of` now names, after the next of `backoff_s` (then fail
 `silent_after_s` (neither answered nor failed) counts as lost too: its awaitable is cancelled
 (RemoteRuntime then cancels the Serve call, so a merely slow call does not run beside its retry)
 and its items are retried: a call that reached a replica killed mid-request once never failed,
-and held its request until the deadline (issue 16's CI flake, 2026-12-04). Every item has a deadline: one that passes while queued
-is failed with `expired()` and never sent; a caller stops waiting at its deadline, and what it
-waited for is dropped if not yet sent.
+and held its request until the deadline (issue 16's CI flake, 2026-12-04). Every item has a
+deadline: one that passes while queued is failed with `expired()` and never sent; a caller stops
+waiting at its deadline, and what it waited for is dropped if not yet sent.
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ class AsyncKVCacheManager:
         waiting = []
         for u, n, ident in zip(user_ids, history_lens, identities):
             entry = self.gpu.lookup(u)
-            if 0 < entry[0] < n and self._gpu_prefix_matches(u, ident, *entry):
+            if self._gpu_extension(u, n, ident, entry):
                 extended[u] = entry
             elif not self._reuses_gpu_entry(u, n, ident):
                 waiting.append(u)
@@ -209,7 +209,9 @@ class AsyncKVCacheManager:
         gpu_len, gpu_digest = self.gpu.lookup(user)
         unchanged_rerank = gpu_len == n and self.config.on_no_new_tokens == "candidates"
         kept = 0 < gpu_len and (gpu_len < n or unchanged_rerank)
-        return (kept and self._gpu_prefix_matches(user, ident, gpu_len, gpu_digest)) or self._read_only_length(user, n, ident) > 0
+        if kept and self._gpu_prefix_matches(user, ident, gpu_len, gpu_digest):
+            return True
+        return self._read_only_length(user, n, ident) > 0
 
     def _gpu_prefix_matches(self, user: int, ident: HistoryIdentity, length: int, digest: bytes) -> bool:
         """Whether the request's first `length` tokens are those the user's GPU entry (digest
@@ -241,9 +243,12 @@ class AsyncKVCacheManager:
             return 0
         return gpu_len
 
-    def _gpu_extension(self, user: int, n: int, ident: HistoryIdentity) -> int:
-        """Cached length when the request plainly extends the user's GPU entry, else 0."""
-        gpu_len, gpu_digest = self.gpu.lookup(user)
+    def _gpu_extension(
+        self, user: int, n: int, ident: HistoryIdentity, entry: tuple[int, bytes] | None = None
+    ) -> int:
+        """Cached length when the request plainly extends the user's GPU entry (`entry`, its
+        (length, digest), when already looked up), else 0."""
+        gpu_len, gpu_digest = entry if entry is not None else self.gpu.lookup(user)
         if 0 < gpu_len < n and self._gpu_prefix_matches(user, ident, gpu_len, gpu_digest):
             return gpu_len
         return 0

@@ -22,7 +22,7 @@ def test_a_request_checked_by_the_front_end_is_not_checked_again_after_a_pickle(
         def check_request(*args):
             raise AssertionError("validated again")
 
-    monkeypatch.setattr(batch_module, "_ext", Checks)
+    monkeypatch.setattr(batch_module, "load_extension", Checks)
     received.validate(config_copy)  # no second check
     other = dataclasses.replace(tiny_config, num_items=tiny_config.num_items + 1)
     with pytest.raises(AssertionError, match="validated again"):
