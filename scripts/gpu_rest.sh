@@ -8,7 +8,7 @@
 #   bash scripts/gpu_rest.sh OUT_DIR      (called by gpu_pipeline.sh's "rest" stage)
 # REFERENCE=0 skips the in-process replay and SERVER_REPLAY=0 the replay over HTTP (for a second
 # server variant measured in the same call); SERVE_ARGS adds `hstu serve` flags (a variant);
-# SENT_REPEATS=k repeats the sent run k times; REQUESTS=n sets the seed workload's length for the in-process
+# SENT_REPEATS=k repeats the sent run k times; LOADS picks the load runs (default "answered sent fit"); REQUESTS=n sets the seed workload's length for the in-process
 # replay and the answered and sent runs alike (default 200: a sent run then lasts ~0.15 s on the H200, and
 # sent runs in one call spread by 15-60%; 2000 measures over ~1.5 s); PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
 # during one more, longer load run (collapsed stacks per thread, busy samples only, in OUT_DIR/pyspy.txt;
@@ -54,15 +54,18 @@ replay_load() {  # replay_load ORDER FIRST_USER NAME: the seed workload's 200 re
   python3 -m hstu.cli loadgen --server "$url" --workload replay --order "$1" --rate 3000 --requests "$requests" --users 64 \
     --connections 128 --processes 4 --first-user "$2" $([ "$1" = sent ] && echo --verify) --out "$out/$3" || rc=1
 }
-replay_load answered 200000 loadgen_answered
-replay_load sent 300000 loadgen_sent
+loads=" ${LOADS:-answered sent fit} "
+[[ $loads == *" answered "* ]] && replay_load answered 200000 loadgen_answered
+[[ $loads == *" sent "* ]] && replay_load sent 300000 loadgen_sent
 # SENT_REPEATS=k: k more sent runs against the same server, each with users of its own (sent runs in one
 # call spread by 15-30%; compare medians)
 for k in $(seq "${SENT_REPEATS:-0}"); do
   replay_load sent $((1000000 + 100000 * k)) "loadgen_sent_$k"
 done
-python3 -m hstu.cli loadgen --server "$url" --rate 3000 --requests 400 --users 64 --connections 32 --processes 4 \
-  --first-user 400000 --out "$out/loadgen_fit" || rc=1
+if [[ $loads == *" fit "* ]]; then
+  python3 -m hstu.cli loadgen --server "$url" --rate 3000 --requests 400 --users 64 --connections 32 --processes 4 \
+    --first-user 400000 --out "$out/loadgen_fit" || rc=1
+fi
 if [ -n "${PYSPY:-}" ] && command -v py-spy > /dev/null; then  # a longer load, sampled without pausing the server;
   # busy samples only (no --idle), so a thread's samples over the rate and the load's wall_s is its busy share
   py-spy record --pid $server --subprocesses --threads --nonblocking ${PYSPY_IDLE:+--idle} ${PYSPY_GIL:+--gil} --rate 200 \

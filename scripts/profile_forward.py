@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import gzip
 import logging
 import pstats
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -39,11 +41,17 @@ logger = logging.getLogger(__name__)
 _IDS = FreshUserIds()  # never-reused users across every profiled pass
 
 
-def _engine(shape: BenchShape, device: torch.device, batch: int, cuda_graphs: bool) -> RankingEngine:
+def _engine(
+    shape: BenchShape, device: torch.device, batch: int, cuda_graphs: bool, onload_fraction: float | None = None
+) -> RankingEngine:
     cfg = shape.model_config()
     engine = RankingEngine(InferenceRankingGR(cfg, device), AsyncKVCacheManager(shape.cache_config(cfg, 1), device))
-    if cuda_graphs:  # the cached forward's rows and the re-rank's (candidates only)
-        rows = sorted({batch * (shape.new_tokens + shape.num_candidates), batch * shape.num_candidates})
+    if cuda_graphs:  # the cached forward's rows, the re-rank's (candidates only) and a split's
+        rows = {batch * (shape.new_tokens + shape.num_candidates), batch * shape.num_candidates}
+        if onload_fraction is not None:
+            onload = int(shape.cached_tokens // shape.chunk_tokens * onload_fraction) * shape.chunk_tokens
+            rows.add(batch * (shape.history_tokens - onload + shape.num_candidates))
+        rows = sorted(rows)
         engine.enable_cuda_graphs(max_batch=batch, buckets=tuple(rows))
     return engine
 
@@ -113,13 +121,38 @@ def host_profile(engine, shape, batch, n, device, rerank=False, cold=False) -> d
     return {"wall_ms_per_forward": wall / n * 1e3, "profiled_host_ms_per_forward": total_own, "top_own_time": top}
 
 
-def device_profile(engine, shape, batch, n, device, rerank=False, cold=False) -> dict:
+def stream_timeline(events, max_gap_us: float = 2.0, max_segments: int = 400) -> dict[str, list[list]]:
+    """One forward's device activity per stream, relative to its first device event: runs of
+    events of one kind (kernel or copy) merged while the gap between them stays under max_gap_us,
+    as [start_us, end_us, kind, events]. Enough to see what overlapped what (an onload's copies
+    against the layers waiting for them) without shipping the whole trace."""
+    if not events:
+        return {}
+    t0 = min(e.time_range.start for e in events)
+    streams: dict[str, list[list]] = {}
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        stream = str(getattr(e, "device_resource_id", None) or e.thread)
+        kind = "copy" if e.name.startswith(("Memcpy", "Memset")) else "kernel"
+        start, end = e.time_range.start - t0, e.time_range.end - t0
+        runs = streams.setdefault(stream, [])
+        if runs and runs[-1][2] == kind and start - runs[-1][1] <= max_gap_us:
+            runs[-1][1] = max(runs[-1][1], end)
+            runs[-1][3] += 1
+        elif len(runs) < max_segments:
+            runs.append([start, end, kind, 1])
+    return {s: [[round(a, 1), round(b, 1), k, c] for a, b, k, c in runs] for s, runs in streams.items()}
+
+
+def device_profile(engine, shape, batch, n, device, rerank=False, cold=False, trace: Path | None = None) -> dict:
+    """GPU busy share and top kernels over n forwards; the last forward's timeline per stream, and
+    with `trace` its Chrome trace (gzipped) for a closer look."""
     if device.type != "cuda":
         return {}
     from torch.profiler import ProfilerActivity, profile
 
     busy, wall = 0.0, 0.0
     by_kernel: dict[str, float] = {}
+    timeline: dict = {}
     for requests in _forwards(engine, shape, batch, n, device, rerank, cold):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
@@ -140,8 +173,17 @@ def device_profile(engine, shape, batch, n, device, rerank=False, cold=False) ->
                 merged += e - end
                 end = e
         busy += merged / 1e3
+        timeline = stream_timeline(events)
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        raw = trace.with_suffix("")  # export_chrome_trace writes plain JSON
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
     top = sorted(by_kernel.items(), key=lambda kv: kv[1], reverse=True)[:12]
     return {
+        "timeline_us": timeline,
         "kernel_busy_ms_per_forward": busy / n,
         "wall_ms_per_forward": wall / n * 1e3,
         "gpu_busy_share": busy / wall / 1e3,
@@ -158,7 +200,7 @@ def main(args: argparse.Namespace) -> int:
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": dataclasses.asdict(shape), "cuda_graphs": args.cuda_graphs,
            "onload_fraction": args.onload_fraction, "rerank": args.rerank, "cold_requests": args.cold_requests}
     for batch in args.batch:
-        engine = _engine(dataclasses.replace(shape, batch_sizes=(batch,)), device, batch, args.cuda_graphs)
+        engine = _engine(dataclasses.replace(shape, batch_sizes=(batch,)), device, batch, args.cuda_graphs, args.onload_fraction)
         if args.onload_fraction is not None:
             engine.cache.cost_model = FixedSplit(args.onload_fraction)
         for _ in _forwards(engine, shape, batch, 3, device, args.rerank):  # warm-up: compiles, allocator
@@ -166,7 +208,10 @@ def main(args: argparse.Namespace) -> int:
         doc[str(batch)] = {
             "phases": phase_profile(engine, shape, batch, args.forwards, device, args.rerank, args.cold_requests),
             "host": host_profile(engine, shape, batch, args.forwards, device, args.rerank, args.cold_requests),
-            "device": device_profile(engine, shape, batch, args.forwards, device, args.rerank, args.cold_requests),
+            "device": device_profile(
+                engine, shape, batch, args.forwards, device, args.rerank, args.cold_requests,
+                args.out / f"trace_b{batch}.json.gz" if args.trace else None,
+            ),
         }
         engine.close()
     report.write_json(args.out / "profile.json", doc)
@@ -222,6 +267,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="each batch's prepare job on the cache's prepare worker instead of the model thread")
     p.add_argument("--rerank", action="store_true",
                    help="re-rank the unchanged history (the whole history cached, candidates computed)")
+    p.add_argument("--trace", action="store_true",
+                   help="also write the last profiled forward's Chrome trace per batch (OUT/trace_bB.json.gz)")
     p.add_argument("--out", type=Path, default=Path("out/profile"))
     p.set_defaults(func=main)
     return p

@@ -25,3 +25,34 @@ def test_profile_reports_every_phase_for_prepared_and_cold_requests(tmp_path, co
     phases = doc["2"]["phases"]
     assert {"plan_ms", "inputs_ms", "forward_ms", "finish_ms", "total_ms", "wall_ms"} <= set(phases)
     assert phases["total_ms"] > 0 and doc["2"]["host"]["top_own_time"]
+
+
+def test_stream_timeline_merges_runs_of_one_kind_per_stream():
+    from types import SimpleNamespace as NS
+
+    def event(name, stream, start, end):
+        return NS(name=name, device_resource_id=stream, thread=0, time_range=NS(start=start, end=end))
+
+    events = [
+        event("Memcpy HtoD", 7, 100, 200), event("Memcpy HtoD", 7, 201, 300),  # one run (gap 1 us)
+        event("attn", 3, 110, 150), event("gemm", 3, 151, 160),  # one kernel run
+        event("ln", 3, 200, 210),  # a gap: a new run
+        event("Memcpy DtoH", 7, 400, 420),
+    ]
+    timeline = profile_forward.stream_timeline(events)
+    assert timeline == {
+        "7": [[0.0, 200.0, "copy", 2], [300.0, 320.0, "copy", 1]],
+        "3": [[10.0, 60.0, "kernel", 2], [100.0, 110.0, "kernel", 1]],
+    }
+
+
+def test_profile_with_an_onload_split_on_cpu(tmp_path):
+    parser = argparse.ArgumentParser()
+    profile_forward.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["profile", "--tiny", "--device", "cpu", "--batch", "2", "--forwards", "2", "--onload-fraction", "0.5",
+         "--trace", "--out", str(tmp_path)]
+    )
+    assert args.func(args) == 0
+    doc = json.loads((tmp_path / "profile.json").read_text())
+    assert doc["onload_fraction"] == 0.5 and doc["2"]["phases"]["total_ms"] > 0
