@@ -8,13 +8,22 @@ so the planner recomputed too much and lost to pure onload and to no cache.
 Here each shape is a real ranking batch of synthetic users (ids far above any served user's, all
 invalidated afterwards): misses of several history lengths and batch sizes, and extensions of a
 GPU-resident prefix (few rows, many attention pairs), so rows and pairs vary independently. The
-median wall time of each (device-synchronised) is fitted as L x (fixed + rows x per_row + pairs x
-per_pair), non-negative, where rows and pairs are one layer's (planner.layer_work), the same
-quantities the planner predicts with.
+median wall time of each (device-synchronised) is fitted as forward + L x (rows x per_row + pairs x
+per_pair), non-negative and by relative error (a batch-1 forward weighs as much as a batch-8 miss),
+where rows and pairs are one layer's (planner.layer_work), the same quantities the planner
+predicts with. The per-forward cost stays out of the layers: folded into them (the fit before),
+it made every layer look ~0.3 ms dearer on the H200, so the planner believed an onload hidden
+behind compute that was not there and onloaded at batch 1 where recomputing was faster.
+
+Then the onload itself: host-tier batches of one and of all calibration users onload their whole
+prefix, and what they took beyond the model's prediction at the copy's measured bandwidth is
+fitted as a start latency plus a per-byte excess (planner.CostModel onload_start_s, and a lower
+effective bandwidth): the host work of a host-tier batch and the copies as the cache issues them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 import time
@@ -23,13 +32,16 @@ import numpy as np
 
 from hstu.model.batch import RankingRequest
 from hstu.ops.device_sync import sync
-from hstu.ops.kvcache.planner import UserShape, layer_work
+from hstu.ops.kvcache.planner import CostModel, UserShape, layer_work, predict
 
 _FIRST_USER = 1 << 60  # calibration users: invalidated after, never a served id in practice
 
 
-def _nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0 (all subsets of 3 columns: exact and tiny)."""
+def _nonnegative_fit(a: np.ndarray, y: np.ndarray, relative: bool = False) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (all subsets of 3 columns: exact and tiny);
+    relative: each row weighed by 1 / y (errors as shares of each measurement)."""
+    if relative:
+        a, y = a / y[:, None], np.ones_like(y)
     best, best_err = np.zeros(a.shape[1]), float(np.sum(y**2))
     for k in range(1, a.shape[1] + 1):
         for cols in itertools.combinations(range(a.shape[1]), k):
@@ -54,15 +66,29 @@ def _requests(engine, users: list[int], events: int, candidates: int, rng: np.ra
     ]
 
 
-def measure_forward_costs(engine, max_users: int = 8, repeats: int = 3) -> tuple[float, float, float] | None:
-    """(fixed_s, per_row_s, per_pair_s) of one layer, from whole cached forwards of this engine;
-    None when the cache cannot hold even one user at the longest calibration history."""
-    cache, cfg, device = engine.cache, engine.config, engine.model.device
-    kv = cache.config
+def _shape(engine) -> tuple[int, int]:
+    """(history events, candidates) of the calibration's longest users on this device."""
+    cfg, device = engine.config, engine.model.device
     candidates = 256 if device.type == "cuda" else 16
     events = max(8, min(2048 if device.type == "cuda" else 192, (cfg.max_seq_len - cfg.num_contextual - 1) // 2))
-    pages_per_user = -(-cfg.history_tokens(events) // kv.page_size)
-    users = min(max_users, cache.gpu.num_free_pages() // pages_per_user)
+    return events, candidates
+
+
+def _max_users(engine, max_users: int) -> int:
+    """Calibration users the free GPU pages hold at the longest history."""
+    events, _ = _shape(engine)
+    pages_per_user = -(-engine.config.history_tokens(events) // engine.cache.config.page_size)
+    return min(max_users, engine.cache.gpu.num_free_pages() // pages_per_user)
+
+
+def measure_forward_costs(engine, max_users: int = 8, repeats: int = 3) -> tuple[float, float, float] | None:
+    """(forward_s, per_row_s, per_pair_s): a forward's fixed cost and one layer's per row and pair,
+    from whole cached forwards of this engine; None when the cache cannot hold even one user at the
+    longest calibration history."""
+    cache, cfg, device = engine.cache, engine.config, engine.model.device
+    kv = cache.config
+    events, candidates = _shape(engine)
+    users = _max_users(engine, max_users)
     if users < 1:
         return None
     half = max(1, users // 2)
@@ -95,7 +121,64 @@ def measure_forward_costs(engine, max_users: int = 8, repeats: int = 3) -> tuple
                 cache.invalidate(r.user_id)
         n, cached = cfg.history_tokens(e), cfg.history_tokens(c) if c else 0
         r, p = layer_work([UserShape(0, cached, n, m)] * b, [0] * b)
-        rows.append((1.0, r, p))
-        seconds.append(statistics.median(times[1:]) / kv.num_layers)
-    fixed, per_row, per_pair = (float(v) for v in _nonnegative_fit(np.asarray(rows, dtype=np.float64), np.asarray(seconds)))
-    return fixed, per_row, per_pair
+        rows.append((1.0, kv.num_layers * r, kv.num_layers * p))
+        seconds.append(statistics.median(times[1:]))
+    fit = _nonnegative_fit(np.asarray(rows, dtype=np.float64), np.asarray(seconds), relative=True)
+    forward, per_row, per_pair = (float(v) for v in fit)
+    return forward, per_row, per_pair
+
+
+def measure_onload(engine, cost: CostModel, max_users: int = 8, repeats: int = 3) -> CostModel:
+    """`cost` with the onload as this engine runs it: host-tier batches of one and of all
+    calibration users onload their whole prefix (no planner), and their time beyond `cost`'s
+    prediction becomes onload_start_s plus a per-byte excess (a lower h2d_bytes_per_s). `cost`
+    unchanged when there is no host tier or its users did not reach it."""
+    cache, cfg, device = engine.cache, engine.config, engine.model.device
+    kv = cache.config
+    events, candidates = _shape(engine)
+    users = _max_users(engine, max_users)
+    prefix_events = events - max(1, events // 32)
+    host_tokens = cfg.history_tokens(prefix_events) // kv.chunk_tokens * kv.chunk_tokens
+    if users < 1 or kv.host_slots < users * (host_tokens // kv.chunk_tokens) or host_tokens == 0:
+        return cost
+    rng = np.random.default_rng(1)
+    ids = itertools.count(_FIRST_USER + (1 << 20))
+    points = []  # (onloaded bytes, seconds beyond the prediction)
+    for b in sorted({1, users}):
+        times = []
+        for _ in range(repeats + 1):  # the first run warms this shape up
+            batch = _requests(engine, [next(ids) for _ in range(b)], events, candidates, rng)
+            for r in batch:  # admitted to the host tier at their first offload
+                for _ in range(kv.offload_min_seen):
+                    cache.admission.see(r.user_id)
+            engine.rank([r.first_events(prefix_events, cfg) for r in batch])
+            cache.drain()
+            cache.evict_gpu([r.user_id for r in batch])
+            sync(device)
+            t0 = time.perf_counter()
+            outputs = engine.rank(batch)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+            cache.drain()
+            for r in batch:
+                cache.invalidate(r.user_id)
+            if any(o.cached_tokens != host_tokens for o in outputs):
+                return cost  # not a host-tier hit (capacity, admission): nothing measured
+        shapes = [UserShape(host_tokens, 0, cfg.history_tokens(events), candidates)] * b
+        predicted = predict(shapes, [host_tokens] * b, cost, kv.num_layers)[0]
+        nbytes = b * host_tokens * cost.bytes_per_token_layer * kv.num_layers
+        points.append((nbytes, statistics.median(times[1:]) - predicted))
+    start, per_byte = _line(points)
+    return dataclasses.replace(
+        cost, onload_start_s=start, h2d_bytes_per_s=1.0 / (1.0 / cost.h2d_bytes_per_s + per_byte)
+    )
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) >= 0 through (x, y) points: the excess of an onload over its prediction."""
+    a = np.asarray([(1.0, x) for x, _ in points])
+    y = np.asarray([y for _, y in points])
+    if not np.any(y > 0):
+        return 0.0, 0.0
+    start, slope = (float(v) for v in _nonnegative_fit(a, y))
+    return start, slope

@@ -225,23 +225,26 @@ class RankingEngine:
 
     def calibrate(self, cost: CostModel | None = None) -> CostModel | None:
         """Turn on the compute-or-load planner with `cost`, or with costs measured now on this
-        device: the H2D bandwidth (ops/kvcache/costs.py) and the per-layer compute cost of this
-        engine's whole forward (engine/calibration.py; call it before serving: it ranks synthetic
-        users through the cache). A measurement that cannot tell compute cost apart, or a cache
-        too small to measure with, leaves the planner off (returns None)."""
-        from hstu.engine.calibration import measure_forward_costs
+        device: the H2D bandwidth (ops/kvcache/costs.py), the compute cost of this engine's whole
+        forward, then its onload as the cache runs it (engine/calibration.py; call it before
+        serving: it ranks synthetic users through both tiers). A measurement that cannot tell
+        compute cost apart, or a cache too small to measure with, leaves the planner off (returns
+        None)."""
+        from hstu.engine.calibration import measure_forward_costs, measure_onload
         from hstu.ops.kvcache.costs import measure_h2d
 
         if self.cache is None:
             raise RuntimeError("the planner splits host-tier prefixes: it needs a KV cache")
         if cost is None:
-            self.cache.cost_model = None  # the calibration batches onload nothing and split nothing
+            self.cache.cost_model = None  # the calibration batches onload whole prefixes and split nothing
             fitted = measure_forward_costs(self)
             if fitted is None or (fitted[1] <= 0 and fitted[2] <= 0):
                 return None
             kv = self.cache.config
-            fixed, per_row, per_pair = fitted
-            cost = CostModel(measure_h2d(self.model.device), kv.page_bytes // kv.page_size, per_row, per_pair, fixed)
+            forward, per_row, per_pair = fitted
+            cost = CostModel(measure_h2d(self.model.device), kv.page_bytes // kv.page_size, per_row, per_pair,
+                             forward_s=forward)
+            cost = measure_onload(self, cost)
         with self._lock:
             self.cache.cost_model = cost
         return cost

@@ -10,12 +10,19 @@ host-tier prefixes.
 Timeline of one batch (layer-wise, L layers): the onload stream copies layer 0's pages of every
 onloading user, then layer 1's, ...; layer i's compute starts when layer i - 1's compute finished
 and layer i's pages landed:
-    load_layer   = onload_tokens * bytes_per_token_layer / h2d_bytes_per_s
+    load_layer    = onload_tokens * bytes_per_token_layer / h2d_bytes_per_s
     compute_layer = fixed_s + rows * per_row_s + pairs * per_pair_s
-    finish_i      = max(finish_{i-1}, (i + 1) * load_layer) + compute_layer
+    finish_i      = max(finish_{i-1}, onload_start_s + (i + 1) * load_layer) + compute_layer
+    batch         = forward_s + finish_{L-1}
 where rows are the batch's computed rows (recomputed prefix tokens, new tokens, candidates) and
-pairs the (query, key) pairs their attention reads. The planner picks one split fraction f for the
-batch (each user's p = f * n rounded down to a chunk) minimising finish_{L-1}: O(users x chunks).
+pairs the (query, key) pairs their attention reads; forward_s is what every forward costs whatever
+it computes (host work, embedding, head), onload_start_s how much later than the layers an onload
+gets going (a host-tier batch's own host work: pins, slot lists, the copy worker). The planner
+picks one split fraction f for the batch (each user's p = f * n rounded down to a chunk)
+minimising the batch's time: O(users x chunks). All costs are measured through the engine's own
+forward at start-up (engine/calibration.py): modelled from kernels alone, forward_s was folded into
+the per-layer cost, which hid an onload behind compute that was not there (the H200's batch 1
+onloaded a 4k-token prefix in 3.9-4.2 ms where recomputing it took 3.3 ms).
 """
 
 from __future__ import annotations
@@ -25,19 +32,22 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class CostModel:
-    """Inputs of the timeline above; measured at start-up (ops/kvcache/costs.py) or given."""
+    """Inputs of the timeline above (seconds; fixed_s, per_row_s and per_pair_s per layer); measured
+    at start-up (ops/kvcache/costs.py, engine/calibration.py) or given."""
 
     h2d_bytes_per_s: float
     bytes_per_token_layer: int
     per_row_s: float
     per_pair_s: float
     fixed_s: float = 0.0
+    forward_s: float = 0.0
+    onload_start_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("h2d_bytes_per_s", "bytes_per_token_layer"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("per_row_s", "per_pair_s", "fixed_s"):
+        for name in ("per_row_s", "per_pair_s", "fixed_s", "forward_s", "onload_start_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -100,14 +110,17 @@ def layer_work(users: list[UserShape], onload: list[int]) -> tuple[int, int]:
 
 
 def predict(users: list[UserShape], onload: list[int], cost: CostModel, num_layers: int) -> tuple[float, float, float]:
-    """(finish time of the last layer, total onload time, total compute time) for this split."""
+    """(the batch's predicted time, total onload time, total compute time) for this split."""
     rows, pairs = layer_work(users, onload)
-    load_layer = sum(onload) * cost.bytes_per_token_layer / cost.h2d_bytes_per_s
+    onloaded = sum(onload)
+    load_layer = onloaded * cost.bytes_per_token_layer / cost.h2d_bytes_per_s
     compute_layer = cost.fixed_s + rows * cost.per_row_s + pairs * cost.per_pair_s
+    start = cost.onload_start_s if onloaded else 0.0
     finish = 0.0
     for i in range(num_layers):
-        finish = max(finish, (i + 1) * load_layer) + compute_layer
-    return finish, load_layer * num_layers, compute_layer * num_layers
+        landed = start + (i + 1) * load_layer if onloaded else 0.0
+        finish = max(finish, landed) + compute_layer
+    return cost.forward_s + finish, load_layer * num_layers, compute_layer * num_layers
 
 
 def plan(users: list[UserShape], cost: CostModel, num_layers: int, chunk_tokens: int, max_rows: int | None = None) -> Plan:

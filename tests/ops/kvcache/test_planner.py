@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hstu.engine import RankingEngine
@@ -51,6 +53,38 @@ def test_gpu_resident_prefixes_and_misses_are_left_alone():
     assert chosen.onload_tokens[:2] == [0, 0] and chosen.onload_tokens[2] % CHUNK == 0
 
 
+def test_a_forward_cost_outside_the_layers_keeps_batch_1_from_onloading_what_it_recomputes_faster():
+    """H200-like costs at batch 1 (run AY): a forward's fixed ~1.1 ms folded into the layers as
+    0.31 ms each made the 2.4 ms onload look hidden behind compute, and the planner onloaded
+    (3.9-4.2 ms measured) where recomputing took 3.3 ms. Kept per forward, the layers are cheap and
+    the onload cannot hide: recompute."""
+    user = [UserShape(host_tokens=3968, gpu_tokens=0, history_tokens=4096, candidates=256)]
+    folded = CostModel(53.6e9, 4096, per_row_s=1.3e-8, per_pair_s=2.0e-11, fixed_s=0.312e-3)
+    assert plan(user, folded, LAYERS, CHUNK).onload_tokens == [3968]
+    kept = CostModel(53.6e9, 4096, per_row_s=8.7e-9, per_pair_s=2.1e-11, forward_s=1.1e-3, onload_start_s=0.5e-3)
+    chosen = plan(user, kept, LAYERS, CHUNK)
+    assert chosen.onload_tokens == [0]
+    assert chosen.predicted_s == pytest.approx(predict(user, [0], kept, LAYERS)[0])
+    assert predict(user, [3968], kept, LAYERS)[0] > chosen.predicted_s
+
+
+def test_a_later_onload_start_never_onloads_more():
+    cost = _cost(55)
+    shares = [
+        plan(SEED_USERS, dataclasses.replace(cost, onload_start_s=s), LAYERS, CHUNK).onload_tokens[0]
+        for s in (0.0, 1e-3, 4e-3, 16e-3, 1.0)
+    ]
+    assert shares == sorted(shares, reverse=True) and shares[-1] == 0
+
+
+def test_a_forward_cost_shifts_every_split_alike():
+    cost = _cost(55)
+    shifted = dataclasses.replace(cost, forward_s=2e-3)
+    assert plan(SEED_USERS, shifted, LAYERS, CHUNK).onload_tokens == plan(SEED_USERS, cost, LAYERS, CHUNK).onload_tokens
+    for p in (0, 1024, 3968):
+        assert predict(SEED_USERS, [p] * 8, shifted, LAYERS)[0] == pytest.approx(predict(SEED_USERS, [p] * 8, cost, LAYERS)[0] + 2e-3)
+
+
 def test_cost_model_rejects_nonsense():
     with pytest.raises(ValueError, match="h2d_bytes_per_s must be positive, got 0"):
         CostModel(h2d_bytes_per_s=0, bytes_per_token_layer=1, per_row_s=0, per_pair_s=0)
@@ -86,7 +120,9 @@ def test_costs_measured_through_the_engine_drive_the_planner_and_leave_no_trace(
     empty = engine.cache.occupancy()
     cost = engine.calibrate()
     assert cost is not None and engine.cache.cost_model is cost
-    assert cost.h2d_bytes_per_s > 0 and cost.per_row_s + cost.per_pair_s > 0
+    assert cost.h2d_bytes_per_s > 0 and cost.per_row_s + cost.per_pair_s > 0 and cost.forward_s >= 0
+    assert cost.onload_start_s >= 0 and cost.fixed_s == 0
+    assert engine.cache.stats.snapshot()["tokens_onloaded"] > 0, "the onload was measured through the host tier"
     assert engine.cache.occupancy() == empty
     users = [UserShape(64, 0, 80, 8)]
     chosen = plan(users, cost, tiny_config.num_layers, 8)
@@ -106,6 +142,16 @@ def test_the_fit_recovers_known_costs_and_never_goes_negative():
     # Costs that fall with the pairs would fit a negative per-pair cost: clamped to a plain fit.
     y_bad = a @ np.array([1e-4, 2e-8, 0.0]) - a[:, 2] * 1e-13
     assert (_nonnegative_fit(a, y_bad) >= 0).all()
+
+
+def test_the_onload_excess_fit_recovers_a_start_and_a_per_byte_cost_and_drops_a_negative_one():
+    from hstu.engine.calibration import _line
+
+    start, per_byte = _line([(1e6, 1e-3 + 1e6 * 2e-12), (8e6, 1e-3 + 8e6 * 2e-12)])
+    assert start == pytest.approx(1e-3) and per_byte == pytest.approx(2e-12)
+    assert _line([(1e6, -1e-4), (8e6, -2e-4)]) == (0.0, 0.0), "faster than predicted: no correction"
+    start, per_byte = _line([(1e6, 2e-3), (8e6, 1e-3)])  # falling with size: a start latency alone
+    assert per_byte == 0 and start > 0
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.5, 1.0])
