@@ -368,13 +368,17 @@ class AsyncKVCacheManager:
         return pages
 
     def _onload_plan(self, plan: BatchPlan, pages: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot ids [n], page ids [n, pages_per_chunk]): chunk c of a user's onloaded prefix goes to
+        its pages c * ppc .. (c + 1) * ppc - 1. Flat lists, one tensor each (a nested list per chunk
+        cost ~0.2 ms at batch 8 on the H200's host)."""
         ppc = self.config.pages_per_chunk
-        slots, page_rows = [], []
+        slots, page_ids = [], []
         for b, u in enumerate(plan.user_ids):
-            for c, slot in enumerate(plan.onload_slots.get(u, [])):
-                slots.append(slot)
-                page_rows.append(pages[b][c * ppc : (c + 1) * ppc])
-        return torch.tensor(slots, dtype=torch.int32), torch.tensor(page_rows, dtype=torch.int32).reshape(-1, ppc)
+            user_slots = plan.onload_slots.get(u)
+            if user_slots:
+                slots += user_slots
+                page_ids += pages[b][: len(user_slots) * ppc]
+        return torch.tensor(slots, dtype=torch.int32), torch.tensor(page_ids, dtype=torch.int32).reshape(-1, ppc)
 
     def wait(self, plan: BatchPlan) -> PreparedBatch:
         """Join the prepare job (re-raising its error); the metadata moves to the device (views over

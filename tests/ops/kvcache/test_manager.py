@@ -150,15 +150,16 @@ def test_out_of_range_ids_name_the_value(tiny_config):
         RankingRequest.create(4, [1], [-1], [5], [1], config=tiny_config)
 
 
-def test_injected_onload_failure_recomputes_and_counts(tiny_config, book):
+@pytest.mark.parametrize("failing_layer", [0, 1], ids=["first layer (model thread)", "later layer (worker)"])
+def test_injected_onload_failure_recomputes_and_counts(tiny_config, book, failing_layer):
     calls = []
 
-    def fail_layer_one(users, layer):
+    def fail_layer(users, layer):
         calls.append(layer)
-        if layer == 1:
+        if layer == failing_layer:
             raise RuntimeError("injected onload failure")
 
-    model, mgr = _setup(tiny_config, num_pages=12, onload_fault=fail_layer_one)
+    model, mgr = _setup(tiny_config, num_pages=12, onload_fault=fail_layer)
     _check(model, [book.request(1, 12)])
     mgr.drain()
     _check(model, [book.request(2, 12)])  # evict user 1 from the GPU
