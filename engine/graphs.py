@@ -18,7 +18,7 @@ Two captures per bucket read them:
            batches with nothing to onload (GPU hits, misses, re-ranks);
   segments the same work cut at layer boundaries (embed + layer 0, layer 1, ..., layer L-1 +
            head), replayed one by one with layer i's onload wait before segment i. The wait
-           blocks the host only until the onload worker has *enqueued* layer i's copies, then
+           blocks the host only until layer i's copies are *enqueued* (by the model thread), then
            orders the compute stream after their event (OnloadHandle.wait), so layer i still waits
            on the GPU for its own pages only; the cost over `whole` is L-1 launches.
 Both end in a static logits tensor [rows, num_tasks]; the engine copies out the batch's rows

@@ -26,11 +26,11 @@ class PreparedBatch:
     handle: OnloadHandle
     kv_pages: torch.Tensor
     onload_users: list[int]
-    # Submits the host->GPU copies to the onload worker; None once submitted (or nothing to onload).
+    # Enqueues the host->GPU copies (TierTransfers.onload_async); None once started (or nothing to onload).
     _start_onload: Callable[[], None] | None = field(default=None, repr=False)
 
     def start_onload(self) -> None:
-        """Hand the copies to the onload worker, once, from the model thread after the batch's own
+        """Enqueue the copies, once, from the model thread after the batch's own
         host->device inputs were enqueued. Why then: copies share the device's copy engines in
         enqueue order, so a batch's metadata and features enqueued behind all layers' onloads
         held its first layer (and so every later one) until every onload had landed; on the H200

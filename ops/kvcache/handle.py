@@ -1,7 +1,7 @@
 """OnloadHandle: per-layer completion of one batch's host->GPU onload.
 
-The onload worker marks layer i ready after enqueueing its copies (recording a CUDA event on the
-onload stream); the compute thread's wait(i) blocks until then and, on CUDA, makes the current
+The onload marks layer i ready after enqueueing its copies (recording a CUDA event on the
+onload stream; the model thread enqueues them, TierTransfers.onload_async); the compute thread's wait(i) blocks until then and, on CUDA, makes the current
 stream wait on that event - so layer i waits only for its own pages and the host never syncs on
 the copy. A handle belongs to one batch and is never reset: a new batch gets a new handle, so a
 late onload cannot signal the wrong batch.

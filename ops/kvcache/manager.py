@@ -10,9 +10,9 @@ Interface (the engine, engine/engine.py, is its only caller; one model thread dr
                    list the host->GPU copies.
   wait(plan) -> PreparedBatch
                    joins the prepare job (re-raising its error); metadata on the device, the page
-                   tensor and a per-layer ready hook for the block, whose first call hands the
-                   copies to the onload worker (one event per layer on the onload stream), so they
-                   queue behind the batch's own inputs copy (PreparedBatch.start_onload).
+                   tensor and a per-layer ready hook for the block, whose first call enqueues the
+                   copies (one event per layer on the onload stream), so they queue behind the
+                   batch's own inputs copy (PreparedBatch.start_onload).
   finish(plan) -> failed users
                    after the block ran: commits new lengths and digests, invalidates users whose
                    onload failed (the caller recomputes them), offloads newly full chunks (the
@@ -25,7 +25,7 @@ Threads and state:
   model thread     plan, wait, finish, abort, invalidate, evict_gpu, drain, close
   prepare worker   only under config.prepare_worker (else the model thread inside plan): GPU
                    reserve (+ evictions), metadata; finish hashes the whole histories after the launch
-  onload worker    host->GPU copies on the onload stream; host unpin when done
+  onload worker    waits for the onload's copies (the model thread enqueued them); host unpin when done
   offload worker   gather + D2H on the offload stream; host reserve/commit/abort; GPU unpin
   Every multi-step change of the two C++ indexes runs under `_index_lock` (the indexes also lock
   each call); no thread waits for another while holding it.

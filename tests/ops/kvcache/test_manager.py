@@ -150,7 +150,7 @@ def test_out_of_range_ids_name_the_value(tiny_config):
         RankingRequest.create(4, [1], [-1], [5], [1], config=tiny_config)
 
 
-@pytest.mark.parametrize("failing_layer", [0, 1], ids=["first layer (model thread)", "later layer (worker)"])
+@pytest.mark.parametrize("failing_layer", [0, 1], ids=["first layer", "later layer"])
 def test_injected_onload_failure_recomputes_and_counts(tiny_config, book, failing_layer):
     calls = []
 
