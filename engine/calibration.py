@@ -9,16 +9,18 @@ Here each shape is a real ranking batch of synthetic users (ids far above any se
 invalidated afterwards): misses of several history lengths and batch sizes, and extensions of a
 GPU-resident prefix (few rows, many attention pairs), so rows and pairs vary independently. The
 median wall time of each (device-synchronised) is fitted as forward + L x (rows x per_row + pairs x
-per_pair), non-negative and by relative error (a batch-1 forward weighs as much as a batch-8 miss),
+per_pair), rows as the CUDA-graph bucket runs them (padded), non-negative and by relative error (a batch-1 forward weighs as much as a batch-8 miss),
 where rows and pairs are one layer's (planner.layer_work), the same quantities the planner
 predicts with. The per-forward cost stays out of the layers: folded into them (the fit before),
 it made every layer look ~0.3 ms dearer on the H200, so the planner believed an onload hidden
 behind compute that was not there and onloaded at batch 1 where recomputing was faster.
 
 Then the onload itself: host-tier batches of one and of all calibration users onload their whole
-prefix, and what they took beyond the model's prediction at the copy's measured bandwidth is
-fitted as a start latency plus a per-byte excess (planner.CostModel onload_start_s, and a lower
-effective bandwidth): the host work of a host-tier batch and the copies as the cache issues them.
+prefix, each beside the same batch with its prefix on the GPU, and what the onload added beyond the
+model's prediction of that difference, at the copy's measured bandwidth, is fitted as a start
+latency plus a per-byte excess (planner.CostModel onload_start_s, and a lower effective
+bandwidth): the host work of a host-tier batch and the copies as the cache issues them. (Fitted
+against the whole time instead, run AZ, an overestimated forward cost absorbed the onload's start.)
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 
 from hstu.model.batch import RankingRequest
 from hstu.ops.device_sync import sync
-from hstu.ops.kvcache.planner import CostModel, UserShape, layer_work, predict
+from hstu.ops.kvcache.planner import CostModel, UserShape, layer_work, padded_rows, predict
 
 _FIRST_USER = 1 << 60  # calibration users: invalidated after, never a served id in practice
 
@@ -121,7 +123,7 @@ def measure_forward_costs(engine, max_users: int = 8, repeats: int = 3) -> tuple
                 cache.invalidate(r.user_id)
         n, cached = cfg.history_tokens(e), cfg.history_tokens(c) if c else 0
         r, p = layer_work([UserShape(0, cached, n, m)] * b, [0] * b)
-        rows.append((1.0, kv.num_layers * r, kv.num_layers * p))
+        rows.append((1.0, kv.num_layers * padded_rows(r, engine.graph_buckets), kv.num_layers * p))
         seconds.append(statistics.median(times[1:]))
     fit = _nonnegative_fit(np.asarray(rows, dtype=np.float64), np.asarray(seconds), relative=True)
     forward, per_row, per_pair = (float(v) for v in fit)
@@ -129,45 +131,63 @@ def measure_forward_costs(engine, max_users: int = 8, repeats: int = 3) -> tuple
 
 
 def measure_onload(engine, cost: CostModel, max_users: int = 8, repeats: int = 3) -> CostModel:
-    """`cost` with the onload as this engine runs it: host-tier batches of one and of all
-    calibration users onload their whole prefix (no planner), and their time beyond `cost`'s
-    prediction becomes onload_start_s plus a per-byte excess (a lower h2d_bytes_per_s). `cost`
-    unchanged when there is no host tier or its users did not reach it."""
+    """`cost` with the onload as this engine runs it: batches of one and of all calibration users
+    whose prefix is in the host tier (onloaded whole, no planner), each beside the same batch with
+    its prefix on the GPU. What the onload added beyond the model's prediction of that difference
+    becomes onload_start_s plus a per-byte excess (a lower h2d_bytes_per_s). A difference, so the
+    per-forward costs, and any error in their fit, cancel out. `cost` unchanged when there is no
+    host tier or its users did not reach it."""
     cache, cfg, device = engine.cache, engine.config, engine.model.device
     kv = cache.config
     events, candidates = _shape(engine)
     users = _max_users(engine, max_users)
     prefix_events = events - max(1, events // 32)
-    host_tokens = cfg.history_tokens(prefix_events) // kv.chunk_tokens * kv.chunk_tokens
+    n, gpu_tokens = cfg.history_tokens(events), cfg.history_tokens(prefix_events)
+    host_tokens = gpu_tokens // kv.chunk_tokens * kv.chunk_tokens
     if users < 1 or kv.host_slots < users * (host_tokens // kv.chunk_tokens) or host_tokens == 0:
         return cost
     rng = np.random.default_rng(1)
     ids = itertools.count(_FIRST_USER + (1 << 20))
-    points = []  # (onloaded bytes, seconds beyond the prediction)
-    for b in sorted({1, users}):
-        times = []
-        for _ in range(repeats + 1):  # the first run warms this shape up
-            batch = _requests(engine, [next(ids) for _ in range(b)], events, candidates, rng)
-            for r in batch:  # admitted to the host tier at their first offload
-                for _ in range(kv.offload_min_seen):
-                    cache.admission.see(r.user_id)
-            engine.rank([r.first_events(prefix_events, cfg) for r in batch])
-            cache.drain()
+
+    def timed(b: int, from_host: bool) -> float | None:
+        """Seconds of one batch of b users extending a prefix on the GPU or in the host tier;
+        None when the prefix was not where it should be (host capacity, admission)."""
+        batch = _requests(engine, [next(ids) for _ in range(b)], events, candidates, rng)
+        for r in batch:  # admitted to the host tier at their first offload
+            for _ in range(kv.offload_min_seen):
+                cache.admission.see(r.user_id)
+        engine.rank([r.first_events(prefix_events, cfg) for r in batch])
+        cache.drain()
+        if from_host:
             cache.evict_gpu([r.user_id for r in batch])
-            sync(device)
-            t0 = time.perf_counter()
-            outputs = engine.rank(batch)
-            sync(device)
-            times.append(time.perf_counter() - t0)
-            cache.drain()
-            for r in batch:
-                cache.invalidate(r.user_id)
-            if any(o.cached_tokens != host_tokens for o in outputs):
-                return cost  # not a host-tier hit (capacity, admission): nothing measured
-        shapes = [UserShape(host_tokens, 0, cfg.history_tokens(events), candidates)] * b
-        predicted = predict(shapes, [host_tokens] * b, cost, kv.num_layers)[0]
+        sync(device)
+        t0 = time.perf_counter()
+        outputs = engine.rank(batch)
+        sync(device)
+        seconds = time.perf_counter() - t0
+        cache.drain()
+        for r in batch:
+            cache.invalidate(r.user_id)
+        expected = host_tokens if from_host else gpu_tokens
+        return seconds if all(o.cached_tokens == expected for o in outputs) else None
+
+    points = []  # (onloaded bytes, seconds the onload added beyond the prediction)
+    for b in sorted({1, users}):
+        onload, resident = [], []
+        for i in range(repeats + 1):  # the first round warms both shapes up
+            t_host, t_gpu = timed(b, True), timed(b, False)
+            if t_host is None or t_gpu is None:
+                return cost
+            if i:
+                onload.append(t_host)
+                resident.append(t_gpu)
+        from_host = predict([UserShape(host_tokens, 0, n, candidates)] * b, [host_tokens] * b, cost, kv.num_layers,
+                            engine.graph_buckets)[0]
+        on_gpu = predict([UserShape(0, gpu_tokens, n, candidates)] * b, [0] * b, cost, kv.num_layers,
+                         engine.graph_buckets)[0]
         nbytes = b * host_tokens * cost.bytes_per_token_layer * kv.num_layers
-        points.append((nbytes, statistics.median(times[1:]) - predicted))
+        added = statistics.median(onload) - statistics.median(resident)
+        points.append((nbytes, added - (from_host - on_gpu)))
     start, per_byte = _line(points)
     return dataclasses.replace(
         cost, onload_start_s=start, h2d_bytes_per_s=1.0 / (1.0 / cost.h2d_bytes_per_s + per_byte)

@@ -223,6 +223,12 @@ class RankingEngine:
         if self.cache is not None:
             self.cache.close()
 
+    @property
+    def graph_buckets(self) -> tuple[int, ...] | None:
+        """Row counts of the CUDA-graph buckets, ascending (None: graphs off): a batch computes its
+        bucket's rows, which the planner and its calibration count."""
+        return self.graphs.bucket_sizes if self.graphs is not None else None
+
     def calibrate(self, cost: CostModel | None = None) -> CostModel | None:
         """Turn on the compute-or-load planner with `cost`, or with costs measured now on this
         device: the H2D bandwidth (ops/kvcache/costs.py), the compute cost of this engine's whole
@@ -332,7 +338,7 @@ class RankingEngine:
             [r.identity(model_id) for r in requests],
             [r.candidates.shape[0] for r in requests],
             pad_for=self.graphs.pad_spec if self.graphs is not None else None,
-            graph_rows=self.graphs.bucket_sizes[-1] if self.graphs is not None else None,
+            graph_buckets=self.graph_buckets,
         )
         timing.plan_s = time.perf_counter() - t0
         try:

@@ -34,7 +34,8 @@ _FLAGS = (
      "worker processes parsing large bodies off the model's GIL (0: a thread; default 4 on CUDA, 0 on CPU)"),
     ("--front-ends", "front_ends", int,
      "HTTP front-end processes sharing --port, each forwarding parsed requests to the one engine process "
-     "(needs the engine process; incremental requests find the histories their front end saw)"),
+     "(needs the engine process; incremental requests find the histories their front end saw); with "
+     "--replicas, the HTTP ingress replicas"),
     ("--gil-switch-interval-ms", "gil_switch_interval_ms", float,
      "the GIL switch interval of the process running the engine (default: Python's 5 ms)"),
     ("--shutdown-timeout-s", "shutdown_timeout_s", float, "on SIGTERM/SIGINT, time for queued requests to finish; the rest get 503"),
@@ -186,6 +187,7 @@ def _run_on_ray(settings, args: argparse.Namespace) -> int:
         logger.error("hstu serve --replicas needs Ray Serve (pip install 'hstu-kvcache[ray]'): %s", exc)
         return 2
     calls = {} if args.calls_per_replica is None else {"max_calls_per_replica": args.calls_per_replica}
+    calls["ingress_replicas"] = settings.front_ends  # one ingress parsed a seed-sized load at 0.25x (run BA)
     try:
         serve_locally(
             settings, args.host, args.port, args.replicas, args.gpus_per_replica, args.direct_ingress, **calls

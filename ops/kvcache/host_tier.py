@@ -28,10 +28,10 @@ def split_host_prefixes(
     config: KVCacheConfig,
     cost_model: CostModel | FixedSplit | None,
     stats: CacheStats,
-    max_rows: int | None = None,
+    buckets: tuple[int, ...] | None = None,
 ) -> list[int]:
     """Keep only the planner's share of each host-tier prefix in `plan` (the rest is recomputed);
-    with no cost model every host prefix is onloaded whole (max_rows: see planner.plan). Returns
+    with no cost model every host prefix is onloaded whole (buckets: see planner.plan). Returns
     the users that now onload nothing, whose host pins the caller must release."""
     host = [b for b, s in enumerate(plan.sources) if s == "host"]
     if not host:
@@ -47,7 +47,7 @@ def split_host_prefixes(
             )
             for b, s in enumerate(plan.sources)
         ]
-        chosen = cost_model.choose(shapes, config.num_layers, config.chunk_tokens, max_rows)
+        chosen = cost_model.choose(shapes, config.num_layers, config.chunk_tokens, buckets)
         onload = [min(chosen.onload_tokens[b], plan.cached_lens[b]) for b in host]
     chunk, unpin = config.chunk_tokens, []
     for b, p in zip(host, onload):

@@ -131,15 +131,16 @@ class AsyncKVCacheManager:
         identities: list[HistoryIdentity],
         num_candidates: list[int],
         pad_for: Callable[[int, int], PadSpec | None] | None = None,
-        graph_rows: int | None = None,
+        graph_buckets: tuple[int, ...] | None = None,
     ) -> BatchPlan:
         """Look the users up, lay out the batch's rows and start preparing it on the worker.
 
-        pad_for(rows, users): the CUDA-graph bucket padding of the metadata, if any; graph_rows:
-        the largest bucket (the planner keeps its splits within it)."""
+        pad_for(rows, users): the CUDA-graph bucket padding of the metadata, if any; graph_buckets:
+        the buckets' row counts (the planner costs a split at its bucket's rows and keeps it within
+        the largest)."""
         plan = self._lookup(user_ids, history_lens, identities)
         try:
-            unpin = split_host_prefixes(plan, num_candidates, self.config, self.cost_model, self.stats, graph_rows)
+            unpin = split_host_prefixes(plan, num_candidates, self.config, self.cost_model, self.stats, graph_buckets)
             if unpin:
                 with self._index_lock:
                     self.host.unpin(unpin)

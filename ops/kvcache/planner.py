@@ -54,9 +54,11 @@ class CostModel:
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
-    def choose(self, users: list["UserShape"], num_layers: int, chunk_tokens: int, max_rows: int | None = None) -> "Plan":
+    def choose(
+        self, users: list["UserShape"], num_layers: int, chunk_tokens: int, buckets: tuple[int, ...] | None = None
+    ) -> "Plan":
         """The split minimising the predicted finish (plan below)."""
-        return plan(users, self, num_layers, chunk_tokens, max_rows)
+        return plan(users, self, num_layers, chunk_tokens, buckets)
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,9 @@ class FixedSplit:
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"fraction must be in [0, 1], got {self.fraction}")
 
-    def choose(self, users: list["UserShape"], num_layers: int, chunk_tokens: int, max_rows: int | None = None) -> "Plan":
+    def choose(
+        self, users: list["UserShape"], num_layers: int, chunk_tokens: int, buckets: tuple[int, ...] | None = None
+    ) -> "Plan":
         if self.fraction == 1.0:
             return Plan([u.host_tokens for u in users], float("nan"), float("nan"), float("nan"))
         onload = [int(u.host_tokens // chunk_tokens * self.fraction) * chunk_tokens for u in users]
@@ -109,9 +113,20 @@ def layer_work(users: list[UserShape], onload: list[int]) -> tuple[int, int]:
     return rows, pairs
 
 
-def predict(users: list[UserShape], onload: list[int], cost: CostModel, num_layers: int) -> tuple[float, float, float]:
-    """(the batch's predicted time, total onload time, total compute time) for this split."""
+def padded_rows(rows: int, buckets: tuple[int, ...] | None) -> int:
+    """Rows a batch of `rows` rows computes: its CUDA-graph bucket's (the smallest that holds it), or
+    its own when no bucket does (eager) or graphs are off (buckets None)."""
+    return next((b for b in buckets if b >= rows), rows) if buckets else rows
+
+
+def predict(
+    users: list[UserShape], onload: list[int], cost: CostModel, num_layers: int, buckets: tuple[int, ...] | None = None
+) -> tuple[float, float, float]:
+    """(the batch's predicted time, total onload time, total compute time) for this split; the
+    per-row cost applies to the rows of the batch's graph bucket (padding computes too: at batch 1
+    a half split of a 4k-token prefix has 2,304 rows, which a 4,096-row bucket runs)."""
     rows, pairs = layer_work(users, onload)
+    rows = padded_rows(rows, buckets)
     onloaded = sum(onload)
     load_layer = onloaded * cost.bytes_per_token_layer / cost.h2d_bytes_per_s
     compute_layer = cost.fixed_s + rows * cost.per_row_s + pairs * cost.per_pair_s
@@ -123,10 +138,13 @@ def predict(users: list[UserShape], onload: list[int], cost: CostModel, num_laye
     return cost.forward_s + finish, load_layer * num_layers, compute_layer * num_layers
 
 
-def plan(users: list[UserShape], cost: CostModel, num_layers: int, chunk_tokens: int, max_rows: int | None = None) -> Plan:
+def plan(
+    users: list[UserShape], cost: CostModel, num_layers: int, chunk_tokens: int, buckets: tuple[int, ...] | None = None
+) -> Plan:
     """The split minimising the predicted finish; ties go to more onload (less GPU work).
 
-    max_rows: the largest CUDA-graph bucket, when graphs run the batches. A split past it runs
+    buckets: the CUDA-graph row buckets (ascending), when graphs run the batches: a split's rows are
+    its bucket's (padded_rows). A split past the largest runs
     eagerly, which the cost model (measured mostly on graph replays) does not describe: on the
     H200 a batch of 8 recomputing half of 4k-token prefixes (18k rows, eager) took 25.7 ms
     against 19.3 ms for a quarter more onload in a graph. Such splits are skipped; pure onload
@@ -134,13 +152,13 @@ def plan(users: list[UserShape], cost: CostModel, num_layers: int, chunk_tokens:
     steps = max((u.host_tokens // chunk_tokens for u in users), default=0)
     if steps == 0:
         zero = [0] * len(users)
-        return Plan(zero, *predict(users, zero, cost, num_layers))
+        return Plan(zero, *predict(users, zero, cost, num_layers, buckets))
     best: Plan | None = None
     for k in range(steps, -1, -1):  # fraction k / steps of every host prefix, in whole chunks
         onload = [(u.host_tokens // chunk_tokens) * k // steps * chunk_tokens for u in users]
-        if max_rows is not None and 0 < k < steps and layer_work(users, onload)[0] > max_rows:
+        if buckets and 0 < k < steps and layer_work(users, onload)[0] > buckets[-1]:
             continue
-        finish, load, compute = predict(users, onload, cost, num_layers)
+        finish, load, compute = predict(users, onload, cost, num_layers, buckets)
         if best is None or finish < best.predicted_s * (1 - 1e-9):
             best = Plan(onload, finish, load, compute)
     return best

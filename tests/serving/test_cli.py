@@ -181,3 +181,22 @@ def test_serve_with_a_missing_checkpoint_exits_non_zero_with_one_line_and_no_tra
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "gone.pt" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
     assert "Uvicorn running" not in proc.stderr and time.monotonic() - started < 60
+
+
+def test_replicas_take_front_ends_as_their_ingress_replicas(monkeypatch):
+    """On Ray Serve, --front-ends N is the number of HTTP ingress replicas (one ingress parsing the
+    seed's 4k-event bodies held the Ray path to 0.25x of hstu serve on the H200, run BA)."""
+    import sys
+    import types
+
+    seen = {}
+    fake = types.ModuleType("hstu.serving.ray_app")
+    fake.serve_locally = lambda settings, host, port, replicas, gpus, direct, **options: seen.update(
+        replicas=replicas, **options
+    )
+    monkeypatch.setitem(sys.modules, "hstu.serving.ray_app", fake)
+    from hstu.serving import cli
+
+    args = parse(["serve", "--replicas", "2", "--front-ends", "3", "--engine-process"])
+    assert cli.run(args) == 0
+    assert seen == {"replicas": 2, "ingress_replicas": 3}

@@ -68,6 +68,25 @@ def test_a_forward_cost_outside_the_layers_keeps_batch_1_from_onloading_what_it_
     assert predict(user, [3968], kept, LAYERS)[0] > chosen.predicted_s
 
 
+def test_a_split_is_costed_at_its_graph_buckets_rows():
+    """Batch 1 (run BA): half of a 4k-token prefix onloaded leaves 2,304 rows, which the 4,096-row
+    bucket computes; costed unpadded the split looked cheaper than recomputing (6,144-row bucket
+    for 4,352 rows) and measured 5% slower."""
+    user = [UserShape(host_tokens=3968, gpu_tokens=0, history_tokens=4096, candidates=256)]
+    buckets = (256, 512, 1024, 2048, 4096, 6144, 8192)
+    cost = CostModel(50e9, 4096, per_row_s=3e-8, per_pair_s=1.2e-11, forward_s=1.6e-3)
+    half = [2048]
+    padded = predict(user, half, cost, LAYERS, buckets)[0]
+    assert padded > predict(user, half, cost, LAYERS)[0]
+    rows = 4096 - 2048 + 256
+    fast = dataclasses.replace(cost, h2d_bytes_per_s=1e15)  # compute-bound: the padding adds up
+    extra = predict(user, half, fast, LAYERS, buckets)[0] - predict(user, half, fast, LAYERS)[0]
+    assert extra == pytest.approx(LAYERS * (4096 - rows) * cost.per_row_s)
+    # a split whose rows fill their bucket costs what it did before
+    fits = [4096 - (4096 - 256)]
+    assert predict(user, fits, cost, LAYERS, buckets)[0] == pytest.approx(predict(user, fits, cost, LAYERS)[0])
+
+
 def test_a_later_onload_start_never_onloads_more():
     cost = _cost(55)
     shares = [
@@ -172,11 +191,11 @@ def test_with_graphs_no_split_runs_past_the_largest_bucket():
     rows = lambda p: 8 * (4096 - p + 256)  # noqa: E731
     assert 0 < free.onload_tokens[0] < 3968
     limit = rows(free.onload_tokens[0]) - 1  # the unconstrained choice no longer fits
-    bound = plan(SEED_USERS, cost, LAYERS, CHUNK, max_rows=limit)
+    bound = plan(SEED_USERS, cost, LAYERS, CHUNK, buckets=(limit,))
     p = bound.onload_tokens[0]
     assert p in (0, 3968) or rows(p) <= limit
     assert p != free.onload_tokens[0]
-    slow = plan(SEED_USERS, _cost(0.01), LAYERS, CHUNK, max_rows=1)
+    slow = plan(SEED_USERS, _cost(0.01), LAYERS, CHUNK, buckets=(1,))
     assert slow.onload_tokens == [0] * 8, "pure recompute stays a candidate past the limit"
 
 
