@@ -230,8 +230,13 @@ class ServingRuntime(Runtime):
         self._warm_up()
         if s.planner:
             cost = self.engine.calibrate()
-            if cost is not None and s.h2d_gb_per_s is not None:
-                cost = self.engine.calibrate(dataclasses.replace(cost, h2d_bytes_per_s=s.h2d_gb_per_s * 1e9))
+            overrides = {}
+            if s.h2d_gb_per_s is not None:
+                overrides["h2d_bytes_per_s"] = s.h2d_gb_per_s * 1e9
+            if s.planner_min_gain is not None:
+                overrides["min_gain"] = s.planner_min_gain
+            if cost is not None and overrides:
+                cost = self.engine.calibrate(dataclasses.replace(cost, **overrides))
             if cost is None:
                 logger.warning("compute-or-load planner off: the cost measurement showed no per-token compute cost")
             else:
