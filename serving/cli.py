@@ -187,7 +187,11 @@ def _run_on_ray(settings, args: argparse.Namespace) -> int:
         logger.error("hstu serve --replicas needs Ray Serve (pip install 'hstu-kvcache[ray]'): %s", exc)
         return 2
     calls = {} if args.calls_per_replica is None else {"max_calls_per_replica": args.calls_per_replica}
-    calls["ingress_replicas"] = settings.front_ends  # one ingress parsed a seed-sized load at 0.25x (run BA)
+    calls["ingress_replicas"] = settings.front_ends
+    if args.direct_ingress and settings.front_ends > 1:
+        logger.error("hstu serve: --direct-ingress serves one ingress replica on --port; --front-ends %d needs "
+                     "Serve's proxy (leave out --direct-ingress)", settings.front_ends)
+        return 2
     try:
         serve_locally(
             settings, args.host, args.port, args.replicas, args.gpus_per_replica, args.direct_ingress, **calls

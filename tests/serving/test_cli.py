@@ -184,8 +184,8 @@ def test_serve_with_a_missing_checkpoint_exits_non_zero_with_one_line_and_no_tra
 
 
 def test_replicas_take_front_ends_as_their_ingress_replicas(monkeypatch):
-    """On Ray Serve, --front-ends N is the number of HTTP ingress replicas (one ingress parsing the
-    seed's 4k-event bodies held the Ray path to 0.25x of hstu serve on the H200, run BA)."""
+    """On Ray Serve, --front-ends N is the number of HTTP ingress replicas; Serve's direct ingress
+    listens on the one --port, so it takes one."""
     import sys
     import types
 
@@ -200,3 +200,6 @@ def test_replicas_take_front_ends_as_their_ingress_replicas(monkeypatch):
     args = parse(["serve", "--replicas", "2", "--front-ends", "3", "--engine-process"])
     assert cli.run(args) == 0
     assert seen == {"replicas": 2, "ingress_replicas": 3}
+    seen.clear()
+    direct = parse(["serve", "--replicas", "1", "--front-ends", "2", "--engine-process", "--direct-ingress"])
+    assert cli.run(direct) == 2 and not seen, "one port cannot take several ingress replicas"
