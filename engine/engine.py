@@ -47,6 +47,7 @@ _MAX_ATTEMPTS = 2
 # (on the H200 a batch of 8 recomputing 1024 tokens each, 10k rows, spent 12 ms launching 8 ms of
 # kernels), and split host-tier batches and misses land there; padding costs only the linear
 # layers' work on the padded rows (attention skips them).
+_NO_CANDIDATES = np.zeros(0, dtype=np.int64)
 DEFAULT_GRAPH_BUCKETS = (256, 512, 1024, 2048, 4096, 6144, 8192, 12288, 16384)
 # With torch.compile'd layers each (layer, bucket) compiles once at start-up: fewer buckets.
 DEFAULT_COMPILED_GRAPH_BUCKETS = (256, 512, 1024, 2048, 4096)
@@ -143,6 +144,11 @@ class RankingEngine:
         self.model = model
         self.cache = cache
         self.config = model.config
+        if cache is not None and cache.config.host_split == "compute_front" and model.config.num_contextual % 2:
+            raise ValueError(
+                f"host_split 'compute_front' recomputes whole chunks from the front, which end on an event only "
+                f"with an even number of contextual tokens; this model has {model.config.num_contextual}"
+            )
         self.graphs = None
         self.layer_fns: list[Callable] | None = None
         self.timings: deque[ForwardTiming] = deque(maxlen=4096)
@@ -348,7 +354,8 @@ class RankingEngine:
             raise
         t1 = time.perf_counter()
         failed = set(cache.finish(plan))
-        for out in self._split(requests, logits, plan.cached_lens):
+        reused = [c - plan.front_tokens.get(u, 0) for u, c in zip(plan.user_ids, plan.cached_lens)]  # fronts: recomputed
+        for out in self._split(requests, logits, reused):
             if out.user_id not in failed:
                 outputs[out.user_id] = out
         t2 = time.perf_counter()
@@ -362,6 +369,8 @@ class RankingEngine:
         """Logits of the planned batch: one graph replay when it fits a bucket, else eagerly."""
         model = self.model
         t0 = time.perf_counter()
+        if plan.front_tokens:  # host_split "compute_front": the prefixes' fronts first, beside their onloads
+            self._forward_front(requests, plan)
         if plan.pad is not None:  # written into the bucket's staging slot, after the metadata
             model.static_inputs(requests, plan.layout, self.graphs.inputs_of(plan.pad))
         else:
@@ -386,6 +395,33 @@ class RankingEngine:
             logits = model.logits(y, plan.layout)
         timing.forward_s = time.perf_counter() - t2 - timing.onload_wait_s
         return logits
+
+    def _forward_front(self, requests: list[RankingRequest], plan) -> None:
+        """host_split "compute_front": recompute tokens [0, q) of each front user (plan.front_tokens)
+        into their first pages, in a pass of its own that reads no onloaded page, with the onload of
+        the rest of their prefixes started before it (after its inputs copy), so the copies run beside
+        it; the batch's pass then waits for them layer by layer as usual."""
+        model, ctx = self.model, self.config.num_contextual
+        fronts = []
+        for r in requests:
+            q = plan.front_tokens.get(r.user_id)
+            if q:
+                events, odd = divmod(q - ctx, 2)
+                if events < 0 or odd:
+                    raise RuntimeError(f"user {r.user_id}: a front of {q} tokens does not end on an event")
+                fronts.append(RankingRequest(
+                    r.user_id, r.item_ids[:events], r.actions[:events], r.timestamps[:events], _NO_CANDIDATES, r.contextual
+                ))
+        prepared = self.cache.wait(plan)
+        if plan.front_pad is not None:
+            model.static_inputs(fronts, plan.front_layout, self.graphs.inputs_of(plan.front_pad))
+            done = self.graphs.run(plan.front_pad, prepared.front_metadata, 0, copy=False, after_copy=prepared.start_onload)
+            if done is None:
+                raise RuntimeError(f"no CUDA graph replayed the front pass of {plan.front_layout.num_rows} rows padded for one")
+        else:
+            x = model.embed(fronts, [0] * len(fronts))
+            prepared.start_onload()
+            model.block.forward_paged(x, prepared.kv_pages, prepared.front_metadata, None, self.layer_fns)
 
     def _split(self, requests: list[RankingRequest], logits: torch.Tensor, cached: list[int]) -> list[RankOutput]:
         parts = torch.split(logits, [r.candidates.shape[0] for r in requests])

@@ -192,6 +192,7 @@ class ForwardGraphs:
         num_candidates: int,
         before_layer: Callable[[int], None] | None = None,
         copy: bool = True,
+        after_copy: Callable[[], None] | None = None,
     ) -> torch.Tensor | None:
         """Logits [num_candidates, num_tasks] of one batch (a fresh tensor; with copy=False a view
         of the static output, valid until the next replay), or None when its metadata is not the
@@ -199,7 +200,8 @@ class ForwardGraphs:
 
         pad: the plan's PadSpec, whose staging slot holds the packed metadata `meta` and the
         inputs (inputs_of). before_layer(i): layer i's onload wait; None when the batch onloads
-        nothing, which replays the whole forward at once."""
+        nothing, which replays the whole forward at once. after_copy(): called once the inputs copy
+        is enqueued, before any replay (a front pass starts its batch's onload there)."""
         bucket = self._buckets.get(pad.rows)
         if (
             bucket is None
@@ -214,6 +216,8 @@ class ForwardGraphs:
             if bucket.copied[slot] is None:
                 bucket.copied[slot] = torch.cuda.Event()
             bucket.copied[slot].record()
+        if after_copy is not None:
+            after_copy()
         if before_layer is None:
             bucket.whole()
             logits = bucket.whole_logits

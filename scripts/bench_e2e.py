@@ -13,7 +13,7 @@ from hstu.engine.engine import DEFAULT_GRAPH_BUCKETS
 from hstu.model.batch import RankingRequest
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
-from hstu.ops.kvcache.planner import FixedSplit, UserShape, predict
+from hstu.ops.kvcache.planner import FixedSplit, UserShape, predict, predict_front
 from hstu.scripts.bench_shapes import BenchShape, make_requests
 from hstu.scripts.compare import compare_logits
 from hstu.scripts.timing import Timer, summarize
@@ -267,6 +267,7 @@ def split_sweep(e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: i
     out: dict[str, Any] = {"uncached_ms": uncached_ms, "splits": []}
     users = [UserShape(cached, 0, shape.history_tokens, shape.num_candidates)] * batch
     L = e2e.model_config.num_layers
+    front = mgr.config.host_split == "compute_front"
     for f in SPLIT_FRACTIONS:
         onload = FixedSplit(f).choose(users, L, chunk).onload_tokens
         row: dict[str, Any] = {"fraction": f, "onload_tokens_per_user": onload[0]}
@@ -282,12 +283,15 @@ def split_sweep(e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: i
             times, _ = timer.measure(rank(e2e.cached), prefilled(onload[0], False), warmup, repeats)
             row["gpu_prefix_ms"] = summarize(times)["median_ms"]
         if e2e.cost is not None:
-            row["predicted_ms"], row["predicted_onload_ms"], row["predicted_compute_ms"] = (
-                t * 1e3 for t in predict(users, onload, e2e.cost, L)
+            buckets = e2e.cached.graph_buckets
+            predicted = (
+                predict_front(users, onload, e2e.cost, L, chunk, buckets) if front and 0 < onload[0] < cached
+                else predict(users, onload, e2e.cost, L, buckets)
             )
+            row["predicted_ms"], row["predicted_onload_ms"], row["predicted_compute_ms"] = (t * 1e3 for t in predicted)
         out["splits"].append(row)
     if e2e.cost is not None:
-        chosen = e2e.cost.choose(users, L, chunk)
+        chosen = e2e.cost.choose(users, L, chunk, e2e.cached.graph_buckets, front)
         out["planner_onload_tokens_per_user"] = chosen.onload_tokens[0]
         out["planner_predicted_ms"] = chosen.predicted_s * 1e3
         out["cost_model"] = e2e.cost.as_dict()

@@ -33,6 +33,7 @@ class BenchShape:
     num_items: int = 100_000
     mlp_hidden: int = 512
     prepare_worker: bool = False  # KVCacheConfig.prepare_worker: each batch's prepare job on a worker thread
+    host_split: str = "load_front"  # KVCacheConfig.host_split: which end of a host-tier prefix is onloaded
 
     def __post_init__(self) -> None:
         C = self.num_contextual
@@ -87,7 +88,8 @@ class BenchShape:
             on_shorter_history="raise",
         )
         chunks = host_batches * B * (self.history_tokens // self.chunk_tokens)
-        return dataclasses.replace(base, host_capacity_bytes=chunks * base.chunk_bytes, prepare_worker=self.prepare_worker)
+        return dataclasses.replace(base, host_capacity_bytes=chunks * base.chunk_bytes, prepare_worker=self.prepare_worker,
+                                   host_split=self.host_split)
 
 
 TINY_SHAPE = BenchShape(

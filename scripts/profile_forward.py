@@ -193,7 +193,7 @@ def device_profile(engine, shape, batch, n, device, rerank=False, cold=False, tr
 
 def main(args: argparse.Namespace) -> int:
     shape = TINY_SHAPE if args.tiny else BenchShape()
-    shape = dataclasses.replace(shape, prepare_worker=args.prepare_worker)
+    shape = dataclasses.replace(shape, prepare_worker=args.prepare_worker, host_split=args.host_split)
     if args.cached_tokens is not None:
         shape = dataclasses.replace(shape, cached_tokens=args.cached_tokens)
     device = torch.device(args.device)
@@ -263,6 +263,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--cold-requests", action="store_true",
                    help="requests neither validated nor hashed before the timed forward (as hstu bench times them)")
+    p.add_argument("--host-split", choices=["load_front", "compute_front"], default="load_front", help="host-tier prefixes split by the planner: onload the front and recompute the back (load_front, the default) or recompute the front in a pass of its own beside the back's onload (compute_front, Cake's order)")
     p.add_argument("--prepare-worker", action="store_true",
                    help="each batch's prepare job on the cache's prepare worker instead of the model thread")
     p.add_argument("--rerank", action="store_true",

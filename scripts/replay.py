@@ -250,6 +250,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="in-process cached pass: the compute-or-load planner, costs measured first (default: on for CUDA, as hstu serve)",
     )
     p.add_argument("--offload-min-seen", type=int, help="host-tier admission: sightings before a user's chunks are offloaded (default: hstu serve's)")
+    p.add_argument("--host-split", choices=["load_front", "compute_front"], default=None, help="host-tier prefixes split by the planner: onload the front and recompute the back (load_front, the default) or recompute the front in a pass of its own beside the back's onload (compute_front, Cake's order)")
     p.add_argument("--prepare-worker", action="store_true", help="each batch's prepare job on a worker thread (as hstu serve --prepare-worker)")
     p.add_argument("--out", type=Path, default=Path("out/replay"))
     p.set_defaults(func=main)
@@ -277,6 +278,7 @@ def settings_from_args(args: argparse.Namespace) -> ReplaySettings:
         "host_capacity_bytes": None if args.host_capacity_mb is None else int(args.host_capacity_mb * 2**20),
         "offload_min_seen": args.offload_min_seen,
         "prepare_worker": args.prepare_worker or None,
+        "host_split": args.host_split,
     }
     cache = dataclasses.replace(preset_cache, **{k: v for k, v in overrides.items() if v is not None})
     if args.server:

@@ -47,6 +47,7 @@ class CacheSettings:
     host_capacity_bytes: int = 256 << 20
     offload_min_seen: int = ServerSettings.offload_min_seen
     prepare_worker: bool = False
+    host_split: str = "load_front"
 
     def build(self, model: HSTUConfig, workload: WorkloadConfig, batch_size: int) -> KVCacheConfig:
         per_batch = batch_size * -(-workload.history_limit(model) // self.page_size)
@@ -64,6 +65,7 @@ class CacheSettings:
             host_capacity_bytes=self.host_capacity_bytes,
             offload_min_seen=self.offload_min_seen,
             prepare_worker=self.prepare_worker,
+            host_split=self.host_split,
             on_no_new_tokens="raise",
             on_shorter_history="invalidate",
         )

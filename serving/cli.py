@@ -84,6 +84,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "first tokens, else recompute it (reuse, the default), always recompute it (invalidate) or answer "
         "409 (raise, strict mode)",
     )
+    p.add_argument("--host-split", choices=["load_front", "compute_front"], default=None, help="host-tier prefixes split by the planner: onload the front and recompute the back (load_front, the default) or recompute the front in a pass of its own beside the back's onload (compute_front, Cake's order)")
     p.add_argument(
         "--prepare-worker", action="store_true", default=None,
         help="run each batch's prepare job (pages, metadata) on a worker thread, not on the model thread (an experiment)",
@@ -138,6 +139,7 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
         compile_layers=True if args.compile else None,
         engine_process=args.engine_process,
         prepare_worker=args.prepare_worker,
+        host_split=args.host_split,
     )
     return ServerSettings.load(args.config_file, env, **flags)
 

@@ -108,6 +108,8 @@ class ServerSettings:
     gil_switch_interval_ms: float | None = None
     # KVCacheConfig.prepare_worker: each batch's prepare job on a worker thread (an experiment knob)
     prepare_worker: bool = False
+    # KVCacheConfig.host_split: which end of a host-tier prefix the planner onloads (load_front measured)
+    host_split: str = "load_front"
 
     def __post_init__(self) -> None:
         cuda = self.device.startswith("cuda")
@@ -119,6 +121,8 @@ class ServerSettings:
             object.__setattr__(self, "parse_processes", _CUDA_PARSE_PROCESSES if cuda else 0)
         if self.front_ends < 1:
             raise ValueError(f"front_ends must be >= 1, got {self.front_ends}")
+        if self.host_split not in ("load_front", "compute_front"):
+            raise ValueError(f"host_split must be 'load_front' or 'compute_front', got {self.host_split!r}")
         if self.front_ends > 1 and not self.engine_process:
             raise ValueError(f"front_ends {self.front_ends} share one engine process: it needs engine_process")
         for name in _POSITIVE:
@@ -207,6 +211,7 @@ class ServerSettings:
             offload_min_seen=self.offload_min_seen,
             offload_bytes_per_s=None if self.offload_mb_per_s is None else self.offload_mb_per_s * 2**20,
             prepare_worker=self.prepare_worker,
+            host_split=self.host_split,
         )
 
 

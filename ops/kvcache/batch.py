@@ -26,6 +26,9 @@ class PreparedBatch:
     handle: OnloadHandle
     kv_pages: torch.Tensor
     onload_users: list[int]
+    # host_split "compute_front": the front pass's metadata (tokens [0, q) of each front user, no
+    # candidates), packed like `metadata`; None when no user recomputes a front.
+    front_metadata: KVCacheMetadata | PackedMetadata | None = None
     # Enqueues the host->GPU copies (TierTransfers.onload_async); None once started (or nothing to onload).
     _start_onload: Callable[[], None] | None = field(default=None, repr=False)
 
@@ -61,5 +64,11 @@ class BatchPlan:
     # Users ranked read-only from a longer GPU entry (on_shorter_history="reuse") -> that entry's
     # length: its pages are kept whole, nothing is committed or offloaded for them.
     read_only: dict[int, int] = field(default_factory=dict)
+    # host_split "compute_front": users -> q, the first q tokens of their host-tier prefix recomputed
+    # by the front pass (the rest of the prefix onloaded: onload_slots start at chunk q / chunk_tokens);
+    # front_layout / front_pad: that pass's rows (tokens 0..q-1 of each, batch order) and padding.
+    front_tokens: dict[int, int] = field(default_factory=dict)
+    front_layout: JaggedLayout | None = None
+    front_pad: PadSpec | None = None
     _future: Future | None = field(default=None, repr=False)
     _prepared: PreparedBatch | None = field(default=None, repr=False)

@@ -36,6 +36,13 @@ class KVCacheConfig:
     holding the GIL, so the worker overlapped nothing and added a thread handoff and GIL waits; on
     the H200 the cached forward took 0.28-0.32 ms longer with it at batch 1 and 8 (e2e with CUDA
     graphs, benchmarks/RESULTS.md, fifteenth session).
+    host_split: how the planner splits a host-tier prefix of n tokens it neither onloads nor
+    recomputes whole. "load_front": onload tokens [0, p), recompute [p, n) with the new tokens;
+    the recomputed rows attend to the onloaded ones, so each layer waits for its copies (on the
+    H200 a batch-8 split stayed copy-bound, 1.04-1.07x of no cache, sixteenth session).
+    "compute_front" (Cake's order): recompute [0, q) first, in a pass of its own that reads no
+    onloaded page, while tokens [q, n) are onloaded beside it; then the new tokens and candidates
+    attend to both. Needs an even number of contextual tokens (q falls on an event boundary).
     """
 
     num_layers: int
@@ -52,8 +59,11 @@ class KVCacheConfig:
     offload_min_seen: int = 1
     offload_bytes_per_s: float | None = None
     prepare_worker: bool = False
+    host_split: str = "load_front"
 
     def __post_init__(self) -> None:
+        if self.host_split not in ("load_front", "compute_front"):
+            raise ValueError(f"host_split must be 'load_front' or 'compute_front', got {self.host_split!r}")
         if self.page_size <= 0 or self.num_pages <= 0:
             raise ValueError(f"page_size and num_pages must be positive, got {self.page_size}, {self.num_pages}")
         if self.chunk_tokens <= 0 or self.chunk_tokens % self.page_size:

@@ -17,7 +17,7 @@ import torch
 from hstu.ops.kvcache.admission import FrequencyAdmission
 from hstu.ops.kvcache.batch import BatchPlan
 from hstu.ops.kvcache.config import KVCacheConfig
-from hstu.ops.kvcache.planner import CostModel, FixedSplit, UserShape
+from hstu.ops.kvcache.planner import CostModel, FixedSplit, UserShape, front_tokens
 from hstu.ops.kvcache.stats import CacheStats
 from hstu.ops.kvcache.transfers import TierTransfers
 
@@ -30,7 +30,9 @@ def split_host_prefixes(
     stats: CacheStats,
     buckets: tuple[int, ...] | None = None,
 ) -> list[int]:
-    """Keep only the planner's share of each host-tier prefix in `plan` (the rest is recomputed);
+    """Keep only the planner's share of each host-tier prefix in `plan` (the rest is recomputed:
+    after the onloaded front, or with host_split "compute_front" before the onloaded back, in a
+    front pass of its own, plan.front_tokens);
     with no cost model every host prefix is onloaded whole (buckets: see planner.plan). Returns
     the users that now onload nothing, whose host pins the caller must release."""
     host = [b for b, s in enumerate(plan.sources) if s == "host"]
@@ -47,11 +49,20 @@ def split_host_prefixes(
             )
             for b, s in enumerate(plan.sources)
         ]
-        chosen = cost_model.choose(shapes, config.num_layers, config.chunk_tokens, buckets)
+        front = config.host_split == "compute_front"
+        chosen = cost_model.choose(shapes, config.num_layers, config.chunk_tokens, buckets, front)
         onload = [min(chosen.onload_tokens[b], plan.cached_lens[b]) for b in host]
     chunk, unpin = config.chunk_tokens, []
     for b, p in zip(host, onload):
         u, cached = plan.user_ids[b], plan.cached_lens[b]
+        if config.host_split == "compute_front" and 0 < p < cached:
+            q = front_tokens(cached, p, chunk)
+            if q > 0:  # tokens [0, q) recomputed by the front pass, [q, cached) onloaded
+                stats.add(tokens_onloaded=cached - q, tokens_recomputed=q)
+                plan.front_tokens[u] = q
+                plan.onload_slots[u] = plan.onload_slots[u][q // chunk :]
+                continue
+            p = cached
         stats.add(tokens_onloaded=p, tokens_recomputed=cached - p)
         plan.cached_lens[b] = p
         if p == 0:

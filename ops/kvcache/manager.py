@@ -146,6 +146,10 @@ class AsyncKVCacheManager:
                     self.host.unpin(unpin)
             plan.layout = JaggedLayout.build(plan.history_lens, plan.cached_lens, num_candidates)
             plan.pad = pad_for(plan.layout.num_rows, len(user_ids)) if pad_for is not None else None
+            if plan.front_tokens:  # host_split "compute_front": the front pass's rows
+                fronts = [plan.front_tokens[u] for u in user_ids if u in plan.front_tokens]
+                plan.front_layout = JaggedLayout.build(fronts, [0] * len(fronts), [0] * len(fronts))
+                plan.front_pad = pad_for(plan.front_layout.num_rows, len(fronts)) if pad_for is not None else None
             plan._future = self._start_prepare(plan)
         except BaseException:
             with self._index_lock:
@@ -345,6 +349,13 @@ class AsyncKVCacheManager:
                 self.host.unpin(list(plan.onload_slots))
             raise
         metadata = pack_layout(pages, plan.layout, self.config.page_size, pin=self.is_cuda, pad=plan.pad)
+        front_metadata = None
+        if plan.front_tokens:  # the front pass: tokens [0, q) of each front user, in their first pages
+            ps = self.config.page_size
+            front_pages = [
+                pages[b][: -(-plan.front_tokens[u] // ps)] for b, u in enumerate(plan.user_ids) if u in plan.front_tokens
+            ]
+            front_metadata = pack_layout(front_pages, plan.front_layout, ps, pin=self.is_cuda, pad=plan.front_pad)
         onload_users = list(plan.onload_slots)
         start = None
         if not onload_users:
@@ -353,7 +364,7 @@ class AsyncKVCacheManager:
             handle = OnloadHandle(self.config.num_layers, self.device, self.config.onload_timeout_s)
             slot_ids, page_ids = self._onload_plan(plan, pages)
             start = functools.partial(self.transfers.onload_async, handle, onload_users, slot_ids, page_ids)
-        return PreparedBatch(pages, metadata, handle, self.kv_pages, onload_users, start)
+        return PreparedBatch(pages, metadata, handle, self.kv_pages, onload_users, front_metadata, start)
 
     def _reserve(self, plan: BatchPlan, keep: list[int]) -> list[list[int]]:
         """Pages per user for its whole history; a read-only user keeps its longer entry whole and
@@ -369,16 +380,18 @@ class AsyncKVCacheManager:
         return pages
 
     def _onload_plan(self, plan: BatchPlan, pages: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slot ids [n], page ids [n, pages_per_chunk]): chunk c of a user's onloaded prefix goes to
-        its pages c * ppc .. (c + 1) * ppc - 1. Flat lists, one tensor each (a nested list per chunk
-        cost ~0.2 ms at batch 8 on the H200's host)."""
-        ppc = self.config.pages_per_chunk
+        """(slot ids [n], page ids [n, pages_per_chunk]): chunk c of a user's onloaded tokens goes to
+        its pages c * ppc .. (c + 1) * ppc - 1, the chunks counted from its front pass's end
+        (plan.front_tokens) or from 0. Flat lists, one tensor each (a nested list per chunk cost
+        ~0.2 ms at batch 8 on the H200's host)."""
+        ppc, chunk = self.config.pages_per_chunk, self.config.chunk_tokens
         slots, page_ids = [], []
         for b, u in enumerate(plan.user_ids):
             user_slots = plan.onload_slots.get(u)
             if user_slots:
+                first = plan.front_tokens.get(u, 0) // chunk * ppc
                 slots += user_slots
-                page_ids += pages[b][: len(user_slots) * ppc]
+                page_ids += pages[b][first : first + len(user_slots) * ppc]
         return torch.tensor(slots, dtype=torch.int32), torch.tensor(page_ids, dtype=torch.int32).reshape(-1, ppc)
 
     def wait(self, plan: BatchPlan) -> PreparedBatch:
@@ -389,6 +402,8 @@ class AsyncKVCacheManager:
             prepared: PreparedBatch = plan._future.result()
             if plan.pad is None:
                 prepared.metadata = prepared.metadata.to(self.device, non_blocking=True)
+            if prepared.front_metadata is not None and plan.front_pad is None:
+                prepared.front_metadata = prepared.front_metadata.to(self.device, non_blocking=True)
             plan._prepared = prepared
         return plan._prepared
 

@@ -62,10 +62,11 @@ class CostModel:
         return asdict(self)
 
     def choose(
-        self, users: list["UserShape"], num_layers: int, chunk_tokens: int, buckets: tuple[int, ...] | None = None
+        self, users: list["UserShape"], num_layers: int, chunk_tokens: int, buckets: tuple[int, ...] | None = None,
+        front: bool = False,
     ) -> "Plan":
         """The split minimising the predicted finish (plan below)."""
-        return plan(users, self, num_layers, chunk_tokens, buckets)
+        return plan(users, self, num_layers, chunk_tokens, buckets, front)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class FixedSplit:
             raise ValueError(f"fraction must be in [0, 1], got {self.fraction}")
 
     def choose(
-        self, users: list["UserShape"], num_layers: int, chunk_tokens: int, buckets: tuple[int, ...] | None = None
+        self, users: list["UserShape"], num_layers: int, chunk_tokens: int, buckets: tuple[int, ...] | None = None,
+        front: bool = False,
     ) -> "Plan":
         if self.fraction == 1.0:
             return Plan([u.host_tokens for u in users], float("nan"), float("nan"), float("nan"))
@@ -145,12 +147,49 @@ def predict(
     return cost.forward_s + finish, load_layer * num_layers, compute_layer * num_layers
 
 
+def front_tokens(host_tokens: int, onload: int, chunk_tokens: int) -> int:
+    """host_split "compute_front": the tokens a user recomputes from the front (whole chunks) when
+    the last `onload` (or more) of its `host_tokens` host-tier tokens are onloaded."""
+    return max(0, host_tokens - onload) // chunk_tokens * chunk_tokens
+
+
+def predict_front(
+    users: list[UserShape], onload: list[int], cost: CostModel, num_layers: int, chunk_tokens: int,
+    buckets: tuple[int, ...] | None = None,
+) -> tuple[float, float, float]:
+    """predict() for host_split "compute_front": each host-tier user recomputes its first q tokens
+    (front_tokens) in a pass of their own, which reads no onloaded page, while the rest of its
+    prefix is onloaded; then the batch's pass computes every user's new tokens and candidates
+    (a user whose q is its whole prefix: everything), layer i after layer i's copies landed:
+        front   = L x (fixed_s + rows_f x per_row_s + pairs_f x per_pair_s)   (causal within q)
+        finish_i = max(finish_{i-1}, onload_start_s + (i + 1) * load_layer) + batch_layer,
+        finish_-1 = front."""
+    fronts = [front_tokens(u.host_tokens, p, chunk_tokens) if u.host_tokens else 0 for u, p in zip(users, onload)]
+    starts = [u.host_tokens if f < u.host_tokens else 0 for u, f in zip(users, fronts)]
+    rows_f = sum(fronts)
+    pairs_f = sum(q * (q + 1) // 2 for q in fronts)
+    front_layer = (cost.fixed_s + padded_rows(rows_f, buckets) * cost.per_row_s + pairs_f * cost.per_pair_s) if rows_f else 0.0
+    rows, pairs = layer_work(users, starts)
+    batch_layer = cost.fixed_s + padded_rows(rows, buckets) * cost.per_row_s + pairs * cost.per_pair_s
+    loaded = sum(u.host_tokens - q for u, q in zip(users, fronts) if q < u.host_tokens)
+    load_layer = loaded * cost.bytes_per_token_layer / cost.h2d_bytes_per_s
+    start = cost.onload_start_s if loaded else 0.0
+    finish = front_layer * num_layers
+    for i in range(num_layers):
+        landed = start + (i + 1) * load_layer if loaded else 0.0
+        finish = max(finish, landed) + batch_layer
+    return cost.forward_s + finish, load_layer * num_layers, (front_layer + batch_layer) * num_layers
+
+
 def plan(
-    users: list[UserShape], cost: CostModel, num_layers: int, chunk_tokens: int, buckets: tuple[int, ...] | None = None
+    users: list[UserShape], cost: CostModel, num_layers: int, chunk_tokens: int, buckets: tuple[int, ...] | None = None,
+    front: bool = False,
 ) -> Plan:
     """The split minimising the predicted finish; ties go to more onload (less GPU work). Pure
     recompute unless that split saves at least cost.min_gain of recomputing's predicted time.
 
+    front: splits recompute each prefix's front and onload its back (host_split "compute_front",
+    predict_front); else they onload the front and recompute the back (predict).
     buckets: the CUDA-graph row buckets (ascending), when graphs run the batches: a split's rows are
     its bucket's (padded_rows). A split past the largest runs
     eagerly, which the cost model (measured mostly on graph replays) does not describe: on the
@@ -165,9 +204,16 @@ def plan(
     recompute: Plan | None = None
     for k in range(steps, -1, -1):  # fraction k / steps of every host prefix, in whole chunks
         onload = [(u.host_tokens // chunk_tokens) * k // steps * chunk_tokens for u in users]
-        if buckets and 0 < k < steps and layer_work(users, onload)[0] > buckets[-1]:
-            continue
-        finish, load, compute = predict(users, onload, cost, num_layers, buckets)
+        split = 0 < k < steps
+        if front and split:
+            fronts = [front_tokens(u.host_tokens, p, chunk_tokens) if u.host_tokens else 0 for u, p in zip(users, onload)]
+            if buckets and sum(fronts) > buckets[-1]:
+                continue
+            finish, load, compute = predict_front(users, onload, cost, num_layers, chunk_tokens, buckets)
+        else:
+            if buckets and split and layer_work(users, onload)[0] > buckets[-1]:
+                continue
+            finish, load, compute = predict(users, onload, cost, num_layers, buckets)
         candidate = Plan(onload, finish, load, compute)
         if k == 0:
             recompute = candidate

@@ -85,13 +85,15 @@ def test_cuda_graphs_with_the_torch_attention_match_eager(tiny_config, book):
         eager.close()
 
 
-def _static_engine(config, host_bytes: int = 1 << 20, onload_fault=None):
+def _static_engine(config, host_bytes: int = 1 << 20, onload_fault=None, **kv_options):
     from hstu.engine import RankingEngine
     from hstu.model.ranking import InferenceRankingGR
     from hstu.ops.kvcache.config import KVCacheConfig
     from hstu.ops.kvcache.manager import AsyncKVCacheManager
 
-    kv = KVCacheConfig.for_model(config, page_size=4, num_pages=256, chunk_tokens=8, host_capacity_bytes=host_bytes)
+    kv = KVCacheConfig.for_model(
+        config, page_size=4, num_pages=256, chunk_tokens=8, host_capacity_bytes=host_bytes, **kv_options
+    )
     return RankingEngine(InferenceRankingGR(config), AsyncKVCacheManager(kv, onload_fault=onload_fault))
 
 
@@ -112,6 +114,28 @@ def test_the_static_forward_path_matches_no_cache_through_hits_onloads_and_fallb
     graphs = engine.graphs
     assert graphs.replays >= 4 and graphs.segmented_replays >= 1
     assert engine.cache.stats.snapshot()["host_hits"] >= 1
+    engine.close()
+
+
+@pytest.mark.parametrize("front_bucket", [True, False], ids=["front replayed", "front eager"])
+def test_front_passes_replay_from_their_own_staging_slot_and_match_no_cache(tiny_config, book, front_bucket):
+    """host_split "compute_front" on the static graph path: the front pass (tokens 0..q-1 of each
+    host-tier user, no candidates) replays its own bucket, or runs eagerly when none fits, before
+    the batch's segmented replay; answers equal the no-cache model's."""
+    from hstu.ops.kvcache.planner import FixedSplit
+
+    engine = _static_engine(tiny_config, host_split="compute_front")
+    engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96) if front_bucket else (12,), capture=False)
+    engine.rank([book.request(u, 11, 2) for u in (1, 2)])  # 24 tokens each: three chunks
+    engine.cache.drain()
+    engine.cache.evict_gpu([1, 2])
+    engine.cache.cost_model = FixedSplit(1 / 3)  # the last chunk onloaded, 16 tokens recomputed in front
+    reqs = [book.request(1, 1, 2), book.request(2, 1, 3)]
+    before = engine.graphs.replays
+    outs = engine.rank(reqs)
+    torch.testing.assert_close(torch.cat([o.logits for o in outs]), engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
+    assert [o.cached_tokens for o in outs] == [8, 8]
+    assert engine.graphs.replays - before == (2 if front_bucket else 1), "the front pass, then the batch's"
     engine.close()
 
 

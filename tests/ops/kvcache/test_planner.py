@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from hstu.engine import RankingEngine
 from hstu.model.ranking import InferenceRankingGR
@@ -147,6 +148,65 @@ def test_every_split_point_matches_the_no_cache_model(tiny_config, book, onload_
     mgr.drain()
     assert mgr.host.pin_count(1) == 0 and mgr.gpu.pin_count(1) == 0
     engine.close()
+
+
+@pytest.mark.parametrize("onload_chunks", [0, 1, 2, 3])
+def test_every_front_split_matches_the_no_cache_model(tiny_config, book, onload_chunks):
+    """host_split "compute_front": the first 3 - k chunks recomputed by the front pass, the last k
+    onloaded beside it; the answer equals the no-cache model's and the cache reuses what it onloaded."""
+    engine = _engine(tiny_config, host_split="compute_front")
+    mgr = engine.cache
+    engine.rank([book.request(1, 11)])  # 24 tokens: three full 8-token chunks in the host tier
+    mgr.evict_gpu([1])
+    mgr.cost_model = FixedSplit(onload_chunks / 3)
+    req = book.request(1, 2)
+    (out,) = engine.rank([req])
+    assert out.cached_tokens == onload_chunks * 8 and out.computed_tokens == 28 - onload_chunks * 8 + 3
+    assert rel_err(out.logits, engine.forward_no_cache([req])) < 1e-5
+    stats = mgr.stats.snapshot()
+    assert (stats["tokens_onloaded"], stats["tokens_recomputed"]) == (onload_chunks * 8, 24 - onload_chunks * 8)
+    mgr.drain()
+    assert mgr.host.pin_count(1) == 0 and mgr.gpu.pin_count(1) == 0
+    mgr.cost_model = None
+    (again,) = engine.rank([book.request(1, 2)])  # the committed entry, front and back, is reused whole
+    assert again.cached_tokens == 28
+    engine.close()
+
+
+def test_front_splits_in_a_mixed_batch_match_the_no_cache_model(tiny_config, book):
+    """Front users of different prefix lengths beside a GPU hit and a miss, one batch."""
+    engine = _engine(tiny_config, host_split="compute_front")
+    mgr = engine.cache
+    engine.rank([book.request(u, e) for u, e in ((1, 11), (2, 15), (3, 5))])
+    mgr.drain()
+    mgr.evict_gpu([1, 2])
+    mgr.cost_model = FixedSplit(0.5)
+    reqs = [book.request(1, 2), book.request(2, 3), book.request(3, 2), book.request(4, 6)]
+    outs = engine.rank(reqs)
+    torch.testing.assert_close(torch.cat([o.logits for o in outs]), engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
+    assert mgr.stats.snapshot()["tokens_recomputed"] > 0 and mgr.stats.snapshot()["tokens_onloaded"] > 0
+    engine.close()
+
+
+def test_the_front_planner_onloads_the_back_when_it_pays_and_recomputes_when_it_does_not():
+    assert plan(SEED_USERS, _cost(10_000), LAYERS, CHUNK, front=True).onload_tokens == [3968] * 8
+    assert plan(SEED_USERS, _cost(0.01), LAYERS, CHUNK, front=True).onload_tokens == [0] * 8
+    cost = dataclasses.replace(_cost(55), min_gain=0.0)
+    chosen = plan(SEED_USERS, cost, LAYERS, CHUNK, front=True)
+    p = chosen.onload_tokens[0]
+    assert 0 < p < 3968
+    for end in ([0] * 8, [3968] * 8):
+        assert chosen.predicted_s < predict(SEED_USERS, end, cost, LAYERS)[0]
+    # the front pass reads no onloaded page: with the same costs it beats onloading the front
+    assert chosen.predicted_s < plan(SEED_USERS, cost, LAYERS, CHUNK).predicted_s
+
+
+def test_compute_front_needs_an_even_number_of_contextual_tokens(tiny_config):
+    with pytest.raises(ValueError, match="host_split must be"):
+        KVCacheConfig.for_model(tiny_config, host_split="middle")
+    odd = dataclasses.replace(tiny_config, num_contextual=3)
+    with pytest.raises(ValueError, match="even number of contextual tokens; this model has 3"):
+        _engine(odd, host_split="compute_front")
 
 
 def test_costs_measured_through_the_engine_drive_the_planner_and_leave_no_trace(tiny_config):
