@@ -3,7 +3,7 @@
 # present), build, every `cuda` test (kernels, Triton attention, pipeline oracle, CUDA graphs,
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
-# STAGES picks the stages (default: the first six; also split, replay_sync, pytest_pipeline, profile_split, replay_ab,
+# STAGES picks the stages (default: the first six; also split, split_front, pressure_ab, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank,
 # rest_ray, rest_ray_direct, bench_export, bench_compiled), e.g.
@@ -47,6 +47,18 @@ stage replay_graphs 120 python3 -m hstu.cli replay --preset seed --device cuda -
 # issue 11: every onload/recompute split of the host-tier batch against the planner's prediction
 stage split 240 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e split --warmup 2 --repeats 8 \
   --out "$OUT/split"
+# the same with the prefix's front recomputed beside its back's onload (host_split compute_front; compare with
+# "split" in the same call), and the pressure replay both ways
+stage split_front 240 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e split --warmup 2 --repeats 8 \
+  --host-split compute_front --out "$OUT/split_front"
+pressure_ab() {
+  local r="python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress"
+  for split in load_front compute_front; do
+    $r --users 256 --requests 600 --num-pages 1024 --host-cache-mb 4096 --host-split $split \
+      --out "$OUT/pressure_$split" | grep -E "speedup|mismatch" | sed "s/^/$split: /" || return 1
+  done
+}
+stage pressure_ab 240 bash -c "$(declare -f pressure_ab); pressure_ab"
 # the replay ranking and synchronising one batch at a time (replay_graphs pipelines two)
 stage replay_sync 120 python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress \
   --pipeline 1 --out "$OUT/replay_sync"
