@@ -132,29 +132,14 @@ def _engine(config, **kv):
     return RankingEngine(InferenceRankingGR(config), AsyncKVCacheManager(cfg))
 
 
+@pytest.mark.parametrize("host_split", ["load_front", "compute_front"])
 @pytest.mark.parametrize("onload_chunks", [0, 1, 2, 3])
-def test_every_split_point_matches_the_no_cache_model(tiny_config, book, onload_chunks):
-    engine = _engine(tiny_config)
-    mgr = engine.cache
-    engine.rank([book.request(1, 11)])  # 24 tokens: three full 8-token chunks in the host tier
-    mgr.evict_gpu([1])
-    mgr.cost_model = FixedSplit(onload_chunks / 3)
-    req = book.request(1, 2)
-    (out,) = engine.rank([req])
-    assert out.cached_tokens == onload_chunks * 8
-    assert rel_err(out.logits, engine.forward_no_cache([req])) < 1e-5
-    stats = mgr.stats.snapshot()
-    assert (stats["tokens_onloaded"], stats["tokens_recomputed"]) == (onload_chunks * 8, 24 - onload_chunks * 8)
-    mgr.drain()
-    assert mgr.host.pin_count(1) == 0 and mgr.gpu.pin_count(1) == 0
-    engine.close()
-
-
-@pytest.mark.parametrize("onload_chunks", [0, 1, 2, 3])
-def test_every_front_split_matches_the_no_cache_model(tiny_config, book, onload_chunks):
-    """host_split "compute_front": the first 3 - k chunks recomputed by the front pass, the last k
-    onloaded beside it; the answer equals the no-cache model's and the cache reuses what it onloaded."""
-    engine = _engine(tiny_config, host_split="compute_front")
+def test_every_split_point_matches_the_no_cache_model(tiny_config, book, onload_chunks, host_split):
+    """k of the prefix's three chunks onloaded, the rest recomputed: after the onloaded front
+    (load_front), or first, in a front pass of its own, beside the onloaded back (compute_front).
+    The answer equals the no-cache model's, the cache reports what it reused, and the committed
+    entry, recomputed and onloaded parts alike, is reused whole by the next request."""
+    engine = _engine(tiny_config, host_split=host_split)
     mgr = engine.cache
     engine.rank([book.request(1, 11)])  # 24 tokens: three full 8-token chunks in the host tier
     mgr.evict_gpu([1])
@@ -168,7 +153,7 @@ def test_every_front_split_matches_the_no_cache_model(tiny_config, book, onload_
     mgr.drain()
     assert mgr.host.pin_count(1) == 0 and mgr.gpu.pin_count(1) == 0
     mgr.cost_model = None
-    (again,) = engine.rank([book.request(1, 2)])  # the committed entry, front and back, is reused whole
+    (again,) = engine.rank([book.request(1, 2)])
     assert again.cached_tokens == 28
     engine.close()
 
