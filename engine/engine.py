@@ -47,10 +47,10 @@ _MAX_ATTEMPTS = 2
 # (on the H200 a batch of 8 recomputing 1024 tokens each, 10k rows, spent 12 ms launching 8 ms of
 # kernels), and split host-tier batches and misses land there; padding costs only the linear
 # layers' work on the padded rows (attention skips them).
-_NO_CANDIDATES = np.zeros(0, dtype=np.int64)
 DEFAULT_GRAPH_BUCKETS = (256, 512, 1024, 2048, 4096, 6144, 8192, 12288, 16384)
 # With torch.compile'd layers each (layer, bucket) compiles once at start-up: fewer buckets.
 DEFAULT_COMPILED_GRAPH_BUCKETS = (256, 512, 1024, 2048, 4096)
+_NO_CANDIDATES = np.zeros(0, dtype=np.int64)  # a front pass's requests rank nothing
 
 
 @dataclass
