@@ -173,6 +173,23 @@ def test_front_splits_in_a_mixed_batch_match_the_no_cache_model(tiny_config, boo
     engine.close()
 
 
+def test_a_calibrated_front_planner_serves_host_tier_users_correctly(tiny_config, book):
+    """compute_front with costs measured through the engine (whatever split they choose), then
+    the oracle over several host-tier users."""
+    engine = _engine(tiny_config, host_split="compute_front")
+    assert engine.calibrate() is not None
+    mgr = engine.cache
+    engine.rank([book.request(u, 11 + u) for u in (1, 2, 3)])
+    mgr.drain()
+    mgr.evict_gpu([1, 2, 3])
+    reqs = [book.request(u, 2) for u in (1, 2, 3)]
+    outs = engine.rank(reqs)
+    torch.testing.assert_close(torch.cat([o.logits for o in outs]), engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
+    mgr.drain()
+    assert all(mgr.host.pin_count(u) == 0 and mgr.gpu.pin_count(u) == 0 for u in (1, 2, 3))
+    engine.close()
+
+
 def test_the_front_planner_onloads_the_back_when_it_pays_and_recomputes_when_it_does_not():
     assert plan(SEED_USERS, _cost(10_000), LAYERS, CHUNK, front=True).onload_tokens == [3968] * 8
     assert plan(SEED_USERS, _cost(0.01), LAYERS, CHUNK, front=True).onload_tokens == [0] * 8
