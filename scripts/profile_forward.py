@@ -10,12 +10,16 @@ compute kernel time over the forward's wall time = GPU busy share; the top kerne
 device time). `--cached-tokens` shortens the GPU-resident prefix (the forward recomputes the
 rest); `--onload-fraction F` puts the prefix in the host tier and onloads its share F; `--rerank`
 ranks the whole cached history again with its candidates (the unchanged-history re-rank: candidates
-only). Prints a short table last and writes profile.json.
+only); `--pipelined N` also launches N cached batches back to back as the server does (rank_async,
+two in flight) and reports the GPU's busy share over them; `--trace` writes the last profiled
+forward's Chrome trace. Prints a short table last and writes profile.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import cProfile
 import dataclasses
 import gzip
@@ -42,10 +46,13 @@ _IDS = FreshUserIds()  # never-reused users across every profiled pass
 
 
 def _engine(
-    shape: BenchShape, device: torch.device, batch: int, cuda_graphs: bool, onload_fraction: float | None = None
+    shape: BenchShape, device: torch.device, batch: int, cuda_graphs: bool, onload_fraction: float | None = None,
+    resident_batches: int = 2,
 ) -> RankingEngine:
     cfg = shape.model_config()
-    engine = RankingEngine(InferenceRankingGR(cfg, device), AsyncKVCacheManager(shape.cache_config(cfg, 1), device))
+    kv = shape.cache_config(cfg, 1)
+    kv = dataclasses.replace(kv, num_pages=max(kv.num_pages, resident_batches * batch * shape.pages_per_user))
+    engine = RankingEngine(InferenceRankingGR(cfg, device), AsyncKVCacheManager(kv, device))
     if cuda_graphs:  # the cached forward's rows, the re-rank's (candidates only) and a split's
         rows = {batch * (shape.new_tokens + shape.num_candidates), batch * shape.num_candidates}
         if onload_fraction is not None:
@@ -121,6 +128,65 @@ def host_profile(engine, shape, batch, n, device, rerank=False, cold=False) -> d
     return {"wall_ms_per_forward": wall / n * 1e3, "profiled_host_ms_per_forward": total_own, "top_own_time": top}
 
 
+def kernel_busy_us(events) -> float:
+    """Union of the compute kernels' intervals (streams may overlap; copies are not compute)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if not e.name.startswith(("Memcpy", "Memset")))
+    merged, end = 0.0, None
+    for s, e in spans:
+        if end is None or s > end:
+            merged += e - s
+            end = e
+        elif e > end:
+            merged += e - end
+            end = e
+    return merged
+
+
+def pipelined_profile(engine, shape, batch, n, device, depth: int = 2) -> dict:
+    """The GPU's busy share while n cached batches run back to back as the server runs them:
+    rank_async launches a batch while up to depth - 1 earlier ones still run on the device, so
+    the host work of one overlaps the kernels of another (the single forwards above cannot show
+    that: each starts on an idle GPU). Every batch's users are prefilled first (all stay on the
+    GPU: the engine's cache holds n + 1 batches) and its requests validated and hashed, as the
+    server's front end does."""
+    prefix, full = make_requests(shape, engine.config, batch)
+    batches = []
+    for _ in range(n):
+        users = _IDS.take(len(full))
+        engine.rank(as_users(prefix, users))
+        requests = as_users(full, users)
+        for r in requests:
+            r.validate(engine.config)
+            r.identity(engine.model.identity).prefix(r.history_tokens(engine.config))
+        batches.append(requests)
+    engine.cache.drain()
+    sync(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        recorder = profile(activities=[ProfilerActivity.CUDA])
+    else:
+        recorder = contextlib.nullcontext()
+    with recorder:
+        t0 = time.perf_counter()
+        pending: collections.deque = collections.deque()
+        for requests in batches:
+            pending.append(engine.rank_async(requests))
+            if len(pending) >= depth:
+                pending.popleft().result()
+        while pending:
+            pending.popleft().result()
+        sync(device)
+        wall = time.perf_counter() - t0
+    out = {"batches": n, "depth": depth, "wall_ms_per_batch": wall / n * 1e3}
+    if cuda:
+        events = [e for e in recorder.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = kernel_busy_us(events) / 1e6
+        out.update(kernel_ms_per_batch=busy / n * 1e3, gpu_busy_share=busy / wall)
+    return out
+
+
 def stream_timeline(events, max_gap_us: float = 2.0, max_segments: int = 400) -> dict[str, list[list]]:
     """One forward's device activity per stream, relative to its first device event: runs of
     events of one kind (kernel or copy) merged while the gap between them stays under max_gap_us,
@@ -162,17 +228,7 @@ def device_profile(engine, shape, batch, n, device, rerank=False, cold=False, tr
         events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         for e in events:
             by_kernel[e.name] = by_kernel.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
-        kernels = [e for e in events if not e.name.startswith(("Memcpy", "Memset"))]  # copies are not compute
-        spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-        merged, end = 0.0, None
-        for s, e in spans:  # union of kernel intervals (streams may overlap)
-            if end is None or s > end:
-                merged += e - s
-                end = e
-            elif e > end:
-                merged += e - end
-                end = e
-        busy += merged / 1e3
+        busy += kernel_busy_us(events) / 1e3
         timeline = stream_timeline(events)
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +256,10 @@ def main(args: argparse.Namespace) -> int:
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": dataclasses.asdict(shape), "cuda_graphs": args.cuda_graphs,
            "onload_fraction": args.onload_fraction, "rerank": args.rerank, "cold_requests": args.cold_requests}
     for batch in args.batch:
-        engine = _engine(dataclasses.replace(shape, batch_sizes=(batch,)), device, batch, args.cuda_graphs, args.onload_fraction)
+        engine = _engine(
+            dataclasses.replace(shape, batch_sizes=(batch,)), device, batch, args.cuda_graphs, args.onload_fraction,
+            resident_batches=max(2, args.pipelined + 1),
+        )
         if args.onload_fraction is not None:
             engine.cache.cost_model = FixedSplit(args.onload_fraction)
         for _ in _forwards(engine, shape, batch, 3, device, args.rerank):  # warm-up: compiles, allocator
@@ -213,6 +272,8 @@ def main(args: argparse.Namespace) -> int:
                 args.out / f"trace_b{batch}.json.gz" if args.trace else None,
             ),
         }
+        if args.pipelined:
+            doc[str(batch)]["pipelined"] = pipelined_profile(engine, shape, batch, args.pipelined, device)
         engine.close()
     report.write_json(args.out / "profile.json", doc)
     print(format_table(doc, args.batch))
@@ -227,6 +288,15 @@ def format_table(doc: dict, batches: list[int]) -> str:
         busy = f"{100 * d['gpu_busy_share']:.0f}% ({d['kernel_busy_ms_per_forward']:.2f} ms)" if d else "-"
         rows.append([str(batch), f"{h['wall_ms_per_forward']:.2f}", f"{h['profiled_host_ms_per_forward']:.2f}", busy])
     parts = [report.format_table(rows)]
+    piped = [(b, doc[str(b)].get("pipelined")) for b in batches]
+    if any(p for _, p in piped):
+        rows = [["batch", "batches", "wall ms per batch", "kernels ms per batch", "GPU busy"]] + [
+            [str(b), str(p["batches"]), f"{p['wall_ms_per_batch']:.2f}",
+             f"{p['kernel_ms_per_batch']:.2f}" if "kernel_ms_per_batch" in p else "-",
+             f"{100 * p['gpu_busy_share']:.0f}%" if "gpu_busy_share" in p else "-"]
+            for b, p in piped if p
+        ]
+        parts.append("batches launched back to back (rank_async, two in flight):\n" + report.format_table(rows))
     phases = [["batch", *(p.removesuffix("_s") for p in _PHASES), "wall"]] + [
         [str(b), *(f"{doc[str(b)]['phases'][k]:.3f}" for k in [p.removesuffix("_s") + "_ms" for p in _PHASES] + ["wall_ms"])]
         for b in batches
@@ -268,6 +338,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="each batch's prepare job on the cache's prepare worker instead of the model thread")
     p.add_argument("--rerank", action="store_true",
                    help="re-rank the unchanged history (the whole history cached, candidates computed)")
+    p.add_argument("--pipelined", type=int, default=0, metavar="N",
+                   help="also N cached batches launched back to back (rank_async, two in flight, as the server "
+                   "runs them) under the profiler: the GPU's busy share when host work overlaps kernels")
     p.add_argument("--trace", action="store_true",
                    help="also write the last profiled forward's Chrome trace per batch (OUT/trace_bB.json.gz)")
     p.add_argument("--out", type=Path, default=Path("out/profile"))

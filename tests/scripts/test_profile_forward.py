@@ -51,8 +51,11 @@ def test_profile_with_an_onload_split_on_cpu(tmp_path):
     profile_forward.add_parser(parser.add_subparsers())
     args = parser.parse_args(
         ["profile", "--tiny", "--device", "cpu", "--batch", "2", "--forwards", "2", "--onload-fraction", "0.5",
-         "--trace", "--out", str(tmp_path)]
+         "--trace", "--pipelined", "3", "--out", str(tmp_path)]
     )
     assert args.func(args) == 0
     doc = json.loads((tmp_path / "profile.json").read_text())
     assert doc["onload_fraction"] == 0.5 and doc["2"]["phases"]["total_ms"] > 0
+    piped = doc["2"]["pipelined"]
+    assert piped["batches"] == 3 and piped["wall_ms_per_batch"] > 0
+    assert "gpu_busy_share" not in piped, "the GPU's share is measured on CUDA only"
