@@ -50,6 +50,16 @@ _MAX_ATTEMPTS = 2
 DEFAULT_GRAPH_BUCKETS = (256, 512, 1024, 2048, 4096, 6144, 8192, 12288, 16384)
 # With torch.compile'd layers each (layer, bucket) compiles once at start-up: fewer buckets.
 DEFAULT_COMPILED_GRAPH_BUCKETS = (256, 512, 1024, 2048, 4096)
+# host_split "compute_front" adds one: a batch of 8's best front (~2.3-2.4k tokens a user at the
+# seed shapes, by the planner's costs of run BB) is 18-19k rows, and the planner skips fronts past
+# the largest bucket (an eager front of that size would be host-bound).
+FRONT_GRAPH_BUCKET = 24576
+
+
+def default_graph_buckets(compile: bool = False, host_split: str = "load_front") -> tuple[int, ...]:
+    """The row buckets enable_cuda_graphs captures when none are given."""
+    buckets = DEFAULT_COMPILED_GRAPH_BUCKETS if compile else DEFAULT_GRAPH_BUCKETS
+    return buckets + (FRONT_GRAPH_BUCKET,) if host_split == "compute_front" and not compile else buckets
 _NO_CANDIDATES = np.zeros(0, dtype=np.int64)  # a front pass's requests rank nothing
 
 
@@ -296,10 +306,11 @@ class RankingEngine:
         compile: the graphs capture torch.compile'd layers, compiled once per (layer, bucket) with
         static shapes; eager fallback batches keep the eager layers, so no batch compiles while
         serving. capture=False runs the same padded static-buffer path eagerly (no CUDA needed).
-        buckets: row counts, default DEFAULT_GRAPH_BUCKETS (DEFAULT_COMPILED_GRAPH_BUCKETS with compile).
+        buckets: row counts, default default_graph_buckets(compile, the cache's host_split).
         """
         if buckets is None:
-            buckets = DEFAULT_COMPILED_GRAPH_BUCKETS if compile else DEFAULT_GRAPH_BUCKETS
+            host_split = self.cache.config.host_split if self.cache is not None else "load_front"
+            buckets = default_graph_buckets(compile, host_split)
         if self.cache is None or (capture and self.model.device.type != "cuda"):
             raise RuntimeError("CUDA graphs need a CUDA model with a KV cache manager")
         from hstu.engine.graphs import ForwardGraphs

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 
 from hstu.engine import RankingEngine, RankOutput
-from hstu.engine.engine import DEFAULT_GRAPH_BUCKETS
+from hstu.engine.engine import default_graph_buckets
 from hstu.model.batch import RankingRequest
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
@@ -99,7 +99,7 @@ class EndToEnd:
             # full (history + candidates) rows.
             rows = {b * (shape.new_tokens + shape.num_candidates) for b in shape.batch_sizes}
             rows |= {b * (shape.history_tokens + shape.num_candidates) for b in shape.batch_sizes}
-            rows |= set(DEFAULT_GRAPH_BUCKETS)
+            rows |= set(default_graph_buckets(host_split=shape.host_split))
             for model in (self.cached, self.uncached):
                 model.enable_cuda_graphs(
                     max_batch=max(shape.batch_sizes), buckets=tuple(sorted(rows)), compile=compile_layers

@@ -178,3 +178,11 @@ def test_logits_left_in_the_static_output_survive_a_retried_batch(tiny_config, b
     assert logits is None and engine.cache.stats.snapshot()["recomputes"] == 1
     torch.testing.assert_close(torch.cat([o.logits for o in outputs]), engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
     engine.close()
+
+
+def test_compute_front_adds_a_bucket_for_a_batch_of_eights_front():
+    from hstu.engine.engine import DEFAULT_GRAPH_BUCKETS, FRONT_GRAPH_BUCKET, default_graph_buckets
+
+    assert default_graph_buckets() == DEFAULT_GRAPH_BUCKETS
+    assert default_graph_buckets(host_split="compute_front")[-1] == FRONT_GRAPH_BUCKET > DEFAULT_GRAPH_BUCKETS[-1]
+    assert FRONT_GRAPH_BUCKET not in default_graph_buckets(compile=True, host_split="compute_front")
