@@ -31,9 +31,9 @@ stage() {  # stage NAME SECONDS CMD...: run under a time limit, append to the on
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$LOG"
-if [ -d .whl ]; then  # wheels, and pre-installed trees as .tar.xz (Ray Serve without its optional parts)
+if [ -d .whl ]; then  # wheels (.rayk: the Ray Serve kit of tools/ray_kit.py), and pre-installed trees as .tar.xz
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+    $(ls .rayk/*.whl 2>/dev/null) && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
   for tree in .whl/*.tar.xz; do [ -e "$tree" ] && tar -xJf "$tree" -C /tmp/site; done
 fi
 python3 -m pip install -e . --no-deps --no-build-isolation -q 2>&1 | tail -2 | tee -a "$LOG"
