@@ -105,3 +105,55 @@ async def test_the_engine_process_ignores_a_ctrl_c_meant_for_the_process_group()
         answer = await client.post("/v1/rank", json=full_columns(Timeline(72), 10, [1]))
         assert answer.status_code == 200 and process.is_alive()
     assert process.exitcode == 0
+
+
+def test_the_sender_writes_what_queued_meanwhile_in_one_message_and_the_reader_delivers_each_in_order():
+    """Under load each write costs the sending thread a turn at its process's GIL: messages that
+    queued while one was written go out together, and the reading side hands them to its loop one
+    by one, in order, then None at EOF."""
+    import threading
+    from multiprocessing import Pipe
+
+    from hstu.serving.engine_process import _MANY, _read_into, _Sender
+
+    class HeldConn:
+        """Records sends; the first one blocks until released, so more messages queue behind it."""
+
+        def __init__(self) -> None:
+            self.sent, self.writing, self.release = [], threading.Event(), threading.Event()
+
+        def send(self, obj) -> None:
+            if not self.sent:
+                self.writing.set()
+                self.release.wait(5)
+            self.sent.append(obj)
+
+    conn = HeldConn()
+    sender = _Sender(conn, "test-sender")
+    sender.send(("done", 1))
+    assert conn.writing.wait(5)
+    for rid in (2, 3, 4):
+        sender.send(("done", rid))
+    conn.release.set()
+    sender.close()
+    assert conn.sent[0] == ("done", 1)
+    assert conn.sent[1:] == [(_MANY, [("done", 2), ("done", 3), ("done", 4)])]
+
+    ours, theirs = Pipe()
+    ours.send(("ready", "abc"))
+    ours.send((_MANY, [("done", 5), ("done", 6)]))
+    ours.close()
+    loop = asyncio.new_event_loop()
+    got, finished = [], asyncio.Event()
+
+    def handle(message) -> None:
+        got.append(message)
+        if message is None:
+            finished.set()
+
+    try:
+        _read_into(theirs, loop, handle, "test-reader")
+        loop.run_until_complete(asyncio.wait_for(finished.wait(), 5))
+    finally:
+        loop.close()
+    assert got == [("ready", "abc"), ("done", 5), ("done", 6), None]
