@@ -380,10 +380,12 @@ class RankingEngine:
         """Logits of the planned batch: one graph replay when it fits a bucket, else eagerly."""
         model = self.model
         t0 = time.perf_counter()
+        staged = False  # the batch's inputs already copied (a front pass staged them ahead of its onload)
         if plan.front_tokens:  # host_split "compute_front": the prefixes' fronts first, beside their onloads
-            self._forward_front(requests, plan)
+            staged = self._forward_front(requests, plan)
         if plan.pad is not None:  # written into the bucket's staging slot, after the metadata
-            model.static_inputs(requests, plan.layout, self.graphs.inputs_of(plan.pad))
+            if not staged:
+                model.static_inputs(requests, plan.layout, self.graphs.inputs_of(plan.pad))
         else:
             x = model.embed(requests, plan.cached_lens)
         t1 = time.perf_counter()
@@ -398,7 +400,9 @@ class RankingEngine:
 
         if plan.pad is not None:
             before_layer = ready if prepared.onload_users else None
-            logits = self.graphs.run(plan.pad, prepared.metadata, plan.layout.num_candidate_rows, before_layer, owned)
+            logits = self.graphs.run(
+                plan.pad, prepared.metadata, plan.layout.num_candidate_rows, before_layer, owned, staged=staged
+            )
             if logits is None:  # padded metadata only fits its graph bucket
                 raise RuntimeError(f"no CUDA graph replayed the batch of {plan.layout.num_rows} rows padded for one")
         else:
@@ -407,11 +411,13 @@ class RankingEngine:
         timing.forward_s = time.perf_counter() - t2 - timing.onload_wait_s
         return logits
 
-    def _forward_front(self, requests: list[RankingRequest], plan) -> None:
+    def _forward_front(self, requests: list[RankingRequest], plan) -> bool:
         """host_split "compute_front": recompute tokens [0, q) of each front user (plan.front_tokens)
         into their first pages, in a pass of its own that reads no onloaded page, with the onload of
         the rest of their prefixes started before it (after its inputs copy), so the copies run beside
-        it; the batch's pass then waits for them layer by layer as usual."""
+        it; the batch's pass then waits for them layer by layer as usual. When the batch replays a
+        graph bucket of its own, its inputs are copied first too (returns True): queued behind the
+        onload on the copy engine, they would hold its first layer until every copy had landed."""
         model, ctx = self.model, self.config.num_contextual
         fronts = []
         for r in requests:
@@ -424,6 +430,11 @@ class RankingEngine:
                     r.user_id, r.item_ids[:events], r.actions[:events], r.timestamps[:events], _NO_CANDIDATES, r.contextual
                 ))
         prepared = self.cache.wait(plan)
+        own_bucket = plan.pad is not None and (plan.front_pad is None or plan.front_pad.rows != plan.pad.rows)
+        staged = False
+        if own_bucket:
+            model.static_inputs(requests, plan.layout, self.graphs.inputs_of(plan.pad))
+            staged = self.graphs.stage(plan.pad, prepared.metadata)
         if plan.front_pad is not None:
             model.static_inputs(fronts, plan.front_layout, self.graphs.inputs_of(plan.front_pad))
             done = self.graphs.run(plan.front_pad, prepared.front_metadata, 0, copy=False, after_copy=prepared.start_onload)
@@ -433,6 +444,7 @@ class RankingEngine:
             x = model.embed(fronts, [0] * len(fronts))
             prepared.start_onload()
             model.block.forward_paged(x, prepared.kv_pages, prepared.front_metadata, None, self.layer_fns)
+        return staged
 
     def _split(self, requests: list[RankingRequest], logits: torch.Tensor, cached: list[int]) -> list[RankOutput]:
         parts = torch.split(logits, [r.candidates.shape[0] for r in requests])

@@ -185,6 +185,26 @@ class ForwardGraphs:
         return graph.replay, out
 
     # ------------------------------------------------------------------ replay
+    def stage(self, pad: PadSpec, meta: KVCacheMetadata | PackedMetadata) -> bool:
+        """Enqueue the H2D copy of the batch's staging slot (packed metadata `meta` and the inputs)
+        into its bucket's device buffer; False when the metadata is not the bucket's (the caller
+        runs eagerly). run() does it itself unless told the batch is staged."""
+        bucket = self._buckets.get(pad.rows)
+        if (
+            bucket is None
+            or meta.max_q != pad.rows
+            or meta.layout_key != bucket.meta.layout_key
+            or meta.packed[0].data_ptr() != pad.staging.data_ptr()
+        ):
+            return False
+        slot = next(i for i, t in enumerate(bucket.staging) if t is pad.staging)
+        bucket.device_buffer.copy_(pad.staging, non_blocking=True)
+        if self.capture:
+            if bucket.copied[slot] is None:
+                bucket.copied[slot] = torch.cuda.Event()
+            bucket.copied[slot].record()
+        return True
+
     def run(
         self,
         pad: PadSpec,
@@ -193,6 +213,7 @@ class ForwardGraphs:
         before_layer: Callable[[int], None] | None = None,
         copy: bool = True,
         after_copy: Callable[[], None] | None = None,
+        staged: bool = False,
     ) -> torch.Tensor | None:
         """Logits [num_candidates, num_tasks] of one batch (a fresh tensor; with copy=False a view
         of the static output, valid until the next replay), or None when its metadata is not the
@@ -201,21 +222,11 @@ class ForwardGraphs:
         pad: the plan's PadSpec, whose staging slot holds the packed metadata `meta` and the
         inputs (inputs_of). before_layer(i): layer i's onload wait; None when the batch onloads
         nothing, which replays the whole forward at once. after_copy(): called once the inputs copy
-        is enqueued, before any replay (a front pass starts its batch's onload there)."""
-        bucket = self._buckets.get(pad.rows)
-        if (
-            bucket is None
-            or meta.max_q != pad.rows
-            or meta.layout_key != bucket.meta.layout_key
-            or meta.packed[0].data_ptr() != pad.staging.data_ptr()
-        ):
+        is enqueued, before any replay (a front pass starts its batch's onload there). staged: the
+        caller already ran stage() for this batch (nothing else replayed this bucket since)."""
+        if not staged and not self.stage(pad, meta):
             return None
-        slot = next(i for i, t in enumerate(bucket.staging) if t is pad.staging)
-        bucket.device_buffer.copy_(pad.staging, non_blocking=True)
-        if self.capture:
-            if bucket.copied[slot] is None:
-                bucket.copied[slot] = torch.cuda.Event()
-            bucket.copied[slot].record()
+        bucket = self._buckets[pad.rows]
         if after_copy is not None:
             after_copy()
         if before_layer is None:

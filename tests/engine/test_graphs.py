@@ -117,25 +117,35 @@ def test_the_static_forward_path_matches_no_cache_through_hits_onloads_and_fallb
     engine.close()
 
 
-@pytest.mark.parametrize("front_bucket", [True, False], ids=["front replayed", "front eager"])
-def test_front_passes_replay_from_their_own_staging_slot_and_match_no_cache(tiny_config, book, front_bucket):
+@pytest.mark.parametrize(
+    "buckets, staged",
+    [((32, 96), [32, 32]), ((12, 32), [12, 32]), ((12,), [12])],
+    ids=["front and batch share a bucket", "each its own bucket (batch staged first)", "front eager"],
+)
+def test_front_passes_replay_from_their_own_staging_slot_and_match_no_cache(
+    tiny_config, book, monkeypatch, buckets, staged
+):
     """host_split "compute_front" on the static graph path: the front pass (tokens 0..q-1 of each
-    host-tier user, no candidates) replays its own bucket, or runs eagerly when none fits, before
-    the batch's segmented replay; answers equal the no-cache model's."""
+    host-tier user, no candidates) replays its bucket, or runs eagerly when none fits, before the
+    batch's segmented replay; a batch in a bucket of its own has its inputs copied before the
+    front's onload starts. Answers equal the no-cache model's."""
     from hstu.ops.kvcache.planner import FixedSplit
 
     engine = _static_engine(tiny_config, host_split="compute_front")
-    engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96) if front_bucket else (12,), capture=False)
+    engine.enable_cuda_graphs(max_batch=3, buckets=buckets, capture=False)
     engine.rank([book.request(u, 11, 2) for u in (1, 2)])  # 24 tokens each: three chunks
     engine.cache.drain()
     engine.cache.evict_gpu([1, 2])
     engine.cache.cost_model = FixedSplit(1 / 3)  # the last chunk onloaded, 16 tokens recomputed in front
     reqs = [book.request(1, 1, 2), book.request(2, 1, 3)]
-    before = engine.graphs.replays
+    before, copies = engine.graphs.replays, []
+    stage = engine.graphs.stage
+    monkeypatch.setattr(engine.graphs, "stage", lambda pad, meta: copies.append(pad.rows) or stage(pad, meta))
     outs = engine.rank(reqs)
     torch.testing.assert_close(torch.cat([o.logits for o in outs]), engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
     assert [o.cached_tokens for o in outs] == [8, 8]
-    assert engine.graphs.replays - before == (2 if front_bucket else 1), "the front pass, then the batch's"
+    assert copies == staged, "bucket rows of each inputs copy, in order"
+    assert engine.graphs.replays - before == len(staged), "the front pass, then the batch's"
     engine.close()
 
 
