@@ -153,6 +153,14 @@ def front_tokens(host_tokens: int, onload: int, chunk_tokens: int) -> int:
     return max(0, host_tokens - onload) // chunk_tokens * chunk_tokens
 
 
+def _fronts(users: list[UserShape], onload: list[int], chunk_tokens: int) -> list[int]:
+    """Each user's front pass (host_tokens recomputed first): only for a host-tier prefix that is
+    partly onloaded; one onloaded whole or not at all (recomputed in the batch's pass) has none."""
+    return [
+        front_tokens(u.host_tokens, p, chunk_tokens) if 0 < p < u.host_tokens else 0 for u, p in zip(users, onload)
+    ]
+
+
 def predict_front(
     users: list[UserShape], onload: list[int], cost: CostModel, num_layers: int, chunk_tokens: int,
     buckets: tuple[int, ...] | None = None,
@@ -160,18 +168,19 @@ def predict_front(
     """predict() for host_split "compute_front": each host-tier user recomputes its first q tokens
     (front_tokens) in a pass of their own, which reads no onloaded page, while the rest of its
     prefix is onloaded; then the batch's pass computes every user's new tokens and candidates
-    (a user whose q is its whole prefix: everything), layer i after layer i's copies landed:
+    (a host-tier user the split onloads nothing of: its whole history), layer i after layer i's copies landed:
         front   = L x (fixed_s + rows_f x per_row_s + pairs_f x per_pair_s)   (causal within q)
         finish_i = max(finish_{i-1}, onload_start_s + (i + 1) * load_layer) + batch_layer,
         finish_-1 = front."""
-    fronts = [front_tokens(u.host_tokens, p, chunk_tokens) if u.host_tokens else 0 for u, p in zip(users, onload)]
-    starts = [u.host_tokens if f < u.host_tokens else 0 for u, f in zip(users, fronts)]
+    fronts = _fronts(users, onload, chunk_tokens)
+    # the batch's pass starts after the whole host prefix unless the user recomputes it all (no onload)
+    starts = [u.host_tokens if p > 0 else 0 for u, p in zip(users, onload)]
     rows_f = sum(fronts)
     pairs_f = sum(q * (q + 1) // 2 for q in fronts)
     front_layer = (cost.fixed_s + padded_rows(rows_f, buckets) * cost.per_row_s + pairs_f * cost.per_pair_s) if rows_f else 0.0
     rows, pairs = layer_work(users, starts)
     batch_layer = cost.fixed_s + padded_rows(rows, buckets) * cost.per_row_s + pairs * cost.per_pair_s
-    loaded = sum(u.host_tokens - q for u, q in zip(users, fronts) if q < u.host_tokens)
+    loaded = sum(u.host_tokens - q for u, q, p in zip(users, fronts, onload) if p > 0)
     load_layer = loaded * cost.bytes_per_token_layer / cost.h2d_bytes_per_s
     start = cost.onload_start_s if loaded else 0.0
     finish = front_layer * num_layers
@@ -206,8 +215,7 @@ def plan(
         onload = [(u.host_tokens // chunk_tokens) * k // steps * chunk_tokens for u in users]
         split = 0 < k < steps
         if front and split:
-            fronts = [front_tokens(u.host_tokens, p, chunk_tokens) if u.host_tokens else 0 for u, p in zip(users, onload)]
-            if buckets and sum(fronts) > buckets[-1]:
+            if buckets and sum(_fronts(users, onload, chunk_tokens)) > buckets[-1]:
                 continue
             finish, load, compute = predict_front(users, onload, cost, num_layers, chunk_tokens, buckets)
         else:

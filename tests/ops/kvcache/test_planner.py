@@ -203,6 +203,27 @@ def test_the_front_planner_onloads_the_back_when_it_pays_and_recomputes_when_it_
     assert chosen.predicted_s < plan(SEED_USERS, cost, LAYERS, CHUNK).predicted_s
 
 
+def test_the_front_timeline_agrees_with_the_plain_one_at_both_ends_and_counts_each_row_once():
+    """No onload or whole onloads: no front pass, so predict_front is predict. A user the split
+    onloads nothing of (a one-chunk prefix at a small share) is recomputed once, in the batch's
+    pass, not also in the front pass."""
+    from hstu.ops.kvcache.planner import predict_front
+
+    cost = dataclasses.replace(_cost(55), forward_s=1e-3, onload_start_s=2e-4)
+    users = SEED_USERS[:3] + [UserShape(0, 2048, 2176, 64), UserShape(0, 0, 512, 64)]
+    for onload in ([0] * 5, [3968] * 3 + [0, 0]):
+        assert predict_front(users, onload, cost, LAYERS, CHUNK) == pytest.approx(predict(users, onload, cost, LAYERS))
+    small = [UserShape(128, 0, 200, 8), UserShape(3968, 0, 4096, 256)]
+    mixed = predict_front(small, [0, 1024], cost, LAYERS, CHUNK)
+    alone = predict_front(small[1:], [1024], cost, LAYERS, CHUNK)
+    extra_rows = 200 + 8  # the small user's whole history and candidates, in the batch's pass only
+    fast = dataclasses.replace(cost, h2d_bytes_per_s=1e15)
+    assert predict_front(small, [0, 1024], fast, LAYERS, CHUNK)[0] - predict_front(small[1:], [1024], fast, LAYERS, CHUNK)[0] == (
+        pytest.approx(LAYERS * (extra_rows * cost.per_row_s + (200 * 201 // 2 + 8 * 201) * cost.per_pair_s))
+    )
+    assert mixed[0] > alone[0]
+
+
 def test_compute_front_needs_an_even_number_of_contextual_tokens(tiny_config):
     with pytest.raises(ValueError, match="host_split must be"):
         KVCacheConfig.for_model(tiny_config, host_split="middle")
