@@ -122,7 +122,10 @@ def _read_into(conn: Connection, loop: asyncio.AbstractEventLoop, handle, name: 
 
     def deliver(messages: list) -> None:
         for message in messages:
-            handle(message)
+            try:
+                handle(message)
+            except Exception:  # as a callback of its own would: logged, the other messages still delivered
+                logger.exception("%s: handling a message failed", name)
 
     def run() -> None:
         while True:
