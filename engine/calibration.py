@@ -9,8 +9,8 @@ Here each shape is a real ranking batch of synthetic users (ids far above any se
 invalidated afterwards): misses of several history lengths and batch sizes, and extensions of a
 GPU-resident prefix (few rows, many attention pairs), so rows and pairs vary independently. The
 median wall time of each (device-synchronised) is fitted as forward + L x (rows x per_row + pairs x
-per_pair), rows as the CUDA-graph bucket runs them (padded), non-negative and by relative error (a batch-1 forward weighs as much as a batch-8 miss),
-where rows and pairs are one layer's (planner.layer_work), the same quantities the planner
+per_pair), rows as the CUDA-graph bucket runs them (padded), non-negative and by relative error (a
+batch-1 forward weighs as much as a batch-8 miss), where rows and pairs are one layer's (planner.layer_work), the same quantities the planner
 predicts with. The per-forward cost stays out of the layers: folded into them (the fit before),
 it made every layer look ~0.3 ms dearer on the H200, so the planner believed an onload hidden
 behind compute that was not there and onloaded at batch 1 where recomputing was faster.
@@ -87,8 +87,7 @@ def measure_forward_costs(engine, max_users: int = 8, repeats: int = 3) -> tuple
     """(forward_s, per_row_s, per_pair_s): a forward's fixed cost and one layer's per row and pair,
     from whole cached forwards of this engine; None when the cache cannot hold even one user at the
     longest calibration history."""
-    cache, cfg, device = engine.cache, engine.config, engine.model.device
-    kv = cache.config
+    cfg, kv = engine.config, engine.cache.config
     events, candidates = _shape(engine)
     users = _max_users(engine, max_users)
     if users < 1:
@@ -110,17 +109,7 @@ def measure_forward_costs(engine, max_users: int = 8, repeats: int = 3) -> tuple
         times = []
         for _ in range(repeats + 1):  # the first run warms this shape up
             batch = _requests(engine, [next(ids) for _ in range(b)], e, m, rng)
-            if c:
-                engine.rank([r.first_events(c, cfg) for r in batch])
-            cache.drain()
-            sync(device)
-            t0 = time.perf_counter()
-            engine.rank(batch)
-            sync(device)
-            times.append(time.perf_counter() - t0)
-            cache.drain()
-            for r in batch:
-                cache.invalidate(r.user_id)
+            times.append(_time_batch(engine, batch, c)[0])
         n, cached = cfg.history_tokens(e), cfg.history_tokens(c) if c else 0
         r, p = layer_work([UserShape(0, cached, n, m)] * b, [0] * b)
         rows.append((1.0, kv.num_layers * padded_rows(r, engine.graph_buckets), kv.num_layers * p))
@@ -137,8 +126,7 @@ def measure_onload(engine, cost: CostModel, max_users: int = 8, repeats: int = 3
     becomes onload_start_s plus a per-byte excess (a lower h2d_bytes_per_s). A difference, so the
     per-forward costs, and any error in their fit, cancel out. `cost` unchanged when there is no
     host tier or its users did not reach it."""
-    cache, cfg, device = engine.cache, engine.config, engine.model.device
-    kv = cache.config
+    cfg, kv = engine.config, engine.cache.config
     events, candidates = _shape(engine)
     users = _max_users(engine, max_users)
     prefix_events = events - max(1, events // 32)
@@ -153,21 +141,7 @@ def measure_onload(engine, cost: CostModel, max_users: int = 8, repeats: int = 3
         """Seconds of one batch of b users extending a prefix on the GPU or in the host tier;
         None when the prefix was not where it should be (host capacity, admission)."""
         batch = _requests(engine, [next(ids) for _ in range(b)], events, candidates, rng)
-        for r in batch:  # admitted to the host tier at their first offload
-            for _ in range(kv.offload_min_seen):
-                cache.admission.see(r.user_id)
-        engine.rank([r.first_events(prefix_events, cfg) for r in batch])
-        cache.drain()
-        if from_host:
-            cache.evict_gpu([r.user_id for r in batch])
-        sync(device)
-        t0 = time.perf_counter()
-        outputs = engine.rank(batch)
-        sync(device)
-        seconds = time.perf_counter() - t0
-        cache.drain()
-        for r in batch:
-            cache.invalidate(r.user_id)
+        seconds, outputs = _time_batch(engine, batch, prefix_events, from_host, admit=True)  # both offload alike
         expected = host_tokens if from_host else gpu_tokens
         return seconds if all(o.cached_tokens == expected for o in outputs) else None
 
@@ -181,17 +155,44 @@ def measure_onload(engine, cost: CostModel, max_users: int = 8, repeats: int = 3
             if i:
                 onload.append(t_host)
                 resident.append(t_gpu)
-        from_host = predict([UserShape(host_tokens, 0, n, candidates)] * b, [host_tokens] * b, cost, kv.num_layers,
-                            engine.graph_buckets)[0]
-        on_gpu = predict([UserShape(0, gpu_tokens, n, candidates)] * b, [0] * b, cost, kv.num_layers,
-                         engine.graph_buckets)[0]
+        predicted_host = predict([UserShape(host_tokens, 0, n, candidates)] * b, [host_tokens] * b, cost,
+                                 kv.num_layers, engine.graph_buckets)[0]
+        predicted_gpu = predict([UserShape(0, gpu_tokens, n, candidates)] * b, [0] * b, cost, kv.num_layers,
+                                engine.graph_buckets)[0]
         nbytes = b * host_tokens * cost.bytes_per_token_layer * kv.num_layers
         added = statistics.median(onload) - statistics.median(resident)
-        points.append((nbytes, added - (from_host - on_gpu)))
+        points.append((nbytes, added - (predicted_host - predicted_gpu)))
     start, per_byte = _line(points)
     return dataclasses.replace(
         cost, onload_start_s=start, h2d_bytes_per_s=1.0 / (1.0 / cost.h2d_bytes_per_s + per_byte)
     )
+
+
+def _time_batch(
+    engine, batch: list[RankingRequest], prefix_events: int, from_host: bool = False, admit: bool = False
+) -> tuple[float, list]:
+    """(seconds, outputs) of ranking `batch` (device-synchronised) after its first `prefix_events`
+    events were ranked (none: 0) and, from_host, moved to the host tier; admit: its users admitted
+    to the host tier first, so their chunks are offloaded. Every user invalidated after."""
+    cache, device = engine.cache, engine.model.device
+    if admit:
+        for r in batch:  # admitted to the host tier at their first offload
+            for _ in range(cache.config.offload_min_seen):
+                cache.admission.see(r.user_id)
+    if prefix_events:
+        engine.rank([r.first_events(prefix_events, engine.config) for r in batch])
+    cache.drain()
+    if from_host:
+        cache.evict_gpu([r.user_id for r in batch])
+    sync(device)
+    t0 = time.perf_counter()
+    outputs = engine.rank(batch)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    cache.drain()
+    for r in batch:
+        cache.invalidate(r.user_id)
+    return seconds, outputs
 
 
 def _line(points: list[tuple[float, float]]) -> tuple[float, float]:

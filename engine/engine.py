@@ -60,6 +60,8 @@ def default_graph_buckets(compile: bool = False, host_split: str = "load_front")
     """The row buckets enable_cuda_graphs captures when none are given."""
     buckets = DEFAULT_COMPILED_GRAPH_BUCKETS if compile else DEFAULT_GRAPH_BUCKETS
     return buckets + (FRONT_GRAPH_BUCKET,) if host_split == "compute_front" and not compile else buckets
+
+
 _NO_CANDIDATES = np.zeros(0, dtype=np.int64)  # a front pass's requests rank nothing
 
 

@@ -285,7 +285,7 @@ def split_sweep(e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: i
         if e2e.cost is not None:
             buckets = e2e.cached.graph_buckets
             predicted = (
-                predict_front(users, onload, e2e.cost, L, chunk, buckets) if front and 0 < onload[0] < cached
+                predict_front(users, onload, e2e.cost, L, chunk, buckets) if front  # predict at either end
                 else predict(users, onload, e2e.cost, L, buckets)
             )
             row["predicted_ms"], row["predicted_onload_ms"], row["predicted_compute_ms"] = (t * 1e3 for t in predicted)

@@ -34,6 +34,7 @@ import torch
 
 from hstu.engine import RankingEngine
 from hstu.model.ranking import InferenceRankingGR
+from hstu.ops.kvcache.config import HOST_SPLIT_HELP, HOST_SPLITS
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.ops.kvcache.planner import FixedSplit
 from hstu.scripts import report
@@ -63,6 +64,15 @@ def _engine(
     return engine
 
 
+def _as_front_end(engine: RankingEngine, requests: list) -> list:
+    """`requests` validated and their whole histories hashed, where the server does that: in its
+    front end, off the model thread."""
+    for r in requests:
+        r.validate(engine.config)
+        r.identity(engine.model.identity).prefix(r.history_tokens(engine.config))
+    return requests
+
+
 def _forwards(
     engine: RankingEngine, shape: BenchShape, batch: int, n: int, device: torch.device, rerank: bool = False,
     cold: bool = False,
@@ -84,9 +94,8 @@ def _forwards(
         if split is not None:
             engine.cache.evict_gpu(users)
         requests = as_users(full, users)
-        for r in [] if cold else requests:  # validation and digests where the server does them
-            r.validate(engine.config)
-            r.identity(engine.model.identity).prefix(r.history_tokens(engine.config))
+        if not cold:
+            _as_front_end(engine, requests)
         sync(device)
         yield requests
 
@@ -154,11 +163,7 @@ def pipelined_profile(engine, shape, batch, n, device, depth: int = 2) -> dict:
     for _ in range(n):
         users = _IDS.take(len(full))
         engine.rank(as_users(prefix, users))
-        requests = as_users(full, users)
-        for r in requests:
-            r.validate(engine.config)
-            r.identity(engine.model.identity).prefix(r.history_tokens(engine.config))
-        batches.append(requests)
+        batches.append(_as_front_end(engine, as_users(full, users)))
     engine.cache.drain()
     sync(device)
     cuda = device.type == "cuda"
@@ -333,7 +338,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--cold-requests", action="store_true",
                    help="requests neither validated nor hashed before the timed forward (as hstu bench times them)")
-    p.add_argument("--host-split", choices=["load_front", "compute_front"], default="load_front", help="host-tier prefixes split by the planner: onload the front and recompute the back (load_front, the default) or recompute the front in a pass of its own beside the back's onload (compute_front, Cake's order)")
+    p.add_argument("--host-split", choices=HOST_SPLITS, default="load_front", help=HOST_SPLIT_HELP)
     p.add_argument("--prepare-worker", action="store_true",
                    help="each batch's prepare job on the cache's prepare worker instead of the model thread")
     p.add_argument("--rerank", action="store_true",

@@ -1,8 +1,8 @@
 """OnloadHandle: per-layer completion of one batch's host->GPU onload.
 
-The onload marks layer i ready after enqueueing its copies (recording a CUDA event on the
-onload stream; the model thread enqueues them, TierTransfers.onload_async); the compute thread's wait(i) blocks until then and, on CUDA, makes the current
-stream wait on that event - so layer i waits only for its own pages and the host never syncs on
+The onload marks layer i ready after enqueueing its copies (recording a CUDA event on the onload
+stream; the model thread enqueues them, TierTransfers.onload_async); the compute thread's wait(i)
+blocks until then and, on CUDA, makes the current stream wait on that event - so layer i waits only for its own pages and the host never syncs on
 the copy. A handle belongs to one batch and is never reset: a new batch gets a new handle, so a
 late onload cannot signal the wrong batch.
 """
@@ -26,8 +26,8 @@ class OnloadHandle:
     @classmethod
     def completed(cls, num_layers: int) -> "OnloadHandle":
         """A handle for a batch with nothing to onload: one shared instance per layer count (nine
-        threading.Events cost ~20 us a batch; a completed handle never changes, since only the
-        onload worker marks or fails a handle, and it never gets this one)."""
+        threading.Events cost ~20 us a batch; a completed handle never changes, since only an onload
+        (TierTransfers) marks or fails a handle, and none gets this one)."""
         handle = _COMPLETED.get(num_layers)
         if handle is None:
             handle = cls(num_layers, torch.device("cpu"))

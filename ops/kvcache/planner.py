@@ -134,17 +134,28 @@ def predict(
     """(the batch's predicted time, total onload time, total compute time) for this split; the
     per-row cost applies to the rows of the batch's graph bucket (padding computes too: at batch 1
     a half split of a 4k-token prefix has 2,304 rows, which a 4,096-row bucket runs)."""
-    rows, pairs = layer_work(users, onload)
-    rows = padded_rows(rows, buckets)
-    onloaded = sum(onload)
+    compute_layer = _layer_s(cost, *layer_work(users, onload), buckets)
+    finish, load = _timeline(cost, num_layers, sum(onload), compute_layer)
+    return finish, load, compute_layer * num_layers
+
+
+def _layer_s(cost: CostModel, rows: int, pairs: int, buckets: tuple[int, ...] | None) -> float:
+    """One layer's compute over `rows` rows (as their graph bucket runs them) and `pairs` pairs."""
+    return cost.fixed_s + padded_rows(rows, buckets) * cost.per_row_s + pairs * cost.per_pair_s
+
+
+def _timeline(
+    cost: CostModel, num_layers: int, onloaded: int, layer_s: float, first_s: float = 0.0
+) -> tuple[float, float]:
+    """(the batch's time, its total onload time): after `first_s` of work that reads no onloaded
+    page, L layers of `layer_s` each, layer i once it and its `onloaded` tokens' copies are done."""
     load_layer = onloaded * cost.bytes_per_token_layer / cost.h2d_bytes_per_s
-    compute_layer = cost.fixed_s + rows * cost.per_row_s + pairs * cost.per_pair_s
     start = cost.onload_start_s if onloaded else 0.0
-    finish = 0.0
+    finish = first_s
     for i in range(num_layers):
         landed = start + (i + 1) * load_layer if onloaded else 0.0
-        finish = max(finish, landed) + compute_layer
-    return cost.forward_s + finish, load_layer * num_layers, compute_layer * num_layers
+        finish = max(finish, landed) + layer_s
+    return cost.forward_s + finish, load_layer * num_layers
 
 
 def front_tokens(host_tokens: int, onload: int, chunk_tokens: int) -> int:
@@ -175,19 +186,11 @@ def predict_front(
     fronts = _fronts(users, onload, chunk_tokens)
     # the batch's pass starts after the whole host prefix unless the user recomputes it all (no onload)
     starts = [u.host_tokens if p > 0 else 0 for u, p in zip(users, onload)]
-    rows_f = sum(fronts)
-    pairs_f = sum(q * (q + 1) // 2 for q in fronts)
-    front_layer = (cost.fixed_s + padded_rows(rows_f, buckets) * cost.per_row_s + pairs_f * cost.per_pair_s) if rows_f else 0.0
-    rows, pairs = layer_work(users, starts)
-    batch_layer = cost.fixed_s + padded_rows(rows, buckets) * cost.per_row_s + pairs * cost.per_pair_s
+    front_layer = _layer_s(cost, sum(fronts), sum(q * (q + 1) // 2 for q in fronts), buckets) if any(fronts) else 0.0
+    batch_layer = _layer_s(cost, *layer_work(users, starts), buckets)
     loaded = sum(u.host_tokens - q for u, q, p in zip(users, fronts, onload) if p > 0)
-    load_layer = loaded * cost.bytes_per_token_layer / cost.h2d_bytes_per_s
-    start = cost.onload_start_s if loaded else 0.0
-    finish = front_layer * num_layers
-    for i in range(num_layers):
-        landed = start + (i + 1) * load_layer if loaded else 0.0
-        finish = max(finish, landed) + batch_layer
-    return cost.forward_s + finish, load_layer * num_layers, (front_layer + batch_layer) * num_layers
+    finish, load = _timeline(cost, num_layers, loaded, batch_layer, front_layer * num_layers)
+    return finish, load, (front_layer + batch_layer) * num_layers
 
 
 def plan(
