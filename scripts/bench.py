@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from hstu.ops.attention import ATTENTION_BACKENDS, use_attention_backend
+from hstu.ops.kvcache.config import HOST_SPLIT_HELP, HOST_SPLITS
 from hstu.scripts import report
 from hstu.scripts.bench_e2e import EndToEnd, split_sweep
 from hstu.scripts.block_bench import bench_block
@@ -243,7 +244,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--no-planner", action="store_true", help="skip the host-tier pass with the compute-or-load planner")
     p.add_argument("--prepare-worker", action="store_true", default=None,
                    help="each batch's prepare job on the cache's prepare worker instead of the model thread")
-    p.add_argument("--host-split", choices=["load_front", "compute_front"], default=None, help="host-tier prefixes split by the planner: onload the front and recompute the back (load_front, the default) or recompute the front in a pass of its own beside the back's onload (compute_front, Cake's order)")
+    p.add_argument("--host-split", choices=HOST_SPLITS, default=None, help=HOST_SPLIT_HELP)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", type=Path, default=Path("out/bench"))

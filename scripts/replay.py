@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from hstu.model.config import HSTUConfig
+from hstu.ops.kvcache.config import HOST_SPLIT_HELP, HOST_SPLITS
 from hstu.scripts import report
 from hstu.scripts.replay_passes import (
     UNCACHED_METHOD,
@@ -250,7 +251,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="in-process cached pass: the compute-or-load planner, costs measured first (default: on for CUDA, as hstu serve)",
     )
     p.add_argument("--offload-min-seen", type=int, help="host-tier admission: sightings before a user's chunks are offloaded (default: hstu serve's)")
-    p.add_argument("--host-split", choices=["load_front", "compute_front"], default=None, help="host-tier prefixes split by the planner: onload the front and recompute the back (load_front, the default) or recompute the front in a pass of its own beside the back's onload (compute_front, Cake's order)")
+    p.add_argument("--host-split", choices=HOST_SPLITS, default=None, help=HOST_SPLIT_HELP)
     p.add_argument("--prepare-worker", action="store_true", help="each batch's prepare job on a worker thread (as hstu serve --prepare-worker)")
     p.add_argument("--out", type=Path, default=Path("out/replay"))
     p.set_defaults(func=main)

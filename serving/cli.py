@@ -84,7 +84,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "first tokens, else recompute it (reuse, the default), always recompute it (invalidate) or answer "
         "409 (raise, strict mode)",
     )
-    p.add_argument("--host-split", choices=["load_front", "compute_front"], default=None, help="host-tier prefixes split by the planner: onload the front and recompute the back (load_front, the default) or recompute the front in a pass of its own beside the back's onload (compute_front, Cake's order)")
+    p.add_argument("--host-split", choices=["load_front", "compute_front"], default=None,
+                   # ops/kvcache/config.py's HOST_SPLITS and HOST_SPLIT_HELP, spelled out: this module stays torch-free
+                   help="host-tier prefixes split by the planner: onload the front and recompute the back (load_front, "
+                   "the default) or recompute the front in a pass of its own beside the back's onload (compute_front, "
+                   "Cake's order)")
     p.add_argument(
         "--prepare-worker", action="store_true", default=None,
         help="run each batch's prepare job (pages, metadata) on a worker thread, not on the model thread (an experiment)",

@@ -9,6 +9,19 @@ import torch
 from hstu.model.config import HSTUConfig
 
 
+# KVCacheConfig.host_split's values, and the one help text of every command's --host-split flag.
+HOST_SPLITS = ("load_front", "compute_front")
+HOST_SPLIT_HELP = (
+    "host-tier prefixes split by the planner: onload the front and recompute the back (load_front, the "
+    "default) or recompute the front in a pass of its own beside the back's onload (compute_front, Cake's order)"
+)
+
+
+def check_host_split(value: str) -> None:
+    if value not in HOST_SPLITS:
+        raise ValueError(f"host_split must be 'load_front' or 'compute_front', got {value!r}")
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """Shapes of the GPU page table [L, num_pages, 2, page_size, H, d] and the host arena.
@@ -62,8 +75,7 @@ class KVCacheConfig:
     host_split: str = "load_front"
 
     def __post_init__(self) -> None:
-        if self.host_split not in ("load_front", "compute_front"):
-            raise ValueError(f"host_split must be 'load_front' or 'compute_front', got {self.host_split!r}")
+        check_host_split(self.host_split)
         if self.page_size <= 0 or self.num_pages <= 0:
             raise ValueError(f"page_size and num_pages must be positive, got {self.page_size}, {self.num_pages}")
         if self.chunk_tokens <= 0 or self.chunk_tokens % self.page_size:
