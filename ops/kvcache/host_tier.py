@@ -39,6 +39,7 @@ def split_host_prefixes(
     if not host:
         return []
     onload = [plan.cached_lens[b] for b in host]
+    front = config.host_split == "compute_front"
     if cost_model is not None:
         shapes = [
             UserShape(
@@ -49,13 +50,12 @@ def split_host_prefixes(
             )
             for b, s in enumerate(plan.sources)
         ]
-        front = config.host_split == "compute_front"
         chosen = cost_model.choose(shapes, config.num_layers, config.chunk_tokens, buckets, front)
         onload = [min(chosen.onload_tokens[b], plan.cached_lens[b]) for b in host]
     chunk, unpin = config.chunk_tokens, []
     for b, p in zip(host, onload):
         u, cached = plan.user_ids[b], plan.cached_lens[b]
-        if config.host_split == "compute_front" and 0 < p < cached:
+        if front and 0 < p < cached:
             q = front_tokens(cached, p, chunk)
             if q > 0:  # tokens [0, q) recomputed by the front pass, [q, cached) onloaded
                 stats.add(tokens_onloaded=cached - q, tokens_recomputed=q)
