@@ -114,7 +114,7 @@ REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 2" stage rest_front2 200 ba
 REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 3 --parse-processes 2" stage rest_front3 200 bash scripts/gpu_rest.sh "$OUT/rest_front3"
 # the same server behind Ray Serve, one replica on this GPU (issue 16: overhead vs "rest", same call)
 REFERENCE=0 SERVE_ARGS="--replicas 1" stage rest_ray 240 bash scripts/gpu_rest.sh "$OUT/rest_ray"
-# ... with the ingress serving HTTP itself (Ray Serve's direct ingress, no proxy actor)
+# ... with the ingress replicas serving HTTP on the port themselves (no proxy actor)
 REFERENCE=0 SERVE_ARGS="--replicas 1 --direct-ingress" stage rest_ray_direct 240 bash scripts/gpu_rest.sh "$OUT/rest_ray_direct"
 # issue 12 item 3: the attention kernel alone, every tile config and SiLU form at the cached, re-rank and
 # uncached seed shapes (scripts/bench_kernels.py), then the bf16 accuracy tests of every SiLU form

@@ -120,8 +120,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--direct-ingress", action="store_true",
-        help="with --replicas: the ingress replica serves HTTP on --port itself, without Serve's proxy "
-        "(Ray Serve's direct ingress; a local cluster only)",
+        help="with --replicas: the ingress replicas (--front-ends) serve HTTP on --port themselves, sharing "
+        "it (SO_REUSEPORT), and Serve runs no proxy",
     )
     p.set_defaults(func=run)
     return p
@@ -194,10 +194,6 @@ def _run_on_ray(settings, args: argparse.Namespace) -> int:
         return 2
     calls = {} if args.calls_per_replica is None else {"max_calls_per_replica": args.calls_per_replica}
     calls["ingress_replicas"] = settings.front_ends
-    if args.direct_ingress and settings.front_ends > 1:
-        logger.error("hstu serve: --direct-ingress serves one ingress replica on --port; --front-ends %d needs "
-                     "Serve's proxy (leave out --direct-ingress)", settings.front_ends)
-        return 2
     try:
         serve_locally(
             settings, args.host, args.port, args.replicas, args.gpus_per_replica, args.direct_ingress, **calls

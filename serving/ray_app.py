@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import socket
 import time
@@ -75,6 +74,7 @@ _RETRY_BACKOFF_S = (0.05, 0.1, 0.2, 0.5)
 _SCRAPE_TIMEOUT_S = 2.0
 _MIN_SILENT_S = 1.0  # a call may take this long before it counts as lost, however short the deadline
 _READY_POLL_S = 0.5
+_LISTEN_BACKLOG = 2048
 _NO_ACCESS_LOG = {"enable_access_log": False}  # as `hstu serve` (uvicorn access_log=False): no per-request lines
 
 
@@ -308,7 +308,8 @@ class RemoteRuntime(Runtime):
 
 @serve.ingress()
 class HTTPIngress:
-    """The HTTP ingress: the app of serving/app.py over a RemoteRuntime to the ranking deployment."""
+    """The HTTP ingress behind Serve's proxy: the app of serving/app.py over a RemoteRuntime to the
+    ranking deployment."""
 
     def __init__(self, settings: ServerSettings, ranking: DeploymentHandle, max_calls_per_replica: int) -> None:
         self._settings = settings
@@ -316,6 +317,65 @@ class HTTPIngress:
 
     def __serve_build_asgi_app__(self):
         return create_app(self._settings, runtime_factory=self._runtime)
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port that other processes of this host may bind too
+    (SO_REUSEPORT: the kernel spreads new connections over them)."""
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise ValueError("listening ingress replicas share their port through SO_REUSEPORT, which this OS lacks")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(_LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class ListeningIngress:
+    """An ingress replica serving HTTP on host:port itself: the same app and RemoteRuntime as
+    HTTPIngress, under its own uvicorn (as `hstu serve` runs it), with no proxy in between.
+
+    Why: behind Serve's proxy each request's 230 KB body and its answer are relayed through actor
+    calls; on the H200 that capped the Ray path at 0.25-0.34x of `hstu serve`'s requests/s, with
+    ~130-400 ms per request spent receiving the body (benchmarks/RESULTS.md, runs BA and BB). Ray's
+    own direct ingress (2.60, a feature flag) gives each ingress replica a port of its own, so one
+    address reaches one replica: 0.53x (session 17). Here every ingress replica of a node binds the
+    same port (SO_REUSEPORT) and the kernel spreads connections over them, so `--front-ends N`
+    scales the HTTP side as it does for `hstu serve`. On a cluster, each node's ingress replicas
+    listen on that node's port (put a load balancer over the nodes)."""
+
+    async def __init__(
+        self, settings: ServerSettings, ranking: DeploymentHandle, max_calls_per_replica: int, host: str, port: int
+    ) -> None:
+        from hstu.serving.server import draining_server
+
+        runtime = partial(RemoteRuntime, ranking=ranking, max_calls_per_replica=max_calls_per_replica)
+        self._sock = reuse_port_socket(host, port)
+        self._server = draining_server(create_app(settings, runtime_factory=runtime), host, port)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._sock]))
+        while not self._server.started:  # uvicorn's start-up (the app's lifespan) before this replica counts
+            if self._task.done():
+                self._sock.close()
+                raise RuntimeError(f"ingress HTTP server on {host}:{port} did not start: {self._task.exception()!r}")
+            await asyncio.sleep(_READY_POLL_S / 10)
+
+    def check_health(self) -> None:
+        if self._task.done():
+            raise RuntimeError("the ingress's HTTP server stopped")
+
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown: stop accepting, drain (DrainingServer), close the socket."""
+        self._server.should_exit = True
+        try:
+            await self._task
+        finally:
+            self._sock.close()
 
 
 def build_app(
@@ -327,12 +387,16 @@ def build_app(
     max_ongoing_requests: int = DEFAULT_MAX_ONGOING,
     ingress_replicas: int = 1,
     max_calls_per_replica: int = DEFAULT_CALLS_PER_REPLICA,
+    listen_port: int | None = None,
+    listen_host: str = "0.0.0.0",
 ):
     """The Serve application: `replicas` ranking replicas (each `gpus_per_replica` GPUs: 1 on CUDA,
     0 on CPU by default) behind `ingress_replicas` HTTP ingresses. `max_queue` is the router's load
     bound (a replica with more ongoing requests hands new ones on); `max_ongoing_requests` is
     Serve's hard cap per replica; `max_calls_per_replica` the calls one ingress keeps in flight to
-    one replica (CallCoalescer: requests beyond them wait and share the next call)."""
+    one replica (CallCoalescer: requests beyond them wait and share the next call). With
+    `listen_port` each ingress replica serves HTTP on listen_host:listen_port itself
+    (ListeningIngress) and the app has no route on Serve's proxy; else Serve's proxy relays to them."""
     if replicas < 1 or ingress_replicas < 1:
         raise ValueError(f"need at least one replica and one ingress, got {replicas} and {ingress_replicas}")
     if max_calls_per_replica < 1:
@@ -355,14 +419,15 @@ def build_app(
         ),
     )
     ingress = serve.deployment(
-        HTTPIngress,
+        HTTPIngress if listen_port is None else ListeningIngress,
         name=INGRESS,
         num_replicas=ingress_replicas,
         max_ongoing_requests=settings.max_queue,
         ray_actor_options={"num_cpus": 0},
         logging_config=_NO_ACCESS_LOG,
     )
-    return ingress.bind(settings, ranking.bind(settings), max_calls_per_replica)
+    listen = () if listen_port is None else (listen_host, listen_port)
+    return ingress.bind(settings, ranking.bind(settings), max_calls_per_replica, *listen)
 
 
 def app_builder(args: dict[str, Any]):
@@ -371,24 +436,6 @@ def app_builder(args: dict[str, Any]):
     args = dict(args)
     settings = ServerSettings.load(args.pop("config_file", None), {}, **args.pop("settings", {}))
     return build_app(settings, **args)
-
-
-def _direct_ingress_env(port: int) -> dict[str, str]:
-    """Ray Serve's direct ingress (Ray >= 2.60, a feature flag read by the controller and replicas
-    at start): the ingress replica runs the HTTP server itself, on `port`, so a request's body
-    and answer skip the proxy actor and the actor calls that relay them (on CPU: 1.5-1.8x the
-    requests/s, half the p50, of the same app behind the proxy; RESULTS.md, eighth session)."""
-    return {
-        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive: the one port
-    }
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def serve_locally(
@@ -402,27 +449,24 @@ def serve_locally(
 ) -> None:
     """`hstu serve --replicas N`: start (or join, with RAY_ADDRESS) a Ray cluster, serve the app on
     host:port until SIGINT/SIGTERM, then delete the app (replicas drain their queues). With
-    `direct_ingress` the ingress replica itself listens on host:port (Serve's proxy moves to a free
-    port); it needs a cluster this call starts, since the flag is read when Serve's processes
-    start. `app_options` are build_app's keyword arguments."""
+    `direct_ingress` the ingress replicas listen on host:port themselves (ListeningIngress) and
+    Serve runs no proxy; else Serve's proxy listens there. `app_options` are build_app's keyword
+    arguments."""
     import ray
 
-    proxy_port = port
-    if direct_ingress:
-        if os.environ.get("RAY_ADDRESS"):
-            raise ValueError(
-                "direct ingress needs a Ray cluster started here; on an existing cluster set "
-                + ", ".join(f"{k}={v}" for k, v in _direct_ingress_env(port).items()) + " where it starts"
-            )
-        os.environ.update(_direct_ingress_env(port))
-        proxy_port = _free_port(host)
     ray.init(include_dashboard=False)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # after ray.init, which installs its own
     try:
-        serve.start(http_options={"host": host, "port": proxy_port})
-        app = build_app(settings, replicas=replicas, gpus_per_replica=gpus_per_replica, **app_options)
-        serve.run(app, name=APP_NAME, route_prefix="/")
-        how = "the ingress directly" if direct_ingress else "Serve's proxy"
+        if direct_ingress:
+            serve.start(proxy_location="Disabled")
+            app = build_app(settings, replicas=replicas, gpus_per_replica=gpus_per_replica, listen_port=port,
+                            listen_host=host, **app_options)
+            serve.run(app, name=APP_NAME, route_prefix=None)
+        else:
+            serve.start(http_options={"host": host, "port": port})
+            app = build_app(settings, replicas=replicas, gpus_per_replica=gpus_per_replica, **app_options)
+            serve.run(app, name=APP_NAME, route_prefix="/")
+        how = "the ingress replicas directly" if direct_ingress else "Serve's proxy"
         logger.info("serving %d ranking replicas on http://%s:%d through %s (docs at /docs)", replicas, host, port, how)
         signal.pause()
     except KeyboardInterrupt:

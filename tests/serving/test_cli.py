@@ -184,22 +184,23 @@ def test_serve_with_a_missing_checkpoint_exits_non_zero_with_one_line_and_no_tra
 
 
 def test_replicas_take_front_ends_as_their_ingress_replicas(monkeypatch):
-    """On Ray Serve, --front-ends N is the number of HTTP ingress replicas; Serve's direct ingress
-    listens on the one --port, so it takes one."""
+    """On Ray Serve, --front-ends N is the number of HTTP ingress replicas, behind Serve's proxy or
+    (--direct-ingress) each listening on the one --port itself."""
     import sys
     import types
 
     seen = {}
     fake = types.ModuleType("hstu.serving.ray_app")
     fake.serve_locally = lambda settings, host, port, replicas, gpus, direct, **options: seen.update(
-        replicas=replicas, **options
+        replicas=replicas, direct=direct, **options
     )
     monkeypatch.setitem(sys.modules, "hstu.serving.ray_app", fake)
     from hstu.serving import cli
 
     args = parse(["serve", "--replicas", "2", "--front-ends", "3", "--engine-process"])
     assert cli.run(args) == 0
-    assert seen == {"replicas": 2, "ingress_replicas": 3}
+    assert seen == {"replicas": 2, "direct": False, "ingress_replicas": 3}
     seen.clear()
     direct = parse(["serve", "--replicas", "1", "--front-ends", "2", "--engine-process", "--direct-ingress"])
-    assert cli.run(direct) == 2 and not seen, "one port cannot take several ingress replicas"
+    assert cli.run(direct) == 0
+    assert seen == {"replicas": 1, "direct": True, "ingress_replicas": 2}

@@ -1,14 +1,13 @@
-"""`hstu serve --replicas 1 --direct-ingress --engine-process` (Ray Serve's direct ingress: the
-ingress replica serves HTTP on --port itself; the ranking replica runs its engine in a child
-process): it ranks a few users' growing histories over its own port, every answer equal to the
-no-cache model's, with cache hits; on a cluster named by RAY_ADDRESS it refuses with exit status
-2. Its own local Ray cluster, in a child process."""
+"""`hstu serve --replicas 1 --front-ends 2 --direct-ingress --engine-process` (two ingress replicas
+serving HTTP on --port themselves, sharing it through SO_REUSEPORT, no Serve proxy; the ranking
+replica runs its engine in a child process): it ranks a few users' growing histories over that
+port, every answer equal to the no-cache model's, with cache hits. Its own local Ray cluster, in a
+child process. And the port sharing itself."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -19,6 +18,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from hstu.scripts.loadtest import wait_until_ready  # noqa: E402
+from hstu.serving.ray_app import reuse_port_socket  # noqa: E402
 from tests.serving.conftest import TINY, Timeline  # noqa: E402
 from tests.serving.test_ray_app import assert_all_match, post_all  # noqa: E402
 
@@ -29,13 +29,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _serve(tmp_path, port: int, env: dict[str, str] | None = None) -> subprocess.Popen:
+def _serve(tmp_path, port: int) -> subprocess.Popen:
     config = tmp_path / "model.json"
     config.write_text(json.dumps(TINY.to_dict()))
     argv = [sys.executable, "-m", "hstu.cli", "serve", "--device", "cpu", "--config", str(config), "--host", "127.0.0.1",
             "--port", str(port), "--num-pages", "512", "--page-size", "8", "--chunk-tokens", "16",
-            "--task-names", "click,like,share", "--replicas", "1", "--direct-ingress", "--engine-process"]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+            "--task-names", "click,like,share", "--replicas", "1", "--front-ends", "2", "--direct-ingress",
+            "--engine-process"]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.mark.timeout(300)
@@ -56,11 +57,20 @@ def test_direct_ingress_and_engine_process_replica_match_the_no_cache_model(tmp_
             server.kill()
             output = server.communicate()[0]
     assert_all_match(reference, payloads, responses)
-    assert all(r.json()["cached_tokens"] > 0 for r in responses[4:]), output[-3000:]  # the proxy is on another port
+    assert all(r.json()["cached_tokens"] > 0 for r in responses[4:]), output[-3000:]
+    # logged once serve.run saw both ingress replicas healthy, i.e. both bound the one port
+    assert "through the ingress replicas directly" in output, output[-3000:]
 
 
-def test_direct_ingress_refuses_a_cluster_it_did_not_start(tmp_path):
-    server = _serve(tmp_path, _free_port(), env={"RAY_ADDRESS": "127.0.0.1:1"})
-    output = server.communicate(timeout=120)[0]
-    assert server.returncode == 2, output[-2000:]
-    assert "direct ingress needs a Ray cluster started here" in output and "RAY_SERVE_ENABLE_DIRECT_INGRESS=1" in output
+def test_reuse_port_sockets_share_one_port():
+    first = reuse_port_socket("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        second = reuse_port_socket("127.0.0.1", port)
+        second.close()
+        with socket.socket() as plain:
+            plain.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):  # a socket without SO_REUSEPORT still cannot take it
+                plain.bind(("127.0.0.1", port))
+    finally:
+        first.close()
