@@ -12,6 +12,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -21,6 +23,9 @@ from hstu.scripts.loadtest import wait_until_ready  # noqa: E402
 from hstu.serving.ray_app import reuse_port_socket  # noqa: E402
 from tests.serving.conftest import TINY, Timeline  # noqa: E402
 from tests.serving.test_ray_app import assert_all_match, post_all  # noqa: E402
+
+
+_ALL_LISTENING = "through the ingress replicas directly"
 
 
 def _free_port() -> int:
@@ -43,23 +48,32 @@ def _serve(tmp_path, port: int) -> subprocess.Popen:
 def test_direct_ingress_and_engine_process_replica_match_the_no_cache_model(tmp_path, reference):
     port = _free_port()
     server = _serve(tmp_path, port)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(server.stdout), daemon=True)
+    reader.start()
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until_ready(base, lambda: server.poll() is None, timeout_s=240)
         timelines = [Timeline(30_000 + u) for u in range(4)]
         payloads = [t.payload(6 + 3 * step, num_candidates=3) for step in range(3) for t in timelines]
         responses = asyncio.run(post_all(base, payloads))
+        # logged once serve.run saw both ingress replicas healthy, i.e. both bound the one port (an
+        # ingress answers as soon as it listens, which can be before that)
+        deadline = time.monotonic() + 120
+        while not any(_ALL_LISTENING in line for line in lines) and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
         server.send_signal(signal.SIGINT)
         try:
-            output = server.communicate(timeout=90)[0]
+            server.wait(timeout=90)
         except subprocess.TimeoutExpired:
             server.kill()
-            output = server.communicate()[0]
+            server.wait()
+        reader.join(timeout=10)
+    output = "".join(lines)
     assert_all_match(reference, payloads, responses)
     assert all(r.json()["cached_tokens"] > 0 for r in responses[4:]), output[-3000:]
-    # logged once serve.run saw both ingress replicas healthy, i.e. both bound the one port
-    assert "through the ingress replicas directly" in output, output[-3000:]
+    assert _ALL_LISTENING in output, output[-3000:]
 
 
 def test_reuse_port_sockets_share_one_port():
