@@ -168,6 +168,47 @@ def measure_onload(engine, cost: CostModel, max_users: int = 8, repeats: int = 3
     )
 
 
+def measure_front(engine, cost: CostModel, max_users: int = 8, repeats: int = 3, fraction: float = 0.5) -> CostModel:
+    """`cost` with front_s: under host_split "compute_front", what a batch of all calibration users
+    whose prefixes are in the host tier, `fraction` onloaded and the rest recomputed in a front pass,
+    took beyond predict_front's figure for it. Why: the front pass is a forward of its own (features,
+    metadata, a second graph launch, rows with no candidates) that the per-layer fit, measured on
+    single-pass batches, does not see; on the H200 a batch of 8 ran its fronts 1.3-4.4 ms slower than
+    predicted (session 17), and the planner chose a split that measured 1.04x of recomputing where
+    half the prefix measured 1.27x. `cost` unchanged without a host tier, or when its users did not
+    reach it."""
+    from hstu.ops.kvcache.planner import FixedSplit, front_tokens, predict_front
+
+    cfg, kv, cache = engine.config, engine.cache.config, engine.cache
+    events, candidates = _shape(engine)
+    users = _max_users(engine, max_users)
+    prefix_events = events - max(1, events // 32)
+    n = cfg.history_tokens(events)
+    host_tokens = cfg.history_tokens(prefix_events) // kv.chunk_tokens * kv.chunk_tokens
+    if users < 1 or kv.host_slots < users * (host_tokens // kv.chunk_tokens) or host_tokens == 0:
+        return cost
+    split = FixedSplit(fraction)
+    shapes = [UserShape(host_tokens, 0, n, candidates)] * users
+    onload = split.choose(shapes, kv.num_layers, kv.chunk_tokens).onload_tokens
+    reused = host_tokens - front_tokens(host_tokens, onload[0], kv.chunk_tokens)
+    rng = np.random.default_rng(2)
+    ids = itertools.count(_FIRST_USER + (2 << 20))
+    times = []
+    previous, cache.cost_model = cache.cost_model, split
+    try:
+        for i in range(repeats + 1):  # the first round warms the shapes up
+            batch = _requests(engine, [next(ids) for _ in range(users)], events, candidates, rng)
+            seconds, outputs = _time_batch(engine, batch, prefix_events, from_host=True, admit=True)
+            if any(o.cached_tokens != reused for o in outputs):
+                return cost
+            if i:
+                times.append(seconds)
+    finally:
+        cache.cost_model = previous
+    predicted = predict_front(shapes, onload, cost, kv.num_layers, kv.chunk_tokens, engine.graph_buckets)[0]
+    return dataclasses.replace(cost, front_s=max(0.0, statistics.median(times) - predicted))
+
+
 def _time_batch(
     engine, batch: list[RankingRequest], prefix_events: int, from_host: bool = False, admit: bool = False
 ) -> tuple[float, list]:

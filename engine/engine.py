@@ -254,7 +254,7 @@ class RankingEngine:
         serving: it ranks synthetic users through both tiers). A measurement that cannot tell
         compute cost apart, or a cache too small to measure with, leaves the planner off (returns
         None)."""
-        from hstu.engine.calibration import measure_forward_costs, measure_onload
+        from hstu.engine.calibration import measure_forward_costs, measure_front, measure_onload
         from hstu.ops.kvcache.costs import measure_h2d
 
         if self.cache is None:
@@ -269,6 +269,8 @@ class RankingEngine:
             cost = CostModel(measure_h2d(self.model.device), kv.page_bytes // kv.page_size, per_row, per_pair,
                              forward_s=forward)
             cost = measure_onload(self, cost)
+            if self.cache.config.host_split == "compute_front":
+                cost = measure_front(self, cost)
         with self._lock:
             self.cache.cost_model = cost
         return cost
@@ -416,8 +418,8 @@ class RankingEngine:
     def _forward_front(self, requests: list[RankingRequest], plan) -> bool:
         """host_split "compute_front": recompute tokens [0, q) of each front user (plan.front_tokens)
         into their first pages, in a pass of its own that reads no onloaded page, with the onload of
-        the rest of their prefixes started before it (after its inputs copy), so the copies run beside
-        it; the batch's pass then waits for them layer by layer as usual. When the batch replays a
+        the rest of their prefixes started once its first kernels are enqueued, so the copies run
+        beside it; the batch's pass then waits for them layer by layer as usual. When the batch replays a
         graph bucket of its own, its inputs are copied first too (returns True): queued behind the
         onload on the copy engine, they would hold its first layer until every copy had landed."""
         model, ctx = self.model, self.config.num_contextual
@@ -439,13 +441,18 @@ class RankingEngine:
             staged = self.graphs.stage(plan.pad, prepared.metadata)
         if plan.front_pad is not None:
             model.static_inputs(fronts, plan.front_layout, self.graphs.inputs_of(plan.front_pad))
-            done = self.graphs.run(plan.front_pad, prepared.front_metadata, 0, copy=False, after_copy=prepared.start_onload)
+            done = self.graphs.run(plan.front_pad, prepared.front_metadata, 0, copy=False, after_launch=prepared.start_onload)
             if done is None:
                 raise RuntimeError(f"no CUDA graph replayed the front pass of {plan.front_layout.num_rows} rows padded for one")
         else:
             x = model.embed(fronts, [0] * len(fronts))
-            prepared.start_onload()
-            model.block.forward_paged(x, prepared.kv_pages, prepared.front_metadata, None, self.layer_fns)
+
+            def launched(layer: int) -> None:  # the onload starts once the first layer is enqueued
+                if layer == 1:
+                    prepared.start_onload()
+
+            model.block.forward_paged(x, prepared.kv_pages, prepared.front_metadata, launched, self.layer_fns)
+            prepared.start_onload()  # (one layer: not started yet; else a no-op)
         return staged
 
     def _split(self, requests: list[RankingRequest], logits: torch.Tensor, cached: list[int]) -> list[RankOutput]:

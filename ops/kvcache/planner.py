@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -37,7 +39,9 @@ class CostModel:
     of the batch's time an onload must save over recomputing every host-tier prefix to be chosen,
     the model's error kept off the wrong side of "never slower than no cache": on the H200 it
     predicted a batch-1 half split 7.6% faster than recomputing, which measured 5-6% slower (runs
-    BA, BB), and a batch-8 split 12.8% faster, which measured 4-7% faster."""
+    BA, BB), and a batch-8 split 12.8% faster, which measured 4-7% faster. front_s: what a batch
+    with a front pass (host_split "compute_front") costs beyond the model of its layers, measured
+    (engine/calibration.py measure_front)."""
 
     h2d_bytes_per_s: float
     bytes_per_token_layer: int
@@ -47,6 +51,7 @@ class CostModel:
     forward_s: float = 0.0
     onload_start_s: float = 0.0
     min_gain: float = 0.1
+    front_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_gain < 1.0:
@@ -54,7 +59,7 @@ class CostModel:
         for name in ("h2d_bytes_per_s", "bytes_per_token_layer"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("per_row_s", "per_pair_s", "fixed_s", "forward_s", "onload_start_s"):
+        for name in ("per_row_s", "per_pair_s", "fixed_s", "forward_s", "onload_start_s", "front_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -180,7 +185,7 @@ def predict_front(
     (front_tokens) in a pass of their own, which reads no onloaded page, while the rest of its
     prefix is onloaded; then the batch's pass computes every user's new tokens and candidates
     (a host-tier user the split onloads nothing of: its whole history), layer i after layer i's copies landed:
-        front   = L x (fixed_s + rows_f x per_row_s + pairs_f x per_pair_s)   (causal within q)
+        front   = front_s + L x (fixed_s + rows_f x per_row_s + pairs_f x per_pair_s)   (causal within q)
         finish_i = max(finish_{i-1}, onload_start_s + (i + 1) * load_layer) + batch_layer,
         finish_-1 = front."""
     fronts = _fronts(users, onload, chunk_tokens)
@@ -189,8 +194,48 @@ def predict_front(
     front_layer = _layer_s(cost, sum(fronts), sum(q * (q + 1) // 2 for q in fronts), buckets) if any(fronts) else 0.0
     batch_layer = _layer_s(cost, *layer_work(users, starts), buckets)
     loaded = sum(u.host_tokens - q for u, q, p in zip(users, fronts, onload) if p > 0)
-    finish, load = _timeline(cost, num_layers, loaded, batch_layer, front_layer * num_layers)
-    return finish, load, (front_layer + batch_layer) * num_layers
+    front = (cost.front_s + front_layer * num_layers) if any(fronts) else 0.0
+    finish, load = _timeline(cost, num_layers, loaded, batch_layer, front)
+    return finish, load, front + batch_layer * num_layers
+
+
+def _candidates(users: list[UserShape], chunk_tokens: int, steps: int) -> np.ndarray:
+    """[steps + 1, users] onloaded tokens of each candidate split, fraction k / steps of every host
+    prefix in whole chunks, k = steps down to 0 (the order plan() prefers on ties: more onload)."""
+    chunks = np.asarray([u.host_tokens // chunk_tokens for u in users], dtype=np.int64)
+    k = np.arange(steps, -1, -1, dtype=np.int64)[:, None]
+    return chunks[None, :] * k // steps * chunk_tokens
+
+
+def _work(users: list[UserShape], start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """layer_work over candidates: rows and pairs [K] when user u's first computed history position
+    is max(gpu_tokens, start[:, u])."""
+    n = np.asarray([u.history_tokens for u in users], dtype=np.int64)
+    m = np.asarray([u.candidates for u in users], dtype=np.int64)
+    first = np.maximum(np.asarray([u.gpu_tokens for u in users], dtype=np.int64), start)
+    rows = (n - first + m).sum(axis=1)
+    pairs = ((n * (n + 1) - first * (first + 1)) // 2 + m * (n + 1)).sum(axis=1)
+    return rows, pairs
+
+
+def _layers_s(cost: CostModel, rows: np.ndarray, pairs: np.ndarray, buckets: tuple[int, ...] | None) -> np.ndarray:
+    """_layer_s over candidates."""
+    if buckets:
+        edges = np.asarray(buckets, dtype=np.int64)
+        at = np.searchsorted(edges, rows)  # the smallest bucket >= rows
+        rows = np.where(at < len(edges), edges[np.minimum(at, len(edges) - 1)], rows)
+    return cost.fixed_s + rows * cost.per_row_s + pairs * cost.per_pair_s
+
+
+def _timelines(cost: CostModel, num_layers: int, onloaded: np.ndarray, layer_s: np.ndarray, first_s: np.ndarray) -> np.ndarray:
+    """_timeline's batch time over candidates."""
+    load_layer = onloaded * (cost.bytes_per_token_layer / cost.h2d_bytes_per_s)
+    start = np.where(onloaded > 0, cost.onload_start_s, 0.0)
+    finish = first_s.astype(np.float64)
+    for i in range(num_layers):
+        landed = np.where(onloaded > 0, start + (i + 1) * load_layer, 0.0)
+        finish = np.maximum(finish, landed) + layer_s
+    return cost.forward_s + finish
 
 
 def plan(
@@ -207,29 +252,46 @@ def plan(
     eagerly, which the cost model (measured mostly on graph replays) does not describe: on the
     H200 a batch of 8 recomputing half of 4k-token prefixes (18k rows, eager) took 25.7 ms
     against 19.3 ms for a quarter more onload in a graph. Such splits are skipped; pure onload
-    and pure recompute always stay candidates."""
+    and pure recompute always stay candidates.
+
+    Every candidate is predicted at once (numpy over candidates and users; the same figures as
+    predict and predict_front): one split at a time in Python took 0.2-0.4 ms a batch on the dev
+    CPU, on the critical path of every host-tier batch."""
     steps = max((u.host_tokens // chunk_tokens for u in users), default=0)
     if steps == 0:
         zero = [0] * len(users)
         return Plan(zero, *predict(users, zero, cost, num_layers, buckets))
-    best: Plan | None = None
-    recompute: Plan | None = None
-    for k in range(steps, -1, -1):  # fraction k / steps of every host prefix, in whole chunks
-        onload = [(u.host_tokens // chunk_tokens) * k // steps * chunk_tokens for u in users]
-        split = 0 < k < steps
-        if front and split:
-            if buckets and sum(_fronts(users, onload, chunk_tokens)) > buckets[-1]:
-                continue
-            finish, load, compute = predict_front(users, onload, cost, num_layers, chunk_tokens, buckets)
-        else:
-            if buckets and split and layer_work(users, onload)[0] > buckets[-1]:
-                continue
-            finish, load, compute = predict(users, onload, cost, num_layers, buckets)
-        candidate = Plan(onload, finish, load, compute)
-        if k == 0:
-            recompute = candidate
-        if best is None or finish < best.predicted_s * (1 - 1e-9):
-            best = candidate
-    if best.predicted_s > recompute.predicted_s * (1 - cost.min_gain):
-        return recompute  # the gain is within the model's error: recomputing is never slower
-    return best
+    onload = _candidates(users, chunk_tokens, steps)
+    host = np.asarray([u.host_tokens for u in users], dtype=np.int64)
+    split = np.zeros(steps + 1, dtype=bool)
+    split[1:-1] = True  # 0 < k < steps
+    if front:
+        partly = (onload > 0) & (onload < host)
+        fronts = np.where(partly, np.maximum(0, host - onload) // chunk_tokens * chunk_tokens, 0)
+        f_rows = fronts.sum(axis=1)
+        front_layer = np.where(
+            f_rows > 0, _layers_s(cost, f_rows, (fronts * (fronts + 1) // 2).sum(axis=1), buckets), 0.0
+        )
+        batch_layer = _layers_s(cost, *_work(users, np.where(onload > 0, host, 0)), buckets)
+        loaded = np.where(onload > 0, host - fronts, 0).sum(axis=1)
+        first = np.where(f_rows > 0, cost.front_s + front_layer * num_layers, 0.0)
+        finish = _timelines(cost, num_layers, loaded, batch_layer, first)
+        load = loaded * (cost.bytes_per_token_layer / cost.h2d_bytes_per_s) * num_layers
+        compute = first + batch_layer * num_layers
+        # a front split's fronts are one pass; pure onload and recompute have none (predict's rows)
+        skip = split & (f_rows > buckets[-1]) if buckets else np.zeros_like(split)
+    else:
+        rows, pairs = _work(users, onload)
+        layer = _layers_s(cost, rows, pairs, buckets)
+        total = onload.sum(axis=1)
+        finish = _timelines(cost, num_layers, total, layer, np.zeros(steps + 1))
+        load = total * (cost.bytes_per_token_layer / cost.h2d_bytes_per_s) * num_layers
+        compute = layer * num_layers
+        skip = split & (rows > buckets[-1]) if buckets else np.zeros_like(split)
+    best = None
+    for i in range(steps + 1):  # k = steps .. 0: ties keep the earlier (more onload)
+        if not skip[i] and (best is None or finish[i] < finish[best] * (1 - 1e-9)):
+            best = i
+    recompute = steps  # k = 0
+    chosen = best if finish[best] <= finish[recompute] * (1 - cost.min_gain) else recompute
+    return Plan([int(t) for t in onload[chosen]], float(finish[chosen]), float(load[chosen]), float(compute[chosen]))

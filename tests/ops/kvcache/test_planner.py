@@ -177,8 +177,10 @@ def test_a_calibrated_front_planner_serves_host_tier_users_correctly(tiny_config
     """compute_front with costs measured through the engine (whatever split they choose), then
     the oracle over several host-tier users."""
     engine = _engine(tiny_config, host_split="compute_front")
-    assert engine.calibrate() is not None
+    cost = engine.calibrate()
+    assert cost is not None and cost.front_s >= 0
     mgr = engine.cache
+    assert mgr.occupancy() == _engine(tiny_config).cache.occupancy(), "the front measurement's users are gone"
     engine.rank([book.request(u, 11 + u) for u in (1, 2, 3)])
     mgr.drain()
     mgr.evict_gpu([1, 2, 3])
@@ -201,6 +203,24 @@ def test_the_front_planner_onloads_the_back_when_it_pays_and_recomputes_when_it_
         assert chosen.predicted_s < predict(SEED_USERS, end, cost, LAYERS)[0]
     # the front pass reads no onloaded page: with the same costs it beats onloading the front
     assert chosen.predicted_s < plan(SEED_USERS, cost, LAYERS, CHUNK).predicted_s
+
+
+def test_a_front_pass_overhead_delays_only_front_splits_and_steers_away_from_them():
+    """front_s is paid by a split with a front pass, never by pure onload or pure recompute; a large
+    one leaves the split's fronts and takes an end."""
+    from hstu.ops.kvcache.planner import predict_front
+
+    cost = dataclasses.replace(_cost(55), min_gain=0.0)
+    slow = dataclasses.replace(cost, front_s=5e-3)
+    for end in ([0] * 8, [3968] * 8):
+        assert predict_front(SEED_USERS, end, slow, LAYERS, CHUNK) == predict_front(SEED_USERS, end, cost, LAYERS, CHUNK)
+    half, fast = [1920] * 8, dataclasses.replace(cost, h2d_bytes_per_s=1e15)  # the front on the critical path
+    assert predict_front(SEED_USERS, half, dataclasses.replace(fast, front_s=5e-3), LAYERS, CHUNK)[0] == pytest.approx(
+        predict_front(SEED_USERS, half, fast, LAYERS, CHUNK)[0] + 5e-3
+    )
+    assert predict_front(SEED_USERS, half, slow, LAYERS, CHUNK)[0] >= predict_front(SEED_USERS, half, cost, LAYERS, CHUNK)[0]
+    assert 0 < plan(SEED_USERS, cost, LAYERS, CHUNK, front=True).onload_tokens[0] < 3968
+    assert plan(SEED_USERS, dataclasses.replace(cost, front_s=1.0), LAYERS, CHUNK, front=True).onload_tokens[0] in (0, 3968)
 
 
 def test_the_front_timeline_agrees_with_the_plain_one_at_both_ends_and_counts_each_row_once():
@@ -303,3 +323,47 @@ def test_a_cache_too_small_to_calibrate_with_leaves_the_planner_off(tiny_config)
     engine = _engine(tiny_config, num_pages=16)  # 64 tokens: not one calibration user of ~250 tokens
     assert engine.calibrate() is None and engine.cache.cost_model is None
     engine.close()
+
+
+def _plan_one_split_at_a_time(users, cost, layers, chunk, buckets, front):
+    """The planner's choice, predicting each candidate with the scalar predict / predict_front."""
+    from hstu.ops.kvcache.planner import _fronts, layer_work, predict_front
+
+    steps = max(u.host_tokens // chunk for u in users)
+    best = recompute = None
+    for k in range(steps, -1, -1):
+        onload = [(u.host_tokens // chunk) * k // steps * chunk for u in users]
+        split = 0 < k < steps
+        if buckets and split and (sum(_fronts(users, onload, chunk)) if front else layer_work(users, onload)[0]) > buckets[-1]:
+            continue
+        finish = (predict_front(users, onload, cost, layers, chunk, buckets) if front and split
+                  else predict(users, onload, cost, layers, buckets))[0]
+        if k == 0:
+            recompute = (onload, finish)
+        if best is None or finish < best[1] * (1 - 1e-9):
+            best = (onload, finish)
+    return recompute if best[1] > recompute[1] * (1 - cost.min_gain) else best
+
+
+@pytest.mark.parametrize("front", [False, True])
+@pytest.mark.parametrize("buckets", [None, (256, 1024, 4096, 16384, 24576)])
+def test_the_vectorised_planner_chooses_and_predicts_as_the_scalar_timeline(front, buckets):
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        users = []
+        for _ in range(int(rng.integers(1, 9))):
+            n = int(rng.integers(130, 4200))
+            host = int(rng.integers(0, n)) // CHUNK * CHUNK if rng.random() < 0.8 else 0
+            gpu = 0 if host else int(rng.integers(0, n))
+            users.append(UserShape(host, gpu, n, int(rng.integers(1, 300))))
+        if not any(u.host_tokens for u in users):
+            continue
+        cost = CostModel(float(rng.uniform(5e9, 200e9)), 4096, float(rng.uniform(5e-9, 6e-8)), float(rng.uniform(2e-12, 2e-11)),
+                         forward_s=float(rng.uniform(0, 2e-3)), onload_start_s=float(rng.uniform(0, 5e-4)),
+                         min_gain=float(rng.choice([0.0, 0.1])), front_s=float(rng.uniform(0, 3e-3)))
+        chosen = plan(users, cost, LAYERS, CHUNK, buckets, front)
+        onload, finish = _plan_one_split_at_a_time(users, cost, LAYERS, CHUNK, buckets, front)
+        assert chosen.onload_tokens == onload, trial
+        assert chosen.predicted_s == pytest.approx(finish, rel=1e-9), trial
