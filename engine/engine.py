@@ -439,9 +439,18 @@ class RankingEngine:
         if own_bucket:
             model.static_inputs(requests, plan.layout, self.graphs.inputs_of(plan.pad))
             staged = self.graphs.stage(plan.pad, prepared.metadata)
+        # The copies wait for the work before the front pass, not for it: it writes other pages.
+        before_front = None
+        if model.device.type == "cuda":
+            before_front = torch.cuda.Event()
+            before_front.record()
+
+        def start_onload() -> None:
+            prepared.start_onload(after=before_front)
+
         if plan.front_pad is not None:
             model.static_inputs(fronts, plan.front_layout, self.graphs.inputs_of(plan.front_pad))
-            done = self.graphs.run(plan.front_pad, prepared.front_metadata, 0, copy=False, after_launch=prepared.start_onload)
+            done = self.graphs.run(plan.front_pad, prepared.front_metadata, 0, copy=False, after_launch=start_onload)
             if done is None:
                 raise RuntimeError(f"no CUDA graph replayed the front pass of {plan.front_layout.num_rows} rows padded for one")
         else:
@@ -449,10 +458,10 @@ class RankingEngine:
 
             def launched(layer: int) -> None:  # the onload starts once the first layer is enqueued
                 if layer == 1:
-                    prepared.start_onload()
+                    start_onload()
 
             model.block.forward_paged(x, prepared.kv_pages, prepared.front_metadata, launched, self.layer_fns)
-            prepared.start_onload()  # (one layer: not started yet; else a no-op)
+            start_onload()  # (one layer: not started yet; else a no-op)
         return staged
 
     def _split(self, requests: list[RankingRequest], logits: torch.Tensor, cached: list[int]) -> list[RankOutput]:

@@ -30,17 +30,19 @@ class PreparedBatch:
     # candidates), packed like `metadata`; None when no user recomputes a front.
     front_metadata: KVCacheMetadata | PackedMetadata | None = None
     # Enqueues the host->GPU copies (TierTransfers.onload_async); None once started (or nothing to onload).
-    _start_onload: Callable[[], None] | None = field(default=None, repr=False)
+    _start_onload: Callable[..., None] | None = field(default=None, repr=False)
 
-    def start_onload(self) -> None:
+    def start_onload(self, after: "torch.cuda.Event | None" = None) -> None:
         """Enqueue the copies, once, from the model thread after the batch's own
         host->device inputs were enqueued. Why then: copies share the device's copy engines in
         enqueue order, so a batch's metadata and features enqueued behind all layers' onloads
         held its first layer (and so every later one) until every onload had landed; on the H200
-        a batch that onloaded 3/4 of its prefix took load + compute instead of their overlap."""
+        a batch that onloaded 3/4 of its prefix took load + compute instead of their overlap.
+        after: the compute-stream event the copies wait for (default: all work enqueued so far;
+        TierTransfers.onload_async)."""
         start, self._start_onload = self._start_onload, None
         if start is not None:
-            start()
+            start(after=after)
 
     def ready(self, layer: int) -> None:
         """Block hook: order the compute stream after layer's onload (raises on timeout); the

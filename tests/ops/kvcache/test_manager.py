@@ -348,3 +348,16 @@ def test_a_shorter_history_that_differs_is_still_invalidated_under_reuse(tiny_co
 def test_reuse_policy_needs_candidates_reranking(tiny_config):
     with pytest.raises(ValueError, match="on_shorter_history 'reuse'.*on_no_new_tokens 'candidates', got 'raise'"):
         KVCacheConfig.for_model(tiny_config, on_shorter_history="reuse")
+
+
+def test_an_onload_starts_once_after_the_event_it_is_given():
+    """A front pass hands start_onload the event recorded before it, so the copies do not wait
+    for the front pass; the first call starts them, later ones (ready(), finish) are no-ops."""
+    from hstu.ops.kvcache.batch import PreparedBatch
+
+    calls = []
+    prepared = PreparedBatch([], None, None, None, [], _start_onload=lambda after=None: calls.append(after))
+    marker = object()
+    prepared.start_onload(after=marker)
+    prepared.start_onload()
+    assert calls == [marker]
