@@ -201,4 +201,7 @@ def _run_on_ray(settings, args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("hstu serve: %s", exc)
         return 2
+    except RuntimeError as exc:  # Serve could not deploy the app (a replica kept failing to start)
+        logger.error("hstu serve: the Ray Serve application did not start: %s", exc)
+        return 1
     return 0

@@ -331,9 +331,10 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
         sock.listen(_LISTEN_BACKLOG)
         sock.setblocking(False)
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        raise OSError(exc.errno, f"an ingress replica cannot listen on {host}:{port} ({exc.strerror}); is another "
+                                 "server, not an hstu ingress, on that port?") from exc
     return sock
 
 

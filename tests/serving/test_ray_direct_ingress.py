@@ -88,3 +88,26 @@ def test_reuse_port_sockets_share_one_port():
                 plain.bind(("127.0.0.1", port))
     finally:
         first.close()
+    with socket.socket() as other:  # another server on the port: the ingress says which port and why
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{taken}"):
+            reuse_port_socket("127.0.0.1", taken)
+
+
+@pytest.mark.timeout(300)
+def test_direct_ingress_on_a_taken_port_exits_naming_it(tmp_path):
+    with socket.socket() as other:  # another server holds the port (no SO_REUSEPORT)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        server = _serve(tmp_path, port)
+        try:
+            output = server.communicate(timeout=240)[0]
+        except subprocess.TimeoutExpired:
+            server.kill()
+            output = server.communicate()[0]
+    assert server.returncode == 1, output[-3000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in output and "did not start" in output, output[-3000:]
+
