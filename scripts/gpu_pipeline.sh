@@ -6,7 +6,7 @@
 # STAGES picks the stages (default: the first six; also split, split_front, pressure_ab, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank,
-# rest_ray, rest_ray_direct, bench_export, bench_compiled), e.g.
+# rest_loop2, rest_ray, rest_ray_direct, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
 # are listed last and make the exit status non-zero. scripts/gpu_check.sh covers the kernels alone
@@ -112,6 +112,8 @@ REFERENCE=0 SERVE_ARGS=--engine-process stage rest_engine 240 bash scripts/gpu_r
 # two and three HTTP front ends before the one engine process (issue 18: the front end's loop was the limit)
 REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 2" stage rest_front2 200 bash scripts/gpu_rest.sh "$OUT/rest_front2"
 REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 3 --parse-processes 2" stage rest_front3 200 bash scripts/gpu_rest.sh "$OUT/rest_front3"
+# two front ends and the engine process launching on its loop's thread (model_on_loop; compare with rest_front2)
+REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 2 --model-on-loop" stage rest_loop2 200 bash scripts/gpu_rest.sh "$OUT/rest_loop2"
 # the same server behind Ray Serve, one replica on this GPU (issue 16: overhead vs "rest", same call)
 REFERENCE=0 SERVE_ARGS="--replicas 1" stage rest_ray 240 bash scripts/gpu_rest.sh "$OUT/rest_ray"
 # ... with the ingress replicas serving HTTP on the port themselves (no proxy actor)

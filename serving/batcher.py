@@ -5,7 +5,9 @@ Invariants:
     batch being formed waits in `_carry`; carried requests go first into the next batch, so each
     user's requests run in arrival order, one batch after another.
   - Batches are launched one at a time, in formation order, on one model thread (`_executor`);
-    the event loop only forms batches and resolves futures. Batch N+1 is formed while batch N is
+    the event loop only forms batches and resolves futures. (inline: on the loop's own thread,
+    for a process whose loop does nothing else much, the engine process; see
+    ServerSettings.model_on_loop.) Batch N+1 is formed while batch N is
     launched and keeps growing until it could start: the model thread free and fewer than the
     in-flight limit of batches unanswered (or it is full, then it queues behind N), so a busy
     model thread or GPU always starts on the largest batch the arrivals allow.
@@ -146,6 +148,7 @@ class Batcher:
         max_queue: int,
         metrics: ServingMetrics | None = None,
         max_queue_wait_s: float = math.inf,
+        inline: bool = False,
     ) -> None:
         if max_batch_size <= 0 or max_queue <= 0 or max_wait_s < 0 or max_queue_wait_s <= 0:
             raise ValueError(
@@ -163,7 +166,9 @@ class Batcher:
         self._live: set[_Item] = set()
         self._closing = False
         self._input_done = False
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hstu-model")
+        # inline: batches launch on the loop's thread (a process whose loop does little else: the
+        # engine process, ServerSettings.model_on_loop); else on a model thread of their own
+        self._executor = None if inline else ThreadPoolExecutor(1, thread_name_prefix="hstu-model")
         self._completer = ThreadPoolExecutor(1, thread_name_prefix="hstu-complete")
         self._task: asyncio.Task | None = None
         self._getter: asyncio.Task | None = None
@@ -241,8 +246,23 @@ class Batcher:
         return RankError(503, "overloaded", detail, retry_after_s=RETRY_AFTER_S)
 
     async def run_on_model_thread(self, fn, *args):
-        """Run fn(*args) on the model thread, between batches (e.g. a prefetch)."""
+        """Run fn(*args) on the model thread, between batches (e.g. a prefetch); inline, on the
+        loop's thread, which launches batches only from _run."""
+        if self._executor is None:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _launch(self, batch: list[_Item]) -> asyncio.Future:
+        """_run_batch on the model thread, or inline on this one (the future then done already)."""
+        loop = asyncio.get_running_loop()
+        if self._executor is not None:
+            return loop.run_in_executor(self._executor, self._run_batch, batch, time.monotonic())
+        launched = loop.create_future()
+        try:
+            launched.set_result(self._run_batch(batch, time.monotonic()))
+        except Exception as exc:  # as the executor would hand it over
+            launched.set_exception(exc)
+        return launched
 
     async def close(self, timeout_s: float | None = None) -> None:
         """Refuse new requests and finish the queued ones; after `timeout_s` answer the rest 503.
@@ -255,7 +275,8 @@ class Batcher:
             if not done:
                 self._refuse_all(f"the server shut down before this request finished (deadline {timeout_s}s)")
                 await self._task
-        self._executor.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         self._completer.shutdown(wait=True)
 
     def _refuse_all(self, detail: str) -> None:
@@ -271,7 +292,6 @@ class Batcher:
         At most `_MAX_IN_FLIGHT` batches are past formation (one completing, one launching, one
         queued behind it), so a full batch starts the moment the model thread is free, with no
         event-loop round trip in between, and the queue of formed batches stays bounded."""
-        loop = asyncio.get_running_loop()
         in_flight: deque[asyncio.Future] = deque()  # each batch until answered
         launches: deque[asyncio.Future] = deque()  # each batch until the model thread is done with it
         while True:
@@ -284,7 +304,7 @@ class Batcher:
                 if self._input_done:
                     return
                 continue
-            launched = loop.run_in_executor(self._executor, self._run_batch, batch, time.monotonic())
+            launched = self._launch(batch)
             launches.append(launched)
             in_flight.append(asyncio.ensure_future(self._complete(batch, launched)))
             for queue in (in_flight, launches):

@@ -94,6 +94,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="run each batch's prepare job (pages, metadata) on a worker thread, not on the model thread (an experiment)",
     )
     p.add_argument(
+        "--model-on-loop", action="store_true", default=None,
+        help="with the engine process: launch batches on its event loop's thread, not a model thread of its own "
+        "(no GIL hand-offs between them; an experiment)",
+    )
+    p.add_argument(
         "--engine-process", action=argparse.BooleanOptionalAction, default=None,
         help="run the engine (model, KV cache, batcher) in a child process, so HTTP and parsing never hold its GIL "
         "(default: on for CUDA devices)",
@@ -143,6 +148,7 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
         compile_layers=True if args.compile else None,
         engine_process=args.engine_process,
         prepare_worker=args.prepare_worker,
+        model_on_loop=args.model_on_loop,
         host_split=args.host_split,
     )
     return ServerSettings.load(args.config_file, env, **flags)

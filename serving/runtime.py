@@ -174,6 +174,7 @@ class ServingRuntime(Runtime):
             s.max_queue,
             self.metrics,
             max_queue_wait_s=s.max_queue_wait_ms / 1000.0,
+            inline=s.model_on_loop,
         )
         self.batcher.start()
         self.state, self.detail = "ready", None

@@ -108,6 +108,13 @@ class ServerSettings:
     gil_switch_interval_ms: float | None = None
     # KVCacheConfig.prepare_worker: each batch's prepare job on a worker thread (an experiment knob)
     prepare_worker: bool = False
+    # The engine process launches each batch on its event loop's thread instead of a model thread
+    # of its own (Batcher inline). Why: on the H200, with two front ends feeding it, the engine
+    # process's model thread took 3.75-4.85 ms a batch against 1.75 ms in process (RESULTS.md, run
+    # BE): its loop, pipe readers and senders took the GIL from it between torch calls. On the loop's
+    # thread the launch and the loop's own work no longer pass the GIL to each other. Needs
+    # engine_process (in one process it would stall HTTP during every launch); not yet measured.
+    model_on_loop: bool = False
     # KVCacheConfig.host_split: which end of a host-tier prefix the planner onloads (load_front measured)
     host_split: str = "load_front"
 
@@ -125,6 +132,9 @@ class ServerSettings:
             raise ValueError(f"host_split must be 'load_front' or 'compute_front', got {self.host_split!r}")
         if self.front_ends > 1 and not self.engine_process:
             raise ValueError(f"front_ends {self.front_ends} share one engine process: it needs engine_process")
+        if self.model_on_loop and not self.engine_process:
+            raise ValueError("model_on_loop runs batches on the engine process's event loop: it needs engine_process "
+                             "(in one process every launch would stall HTTP)")
         for name in _POSITIVE:
             value = getattr(self, name)
             if value is not None and not value > 0:  # `not > 0` also refuses NaN

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import sys
 import threading
 import time
 
@@ -18,6 +20,23 @@ from hstu.serving.errors import RankError
 from .conftest import TASKS, TINY
 
 pytestmark = pytest.mark.anyio
+
+# Tests that need a model thread apart from the loop: the loop must act while a launch runs.
+_NEEDS_MODEL_THREAD = {
+    "test_a_formed_batch_starts_when_the_running_one_ends_even_with_the_loop_busy",
+    "test_cancelled_request_is_dropped_without_stopping_the_batcher",  # cancels during the first launch
+}
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["model-thread", "inline"])
+def batcher_mode(request, monkeypatch):
+    """Every behaviour below holds with batches launched on the loop's thread too (inline: the
+    engine process's model_on_loop)."""
+    if request.param:
+        if request.node.originalname in _NEEDS_MODEL_THREAD:
+            pytest.skip("needs a model thread apart from the loop")
+        monkeypatch.setattr(sys.modules[__name__], "Batcher", functools.partial(Batcher, inline=True))
+    return request.param
 
 
 def request(user: int, tag: int = 0) -> RankingRequest:
@@ -49,7 +68,7 @@ async def submit_all(batcher: Batcher, requests: list[RankingRequest]) -> list:
     return await asyncio.gather(*(batcher.submit(r) for r in requests), return_exceptions=True)
 
 
-async def test_same_user_never_twice_in_a_batch_and_each_user_runs_in_arrival_order():
+async def test_same_user_never_twice_in_a_batch_and_each_user_runs_in_arrival_order(batcher_mode):
     model = FakeModel()
     batcher = Batcher(model.rank, max_batch_size=4, max_wait_s=0.05, max_queue=100)
     batcher.start()
@@ -65,7 +84,8 @@ async def test_same_user_never_twice_in_a_batch_and_each_user_runs_in_arrival_or
     order = [(u, t) for batch in model.batches for u, t in batch]
     for user in {u for u, _ in arrivals}:
         assert [t for u, t in order if u == user] == [t for u, t in arrivals if u == user]
-    assert model.thread_names == {"hstu-model_0"}, "the model runs on the batcher's model thread"
+    thread = threading.current_thread().name if batcher_mode else "hstu-model_0"
+    assert model.thread_names == {thread}, "the model runs on the batcher's model thread, or inline on the loop's"
 
 
 async def test_batch_closes_when_full_or_after_max_wait():

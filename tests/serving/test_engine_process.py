@@ -12,6 +12,8 @@ import signal
 
 import pytest
 
+from hstu.serving.settings import ServerSettings
+
 from .conftest import Timeline, matches_reference, serving, tiny_settings
 from .test_incremental import as_events, full_columns, increment
 
@@ -20,9 +22,13 @@ SLOW_START_S = 120.0  # the child imports torch and warms up on a shared 2-core 
 
 
 @anyio
-async def test_the_engine_process_answers_like_the_in_process_server_and_the_no_cache_model(reference):
+@pytest.mark.parametrize("model_on_loop", [False, True], ids=["model-thread", "model-on-loop"])
+async def test_the_engine_process_answers_like_the_in_process_server_and_the_no_cache_model(reference, model_on_loop):
+    """Also with its batches launched on its event loop's thread (model_on_loop): same answers,
+    prefetch and metrics."""
     timelines = [Timeline(60 + u) for u in range(3)]
-    async with serving(tiny_settings(engine_process=True), ready=False) as (app, remote), serving() as (local_app, local):
+    settings = tiny_settings(engine_process=True, model_on_loop=model_on_loop)
+    async with serving(settings, ready=False) as (app, remote), serving() as (local_app, local):
         await _ready(remote)
         runtime = app.state.runtime
         assert runtime.fingerprint == local_app.state.runtime.fingerprint, "the child serves the same seeded weights"
@@ -157,3 +163,13 @@ def test_the_sender_writes_what_queued_meanwhile_in_one_message_and_the_reader_d
     finally:
         loop.close()
     assert got == [("ready", "abc"), ("done", 5), ("done", 6), None]
+
+
+def test_model_on_loop_needs_the_engine_process_and_comes_from_its_flag():
+    from hstu.serving.cli import settings_from_args
+    from tests.serving.test_cli import parse
+
+    with pytest.raises(ValueError, match="model_on_loop runs batches on the engine process's event loop"):
+        ServerSettings(model_on_loop=True, engine_process=False)
+    assert settings_from_args(parse(["serve", "--engine-process", "--model-on-loop"]), env={}).model_on_loop
+    assert not settings_from_args(parse(["serve", "--engine-process"]), env={}).model_on_loop
