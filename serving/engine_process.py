@@ -116,32 +116,54 @@ class _Sender:
                 return
 
 
+def _deliver(messages: list, handle, name: str) -> None:
+    for message in messages:
+        try:
+            handle(message)
+        except Exception:  # as a callback of its own would: logged, the other messages still delivered
+            logger.exception("%s: handling a message failed", name)
+
+
+def _receive(conn: Connection) -> tuple[list, bool]:
+    """(the messages of one write, whether the pipe ended: then the last one is None)."""
+    try:
+        message = conn.recv()
+    except (OSError, EOFError):
+        return [None], True
+    return (message[1] if message[0] == _MANY else [message]), False
+
+
 def _read_into(conn: Connection, loop: asyncio.AbstractEventLoop, handle, name: str) -> None:
     """A thread calling handle(message) on `loop` for every message, in order (the messages of one
     _MANY write in one loop callback), then handle(None) at EOF."""
 
-    def deliver(messages: list) -> None:
-        for message in messages:
-            try:
-                handle(message)
-            except Exception:  # as a callback of its own would: logged, the other messages still delivered
-                logger.exception("%s: handling a message failed", name)
-
     def run() -> None:
-        while True:
+        ended = False
+        while not ended:
+            messages, ended = _receive(conn)
             try:
-                message = conn.recv()
-            except (OSError, EOFError):
-                message = None
-            messages = message[1] if message is not None and message[0] == _MANY else [message]
-            try:
-                loop.call_soon_threadsafe(deliver, messages)
+                loop.call_soon_threadsafe(_deliver, messages, handle, name)
             except RuntimeError:  # the loop closed
-                return
-            if message is None:
                 return
 
     threading.Thread(target=run, name=name, daemon=True).start()
+
+
+def _read_on_loop(conn: Connection, loop: asyncio.AbstractEventLoop, handle, name: str) -> None:
+    """_read_into without its thread: the loop reads `conn` itself whenever it is readable. For an
+    engine process whose loop launches the batches (model_on_loop): a reader thread would take the
+    GIL from the launch to unpickle each request."""
+    fd = conn.fileno()
+
+    def readable() -> None:
+        while conn.poll():  # a whole write arrives at once (one sender writes it); EOF polls readable
+            messages, ended = _receive(conn)
+            _deliver(messages, handle, name)
+            if ended:
+                loop.remove_reader(fd)
+                return
+
+    loop.add_reader(fd, readable)
 
 
 # ------------------------------------------------------------------ the engine process
@@ -171,8 +193,9 @@ async def _serve_engine(conns: list[Connection], settings: ServerSettings) -> No
         out.send(("ready", runtime.fingerprint))
     inbox: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
+    read = _read_on_loop if settings.model_on_loop else _read_into
     for i, conn in enumerate(conns):
-        _read_into(conn, loop, lambda message, i=i: inbox.put_nowait((i, message)), f"hstu-engine-reader-{i}")
+        read(conn, loop, lambda message, i=i: inbox.put_nowait((i, message)), f"hstu-engine-reader-{i}")
     tasks: dict[tuple[int, int], asyncio.Task] = {}
     pushed: dict[int, str] = {}  # each front end's latest metrics text
 

@@ -349,7 +349,9 @@ class ListeningIngress:
     address reaches one replica: 0.53x (session 17). Here every ingress replica of a node binds the
     same port (SO_REUSEPORT) and the kernel spreads connections over them, so `--front-ends N`
     scales the HTTP side as it does for `hstu serve`. On a cluster, each node's ingress replicas
-    listen on that node's port (put a load balancer over the nodes)."""
+    listen on that node's port (put a load balancer over the nodes). A replica listens only once
+    its runtime is ready (a ranking replica answered), so no connection reaches one that would
+    answer 503."""
 
     async def __init__(
         self, settings: ServerSettings, ranking: DeploymentHandle, max_calls_per_replica: int, host: str, port: int
@@ -357,8 +359,14 @@ class ListeningIngress:
         from hstu.serving.server import draining_server
 
         runtime = partial(RemoteRuntime, ranking=ranking, max_calls_per_replica=max_calls_per_replica)
+        app = create_app(settings, runtime_factory=runtime)
+        # Ready before listening: the kernel hands a listening socket its share of new connections
+        # whether or not its server would answer them 503 (the app's lifespan then finds it started).
+        await app.state.runtime.start()
+        if not app.state.runtime.ready:
+            raise RuntimeError(f"ingress replica did not start: {app.state.runtime.detail}")
         self._sock = reuse_port_socket(host, port)
-        self._server = draining_server(create_app(settings, runtime_factory=runtime), host, port)
+        self._server = draining_server(app, host, port)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._sock]))
         while not self._server.started:  # uvicorn's start-up (the app's lifespan) before this replica counts
             if self._task.done():

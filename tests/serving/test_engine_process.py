@@ -165,6 +165,41 @@ def test_the_sender_writes_what_queued_meanwhile_in_one_message_and_the_reader_d
     assert got == [("ready", "abc"), ("done", 5), ("done", 6), None]
 
 
+def test_the_loop_reads_a_pipe_itself_in_order_until_its_end():
+    """model_on_loop: no reader thread; the loop reads each write when the pipe is readable, a
+    handler's failure is logged and the rest still delivered, and the end stops the reading."""
+    from multiprocessing import Pipe
+
+    from hstu.serving.engine_process import _MANY, _read_on_loop
+
+    ours, theirs = Pipe()
+    loop = asyncio.new_event_loop()
+    got, finished = [], asyncio.Event()
+
+    def handle(message) -> None:
+        got.append(message)
+        if message == ("bad",):
+            raise RuntimeError("a handler failing")
+        if message is None:
+            finished.set()
+
+    async def talk() -> None:
+        ours.send(("ready", "abc"))
+        await asyncio.sleep(0.05)
+        ours.send((_MANY, [("bad",), ("done", 5)]))
+        ours.send(("done", 6))
+        ours.close()
+        await asyncio.wait_for(finished.wait(), 5)
+
+    try:
+        _read_on_loop(theirs, loop, handle, "test-reader")
+        loop.run_until_complete(talk())
+        assert not loop.remove_reader(theirs.fileno()), "the end removed the reader"
+    finally:
+        loop.close()
+    assert got == [("ready", "abc"), ("bad",), ("done", 5), ("done", 6), None]
+
+
 def test_model_on_loop_needs_the_engine_process_and_comes_from_its_flag():
     from hstu.serving.cli import settings_from_args
     from tests.serving.test_cli import parse
