@@ -112,7 +112,8 @@ class ServerSettings:
     # of its own (Batcher inline). Why: on the H200, with two front ends feeding it, the engine
     # process's model thread took 3.75-4.85 ms a batch against 1.75 ms in process (RESULTS.md, run
     # BE): its loop, pipe readers and senders took the GIL from it between torch calls. On the loop's
-    # thread the launch and the loop's own work no longer pass the GIL to each other. Needs
+    # thread the launch and the loop's own work no longer pass the GIL to each other, and the loop
+    # reads the pipes itself (no reader threads). Needs
     # engine_process (in one process it would stall HTTP during every launch); not yet measured.
     model_on_loop: bool = False
     # KVCacheConfig.host_split: which end of a host-tier prefix the planner onloads (load_front measured)
