@@ -6,7 +6,7 @@
 # STAGES picks the stages (default: the first six; also split, split_front, pressure_ab, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank,
-# rest_loop2, rest_ray, rest_ray_direct, bench_export, bench_compiled), e.g.
+# rest_loop2, rest_ray, rest_ray_direct, rest_ray_direct4, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
 # are listed last and make the exit status non-zero. scripts/gpu_check.sh covers the kernels alone
@@ -118,6 +118,9 @@ REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 2 --model-on-loop" stage re
 REFERENCE=0 SERVE_ARGS="--replicas 1" stage rest_ray 240 bash scripts/gpu_rest.sh "$OUT/rest_ray"
 # ... with the ingress replicas serving HTTP on the port themselves (no proxy actor)
 REFERENCE=0 SERVE_ARGS="--replicas 1 --direct-ingress" stage rest_ray_direct 240 bash scripts/gpu_rest.sh "$OUT/rest_ray_direct"
+# ... four of them on the one port (1.03x of `hstu serve --front-ends 2` in run BF; compare with rest_front2)
+REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--replicas 1 --front-ends 4 --direct-ingress" stage rest_ray_direct4 240 \
+  bash scripts/gpu_rest.sh "$OUT/rest_ray_direct4"
 # issue 12 item 3: the attention kernel alone, every tile config and SiLU form at the cached, re-rank and
 # uncached seed shapes (scripts/bench_kernels.py), then the bf16 accuracy tests of every SiLU form
 stage attention 240 python3 -m hstu.scripts.bench_kernels --sections attention --copy-gib 0.25 --out "$OUT/attention.json"
