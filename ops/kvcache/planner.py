@@ -118,19 +118,20 @@ class Plan:
 
 def layer_work(users: list[UserShape], onload: list[int]) -> tuple[int, int]:
     """(rows, attention pairs) one layer computes when user u reuses `onload[u]` host tokens."""
-    rows = pairs = 0
-    for u, p in zip(users, onload):
-        start = max(u.gpu_tokens, p)  # first computed history position
-        n = u.history_tokens
-        rows += n - start + u.candidates
-        pairs += (n * (n + 1) - start * (start + 1)) // 2 + u.candidates * (n + 1)  # causal rows, then candidates
-    return rows, pairs
+    rows, pairs = _work(users, np.asarray([onload], dtype=np.int64))
+    return int(rows[0]), int(pairs[0])
 
 
 def padded_rows(rows: int, buckets: tuple[int, ...] | None) -> int:
     """Rows a batch of `rows` rows computes: its CUDA-graph bucket's (the smallest that holds it), or
     its own when no bucket does (eager) or graphs are off (buckets None)."""
-    return next((b for b in buckets if b >= rows), rows) if buckets else rows
+    return int(_padded(np.asarray([rows], dtype=np.int64), buckets)[0])
+
+
+def front_tokens(host_tokens: int, onload: int, chunk_tokens: int) -> int:
+    """host_split "compute_front": the tokens a user recomputes from the front (whole chunks) when
+    the last `onload` (or more) of its `host_tokens` host-tier tokens are onloaded."""
+    return int(_front(host_tokens, onload, chunk_tokens))
 
 
 def predict(
@@ -139,42 +140,7 @@ def predict(
     """(the batch's predicted time, total onload time, total compute time) for this split; the
     per-row cost applies to the rows of the batch's graph bucket (padding computes too: at batch 1
     a half split of a 4k-token prefix has 2,304 rows, which a 4,096-row bucket runs)."""
-    compute_layer = _layer_s(cost, *layer_work(users, onload), buckets)
-    finish, load = _timeline(cost, num_layers, sum(onload), compute_layer)
-    return finish, load, compute_layer * num_layers
-
-
-def _layer_s(cost: CostModel, rows: int, pairs: int, buckets: tuple[int, ...] | None) -> float:
-    """One layer's compute over `rows` rows (as their graph bucket runs them) and `pairs` pairs."""
-    return cost.fixed_s + padded_rows(rows, buckets) * cost.per_row_s + pairs * cost.per_pair_s
-
-
-def _timeline(
-    cost: CostModel, num_layers: int, onloaded: int, layer_s: float, first_s: float = 0.0
-) -> tuple[float, float]:
-    """(the batch's time, its total onload time): after `first_s` of work that reads no onloaded
-    page, L layers of `layer_s` each, layer i once it and its `onloaded` tokens' copies are done."""
-    load_layer = onloaded * cost.bytes_per_token_layer / cost.h2d_bytes_per_s
-    start = cost.onload_start_s if onloaded else 0.0
-    finish = first_s
-    for i in range(num_layers):
-        landed = start + (i + 1) * load_layer if onloaded else 0.0
-        finish = max(finish, landed) + layer_s
-    return cost.forward_s + finish, load_layer * num_layers
-
-
-def front_tokens(host_tokens: int, onload: int, chunk_tokens: int) -> int:
-    """host_split "compute_front": the tokens a user recomputes from the front (whole chunks) when
-    the last `onload` (or more) of its `host_tokens` host-tier tokens are onloaded."""
-    return max(0, host_tokens - onload) // chunk_tokens * chunk_tokens
-
-
-def _fronts(users: list[UserShape], onload: list[int], chunk_tokens: int) -> list[int]:
-    """Each user's front pass (host_tokens recomputed first): only for a host-tier prefix that is
-    partly onloaded; one onloaded whole or not at all (recomputed in the batch's pass) has none."""
-    return [
-        front_tokens(u.host_tokens, p, chunk_tokens) if 0 < p < u.host_tokens else 0 for u, p in zip(users, onload)
-    ]
+    return _one(_predict_splits(users, np.asarray([onload], dtype=np.int64), cost, num_layers, buckets))
 
 
 def predict_front(
@@ -187,29 +153,35 @@ def predict_front(
     (a host-tier user the split onloads nothing of: its whole history), layer i after layer i's copies landed:
         front   = front_s + L x (fixed_s + rows_f x per_row_s + pairs_f x per_pair_s)   (causal within q)
         finish_i = max(finish_{i-1}, onload_start_s + (i + 1) * load_layer) + batch_layer,
-        finish_-1 = front."""
-    fronts = _fronts(users, onload, chunk_tokens)
-    # the batch's pass starts after the whole host prefix unless the user recomputes it all (no onload)
-    starts = [u.host_tokens if p > 0 else 0 for u, p in zip(users, onload)]
-    front_layer = _layer_s(cost, sum(fronts), sum(q * (q + 1) // 2 for q in fronts), buckets) if any(fronts) else 0.0
-    batch_layer = _layer_s(cost, *layer_work(users, starts), buckets)
-    loaded = sum(u.host_tokens - q for u, q, p in zip(users, fronts, onload) if p > 0)
-    front = (cost.front_s + front_layer * num_layers) if any(fronts) else 0.0
-    finish, load = _timeline(cost, num_layers, loaded, batch_layer, front)
-    return finish, load, front + batch_layer * num_layers
+        finish_-1 = front.
+    A prefix onloaded whole or not at all has no front: at either end this is predict()."""
+    onload_array = np.asarray([onload], dtype=np.int64)
+    return _one(_predict_splits(users, onload_array, cost, num_layers, buckets, chunk_tokens))
 
 
-def _candidates(users: list[UserShape], chunk_tokens: int, steps: int) -> np.ndarray:
-    """[steps + 1, users] onloaded tokens of each candidate split, fraction k / steps of every host
-    prefix in whole chunks, k = steps down to 0 (the order plan() prefers on ties: more onload)."""
-    chunks = np.asarray([u.host_tokens // chunk_tokens for u in users], dtype=np.int64)
-    k = np.arange(steps, -1, -1, dtype=np.int64)[:, None]
-    return chunks[None, :] * k // steps * chunk_tokens
+def _one(predicted: tuple[np.ndarray, ...]) -> tuple[float, float, float]:
+    finish, load, compute, _ = predicted
+    return float(finish[0]), float(load[0]), float(compute[0])
+
+
+def _front(host, onload, chunk_tokens: int):
+    """front_tokens over ints or arrays."""
+    return np.maximum(0, host - onload) // chunk_tokens * chunk_tokens
+
+
+def _padded(rows: np.ndarray, buckets: tuple[int, ...] | None) -> np.ndarray:
+    """padded_rows over an array."""
+    if not buckets:
+        return rows
+    edges = np.asarray(buckets, dtype=np.int64)
+    at = np.searchsorted(edges, rows)  # the smallest bucket >= rows
+    return np.where(at < len(edges), edges[np.minimum(at, len(edges) - 1)], rows)
 
 
 def _work(users: list[UserShape], start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """layer_work over candidates: rows and pairs [K] when user u's first computed history position
-    is max(gpu_tokens, start[:, u])."""
+    """Rows and attention pairs [K] one layer computes in each of K candidate splits, user u's first
+    computed history position being max(gpu_tokens, start[k, u]): causal history rows, then
+    candidates, which see the whole history."""
     n = np.asarray([u.history_tokens for u in users], dtype=np.int64)
     m = np.asarray([u.candidates for u in users], dtype=np.int64)
     first = np.maximum(np.asarray([u.gpu_tokens for u in users], dtype=np.int64), start)
@@ -219,16 +191,45 @@ def _work(users: list[UserShape], start: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 def _layers_s(cost: CostModel, rows: np.ndarray, pairs: np.ndarray, buckets: tuple[int, ...] | None) -> np.ndarray:
-    """_layer_s over candidates."""
-    if buckets:
-        edges = np.asarray(buckets, dtype=np.int64)
-        at = np.searchsorted(edges, rows)  # the smallest bucket >= rows
-        rows = np.where(at < len(edges), edges[np.minimum(at, len(edges) - 1)], rows)
-    return cost.fixed_s + rows * cost.per_row_s + pairs * cost.per_pair_s
+    """One layer's compute over `rows` rows (as their graph bucket runs them) and `pairs` pairs."""
+    return cost.fixed_s + _padded(rows, buckets) * cost.per_row_s + pairs * cost.per_pair_s
 
 
-def _timelines(cost: CostModel, num_layers: int, onloaded: np.ndarray, layer_s: np.ndarray, first_s: np.ndarray) -> np.ndarray:
-    """_timeline's batch time over candidates."""
+def _predict_splits(
+    users: list[UserShape], onload: np.ndarray, cost: CostModel, num_layers: int, buckets: tuple[int, ...] | None,
+    chunk_tokens: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(batch time, total onload time, total compute time, rows that must fit a graph bucket) of
+    each of K candidate splits, `onload` [K, users]; chunk_tokens given: host_split
+    "compute_front" (predict_front), else the onloaded front (predict). The rows checked against the
+    largest bucket are a split's front pass (compute_front) or its batch (load_front).
+
+    Timeline (_timeline): after `first` seconds of work that reads no onloaded page (a front pass),
+    L layers, layer i once it and its onloaded tokens' copies are done."""
+    if chunk_tokens is not None:
+        host = np.asarray([u.host_tokens for u in users], dtype=np.int64)
+        fronts = np.where((onload > 0) & (onload < host), _front(host, onload, chunk_tokens), 0)
+        f_rows = fronts.sum(axis=1)
+        front_layer = _layers_s(cost, f_rows, (fronts * (fronts + 1) // 2).sum(axis=1), buckets)
+        first = np.where(f_rows > 0, cost.front_s + front_layer * num_layers, 0.0)
+        # the batch's pass starts after the whole host prefix unless the user recomputes it all
+        layer = _layers_s(cost, *_work(users, np.where(onload > 0, host, 0)), buckets)
+        loaded = np.where(onload > 0, host - fronts, 0).sum(axis=1)
+        fitted_rows = f_rows
+    else:
+        rows, pairs = _work(users, onload)
+        layer = _layers_s(cost, rows, pairs, buckets)
+        first = np.zeros(len(onload))
+        loaded = onload.sum(axis=1)
+        fitted_rows = rows
+    finish = _timeline(cost, num_layers, loaded, layer, first)
+    load = loaded * (cost.bytes_per_token_layer / cost.h2d_bytes_per_s) * num_layers
+    return finish, load, first + layer * num_layers, fitted_rows
+
+
+def _timeline(cost: CostModel, num_layers: int, onloaded: np.ndarray, layer_s: np.ndarray, first_s: np.ndarray) -> np.ndarray:
+    """The batch's time: after `first_s` of work that reads no onloaded page, L layers of
+    `layer_s` each, layer i once it and its `onloaded` tokens' copies are done."""
     load_layer = onloaded * (cost.bytes_per_token_layer / cost.h2d_bytes_per_s)
     start = np.where(onloaded > 0, cost.onload_start_s, 0.0)
     finish = first_s.astype(np.float64)
@@ -254,40 +255,21 @@ def plan(
     against 19.3 ms for a quarter more onload in a graph. Such splits are skipped; pure onload
     and pure recompute always stay candidates.
 
-    Every candidate is predicted at once (numpy over candidates and users; the same figures as
-    predict and predict_front): one split at a time in Python took 0.2-0.4 ms a batch on the dev
-    CPU, on the critical path of every host-tier batch."""
+    Every candidate, fraction k / steps of every host prefix in whole chunks, is predicted at once
+    (numpy over candidates and users): one split at a time in Python took 0.2-0.4 ms a batch on
+    the dev CPU, on the critical path of every host-tier batch."""
     steps = max((u.host_tokens // chunk_tokens for u in users), default=0)
     if steps == 0:
         zero = [0] * len(users)
         return Plan(zero, *predict(users, zero, cost, num_layers, buckets))
-    onload = _candidates(users, chunk_tokens, steps)
-    host = np.asarray([u.host_tokens for u in users], dtype=np.int64)
+    chunks = np.asarray([u.host_tokens // chunk_tokens for u in users], dtype=np.int64)
+    onload = chunks[None, :] * np.arange(steps, -1, -1, dtype=np.int64)[:, None] // steps * chunk_tokens
+    finish, load, compute, rows = _predict_splits(
+        users, onload, cost, num_layers, buckets, chunk_tokens if front else None
+    )
     split = np.zeros(steps + 1, dtype=bool)
-    split[1:-1] = True  # 0 < k < steps
-    if front:
-        partly = (onload > 0) & (onload < host)
-        fronts = np.where(partly, np.maximum(0, host - onload) // chunk_tokens * chunk_tokens, 0)
-        f_rows = fronts.sum(axis=1)
-        front_layer = np.where(
-            f_rows > 0, _layers_s(cost, f_rows, (fronts * (fronts + 1) // 2).sum(axis=1), buckets), 0.0
-        )
-        batch_layer = _layers_s(cost, *_work(users, np.where(onload > 0, host, 0)), buckets)
-        loaded = np.where(onload > 0, host - fronts, 0).sum(axis=1)
-        first = np.where(f_rows > 0, cost.front_s + front_layer * num_layers, 0.0)
-        finish = _timelines(cost, num_layers, loaded, batch_layer, first)
-        load = loaded * (cost.bytes_per_token_layer / cost.h2d_bytes_per_s) * num_layers
-        compute = first + batch_layer * num_layers
-        # a front split's fronts are one pass; pure onload and recompute have none (predict's rows)
-        skip = split & (f_rows > buckets[-1]) if buckets else np.zeros_like(split)
-    else:
-        rows, pairs = _work(users, onload)
-        layer = _layers_s(cost, rows, pairs, buckets)
-        total = onload.sum(axis=1)
-        finish = _timelines(cost, num_layers, total, layer, np.zeros(steps + 1))
-        load = total * (cost.bytes_per_token_layer / cost.h2d_bytes_per_s) * num_layers
-        compute = layer * num_layers
-        skip = split & (rows > buckets[-1]) if buckets else np.zeros_like(split)
+    split[1:-1] = True  # 0 < k < steps: pure onload and pure recompute always stay
+    skip = split & (rows > buckets[-1]) if buckets else np.zeros_like(split)
     best = None
     for i in range(steps + 1):  # k = steps .. 0: ties keep the earlier (more onload)
         if not skip[i] and (best is None or finish[i] < finish[best] * (1 - 1e-9)):

@@ -326,15 +326,17 @@ def test_a_cache_too_small_to_calibrate_with_leaves_the_planner_off(tiny_config)
 
 
 def _plan_one_split_at_a_time(users, cost, layers, chunk, buckets, front):
-    """The planner's choice, predicting each candidate with the scalar predict / predict_front."""
-    from hstu.ops.kvcache.planner import _fronts, layer_work, predict_front
+    """The planner's choice, predicting each candidate on its own with predict / predict_front and
+    applying its rules (bucket limit, ties, min_gain) one split at a time."""
+    from hstu.ops.kvcache.planner import front_tokens, layer_work, predict_front
 
     steps = max(u.host_tokens // chunk for u in users)
     best = recompute = None
     for k in range(steps, -1, -1):
         onload = [(u.host_tokens // chunk) * k // steps * chunk for u in users]
         split = 0 < k < steps
-        if buckets and split and (sum(_fronts(users, onload, chunk)) if front else layer_work(users, onload)[0]) > buckets[-1]:
+        fronts = sum(front_tokens(u.host_tokens, p, chunk) for u, p in zip(users, onload) if 0 < p < u.host_tokens)
+        if buckets and split and (fronts if front else layer_work(users, onload)[0]) > buckets[-1]:
             continue
         finish = (predict_front(users, onload, cost, layers, chunk, buckets) if front and split
                   else predict(users, onload, cost, layers, buckets))[0]
@@ -347,7 +349,7 @@ def _plan_one_split_at_a_time(users, cost, layers, chunk, buckets, front):
 
 @pytest.mark.parametrize("front", [False, True])
 @pytest.mark.parametrize("buckets", [None, (256, 1024, 4096, 16384, 24576)])
-def test_the_vectorised_planner_chooses_and_predicts_as_the_scalar_timeline(front, buckets):
+def test_the_planner_chooses_and_predicts_as_one_split_at_a_time(front, buckets):
     import numpy as np
 
     rng = np.random.default_rng(7)
