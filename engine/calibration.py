@@ -34,7 +34,9 @@ import numpy as np
 
 from hstu.model.batch import RankingRequest
 from hstu.ops.device_sync import sync
-from hstu.ops.kvcache.planner import CostModel, UserShape, layer_work, padded_rows, predict
+from hstu.ops.kvcache.planner import (
+    CostModel, FixedSplit, UserShape, front_tokens, layer_work, padded_rows, predict, predict_front,
+)
 
 _FIRST_USER = 1 << 60  # calibration users: invalidated after, never a served id in practice
 
@@ -123,13 +125,11 @@ def measure_forward_costs(engine, max_users: int = 8, repeats: int = 3) -> tuple
     return forward, per_row, per_pair
 
 
-def measure_onload(engine, cost: CostModel, max_users: int = 8, repeats: int = 3) -> CostModel:
-    """`cost` with the onload as this engine runs it: batches of one and of all calibration users
-    whose prefix is in the host tier (onloaded whole, no planner), each beside the same batch with
-    its prefix on the GPU. What the onload added beyond the model's prediction of that difference
-    becomes onload_start_s plus a per-byte excess (a lower h2d_bytes_per_s). A difference, so the
-    per-forward costs, and any error in their fit, cancel out. `cost` unchanged when there is no
-    host tier or its users did not reach it."""
+def _host_prefix(engine, max_users: int) -> tuple[int, int, int, int, int, int, int] | None:
+    """(users, history events, candidates, prefix events, history tokens, prefix tokens, the
+    prefix's whole chunks in tokens) of the calibration's host-tier batches: users with the longest
+    history whose prefix, all but its last 1/32, went to the host tier; None when the GPU pages or
+    the host tier cannot hold them."""
     cfg, kv = engine.config, engine.cache.config
     events, candidates = _shape(engine)
     users = _max_users(engine, max_users)
@@ -137,7 +137,22 @@ def measure_onload(engine, cost: CostModel, max_users: int = 8, repeats: int = 3
     n, gpu_tokens = cfg.history_tokens(events), cfg.history_tokens(prefix_events)
     host_tokens = gpu_tokens // kv.chunk_tokens * kv.chunk_tokens
     if users < 1 or kv.host_slots < users * (host_tokens // kv.chunk_tokens) or host_tokens == 0:
+        return None
+    return users, events, candidates, prefix_events, n, gpu_tokens, host_tokens
+
+
+def measure_onload(engine, cost: CostModel, max_users: int = 8, repeats: int = 3) -> CostModel:
+    """`cost` with the onload as this engine runs it: batches of one and of all calibration users
+    whose prefix is in the host tier (onloaded whole, no planner), each beside the same batch with
+    its prefix on the GPU. What the onload added beyond the model's prediction of that difference
+    becomes onload_start_s plus a per-byte excess (a lower h2d_bytes_per_s). A difference, so the
+    per-forward costs, and any error in their fit, cancel out. `cost` unchanged when there is no
+    host tier or its users did not reach it."""
+    kv = engine.cache.config
+    prefix = _host_prefix(engine, max_users)
+    if prefix is None:
         return cost
+    users, events, candidates, prefix_events, n, gpu_tokens, host_tokens = prefix
     rng = np.random.default_rng(1)
     ids = itertools.count(_FIRST_USER + (1 << 20))
 
@@ -181,16 +196,11 @@ def measure_front(engine, cost: CostModel, max_users: int = 8, repeats: int = 3,
     predicted (session 17), and the planner chose a split that measured 1.04x of recomputing where
     half the prefix measured 1.27x. `cost` unchanged without a host tier, or when its users did not
     reach it."""
-    from hstu.ops.kvcache.planner import FixedSplit, front_tokens, predict_front
-
-    cfg, kv, cache = engine.config, engine.cache.config, engine.cache
-    events, candidates = _shape(engine)
-    users = _max_users(engine, max_users)
-    prefix_events = events - max(1, events // 32)
-    n = cfg.history_tokens(events)
-    host_tokens = cfg.history_tokens(prefix_events) // kv.chunk_tokens * kv.chunk_tokens
-    if users < 1 or kv.host_slots < users * (host_tokens // kv.chunk_tokens) or host_tokens == 0:
+    kv, cache = engine.cache.config, engine.cache
+    prefix = _host_prefix(engine, max_users)
+    if prefix is None:
         return cost
+    users, events, candidates, prefix_events, n, _, host_tokens = prefix
     split = FixedSplit(fraction)
     shapes = [UserShape(host_tokens, 0, n, candidates)] * users
     onload = split.choose(shapes, kv.num_layers, kv.chunk_tokens).onload_tokens
