@@ -36,7 +36,7 @@ from hstu.engine import RankingEngine
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import HOST_SPLIT_HELP, HOST_SPLITS
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
-from hstu.ops.kvcache.planner import FixedSplit
+from hstu.ops.kvcache.planner import FixedSplit, front_tokens
 from hstu.scripts import report
 from hstu.scripts.bench_shapes import TINY_SHAPE, BenchShape, make_requests
 from hstu.scripts.timing import sync
@@ -58,7 +58,10 @@ def _engine(
         rows = {batch * (shape.new_tokens + shape.num_candidates), batch * shape.num_candidates}
         if onload_fraction is not None:
             onload = int(shape.cached_tokens // shape.chunk_tokens * onload_fraction) * shape.chunk_tokens
-            rows.add(batch * (shape.history_tokens - onload + shape.num_candidates))
+            if shape.host_split == "compute_front" and 0 < onload < shape.cached_tokens:  # its front pass
+                rows.add(batch * front_tokens(shape.cached_tokens, onload, shape.chunk_tokens))
+            else:  # the prefix's recomputed back with the batch
+                rows.add(batch * (shape.history_tokens - onload + shape.num_candidates))
         rows = sorted(rows)
         engine.enable_cuda_graphs(max_batch=batch, buckets=tuple(rows))
     return engine

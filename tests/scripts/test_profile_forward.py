@@ -59,3 +59,24 @@ def test_profile_with_an_onload_split_on_cpu(tmp_path):
     piped = doc["2"]["pipelined"]
     assert piped["batches"] == 3 and piped["wall_ms_per_batch"] > 0
     assert "gpu_busy_share" not in piped, "the GPU's share is measured on CUDA only"
+
+
+@pytest.mark.parametrize("host_split", ["load_front", "compute_front"])
+def test_a_profiled_split_gets_a_graph_bucket_of_its_own_rows(monkeypatch, host_split):
+    """With --onload-fraction under CUDA graphs the profiled split runs unpadded: the bucket added
+    holds the recomputed back with the batch (load_front), or the front pass (compute_front)."""
+    import dataclasses
+
+    from hstu.engine import RankingEngine
+    from hstu.scripts.bench_shapes import TINY_SHAPE
+
+    seen = {}
+    monkeypatch.setattr(RankingEngine, "enable_cuda_graphs", lambda self, max_batch, buckets: seen.update(rows=buckets))
+    shape = dataclasses.replace(TINY_SHAPE, host_split=host_split)
+    engine = profile_forward._engine(shape, profile_forward.torch.device("cpu"), 2, True, onload_fraction=0.5)
+    engine.close()
+    onload = shape.cached_tokens // shape.chunk_tokens // 2 * shape.chunk_tokens
+    split_rows = 2 * (shape.cached_tokens - onload if host_split == "compute_front"
+                      else shape.history_tokens - onload + shape.num_candidates)
+    cached_rows = 2 * (shape.new_tokens + shape.num_candidates)
+    assert seen["rows"] == tuple(sorted({cached_rows, 2 * shape.num_candidates, split_rows}))
