@@ -72,10 +72,10 @@ def front_end_label(index: int) -> str:
 
 
 # A write of several messages: what queued while the sender waited goes out in one pickle and one
-# write. Each write costs the sending thread a turn at its process's GIL, and the engine's model
-# thread holds that GIL most of the time under load: on the H200 an answer took 29-32 ms from the
-# engine's sender to the front end (runs AZ and BB; a request through to the engine took 2-11 ms),
-# which one turn per message would explain. Not yet measured with the batching.
+# write, one turn at its process's GIL for the sending thread instead of one per message. Measured
+# on the H200 it did not shorten an answer's transit from the engine to the front end (29-32 ms
+# before, runs AZ and BB; 25-37 ms with it, runs BD and BE): that transit waits on the front end's
+# busy loop, and fell to 6-16 ms with two front ends (run BE).
 _MANY = "_many"
 _MAX_MANY = 256
 
