@@ -349,18 +349,10 @@ class RankingEngine:
     ) -> tuple[set[int], torch.Tensor]:
         """Rank one batch into `outputs`; returns the users whose onload failed (to rank again)
         and the batch's logits (see _rank for `owned`)."""
-        cache, model = self.cache, self.model
-        model_id = model.identity
+        cache = self.cache
         timing = ForwardTiming()
         t0 = time.perf_counter()
-        plan = cache.plan(
-            [r.user_id for r in requests],
-            [r.history_tokens(self.config) for r in requests],
-            [r.identity(model_id) for r in requests],
-            [r.candidates.shape[0] for r in requests],
-            pad_for=self.graphs.pad_spec if self.graphs is not None else None,
-            graph_buckets=self.graph_buckets,
-        )
+        plan = self._plan(requests)
         timing.plan_s = time.perf_counter() - t0
         try:
             logits = self._forward(requests, plan, timing, owned)
@@ -377,6 +369,19 @@ class RankingEngine:
         timing.finish_s, timing.total_s = t2 - t1, t2 - t0
         self.timings.append(timing)
         return failed, logits
+
+    def _plan(self, requests: list[RankingRequest]) -> BatchPlan:
+        """cache.plan for the batch: its users, lengths, identities and candidates, padded for a
+        graph bucket when one fits."""
+        model_id = self.model.identity
+        return self.cache.plan(
+            [r.user_id for r in requests],
+            [r.history_tokens(self.config) for r in requests],
+            [r.identity(model_id) for r in requests],
+            [r.candidates.shape[0] for r in requests],
+            pad_for=self.graphs.pad_spec if self.graphs is not None else None,
+            graph_buckets=self.graph_buckets,
+        )
 
     def _forward(
         self, requests: list[RankingRequest], plan: BatchPlan, timing: ForwardTiming, owned: bool = True

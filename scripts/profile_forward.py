@@ -260,6 +260,10 @@ def main(args: argparse.Namespace) -> int:
     shape = dataclasses.replace(shape, prepare_worker=args.prepare_worker, host_split=args.host_split)
     if args.cached_tokens is not None:
         shape = dataclasses.replace(shape, cached_tokens=args.cached_tokens)
+    if args.host_only:
+        from hstu.scripts import profile_host
+
+        return profile_host.main(shape, args.batch, args.forwards, args.out)
     device = torch.device(args.device)
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": dataclasses.asdict(shape), "cuda_graphs": args.cuda_graphs,
            "onload_fraction": args.onload_fraction, "rerank": args.rerank, "cold_requests": args.cold_requests}
@@ -349,6 +353,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--pipelined", type=int, default=0, metavar="N",
                    help="also N cached batches launched back to back (rank_async, two in flight, as the server "
                    "runs them) under the profiler: the GPU's busy share when host work overlaps kernels")
+    p.add_argument("--host-only", action="store_true",
+                   help="only the model thread's host phases, the forward left out (runs on a CPU at the "
+                   "seed layout, narrow model; scripts/profile_host.py)")
     p.add_argument("--trace", action="store_true",
                    help="also write the last profiled forward's Chrome trace per batch (OUT/trace_bB.json.gz)")
     p.add_argument("--out", type=Path, default=Path("out/profile"))

@@ -80,3 +80,19 @@ def test_a_profiled_split_gets_a_graph_bucket_of_its_own_rows(monkeypatch, host_
                       else shape.history_tokens - onload + shape.num_candidates)
     cached_rows = 2 * (shape.new_tokens + shape.num_candidates)
     assert seen["rows"] == tuple(sorted({cached_rows, 2 * shape.num_candidates, split_rows}))
+
+
+def test_host_only_profile_times_the_host_phases_without_the_forward(tmp_path):
+    parser = argparse.ArgumentParser()
+    profile_forward.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["profile", "--tiny", "--host-only", "--device", "cpu", "--batch", "1", "2", "--forwards", "3", "--out", str(tmp_path)]
+    )
+    assert args.func(args) == 0
+    doc = json.loads((tmp_path / "profile_host.json").read_text())
+    assert doc["host_only"] is True and doc["shape"]["embedding_dim"] == 32  # the narrow model
+    for batch in ("1", "2"):
+        phases = doc[batch]["phases"]
+        assert set(phases) == {"plan_ms", "inputs_ms", "wait_ms", "finish_ms", "split_ms", "total_ms"}
+        assert phases["plan_ms"] > 0 and phases["inputs_ms"] > 0 and phases["total_ms"] >= phases["plan_ms"]
+        assert any("plan" in row["function"] for row in doc[batch]["top_own_time"])

@@ -1,0 +1,150 @@
+"""`hstu profile --host-only`: the model thread's host work per cached batch without the model's
+kernels, so a machine with no GPU can time it at the seed layout.
+
+Why: issue 12 asks <= 0.3 ms of host work per cached forward at batch 1 and <= 0.6 ms at batch 8.
+On a CPU the full profile is all CPU forward; here the forward is left out entirely. Each batch
+runs the engine's host phases as a graph-bucket batch does (RankingEngine._rank_batch, buckets
+built with capture=False): plan (lookup, layout, prepare job packing the metadata into the
+bucket's staging slot), inputs (the rows' features after it), wait, finish (commit, offload
+started) and the outputs' split. Nothing else differs from a served batch: the page manager,
+host tier, identities and admission are the real ones at the shape's layout (layers, page size,
+chunk, history, cached and candidate tokens); only the model is narrow, since no kernel reads
+its width and the seed's K/V table would take GBs of host memory. The K/V pages hold whatever
+they held (no kernel wrote them). Not timed here: the graph replay and the logits' copy out
+(GPU launches; `hstu profile --device cuda` times them).
+
+Each profiled batch follows an untimed one that commits the users' cached prefix (a GPU hit
+extending it, as in `hstu profile`); requests are validated and hashed first, as the server's
+front end does. Medians over --forwards batches per phase, then cProfile's top functions.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import dataclasses
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from hstu.engine import RankingEngine
+from hstu.model.batch import RankingRequest
+from hstu.model.ranking import InferenceRankingGR
+from hstu.ops.kvcache.manager import AsyncKVCacheManager
+from hstu.scripts import report
+from hstu.scripts.bench_shapes import BenchShape, make_requests
+from hstu.scripts.workload import FreshUserIds, as_users
+
+HOST_PHASES = ("plan", "inputs", "wait", "finish", "split")
+# No kernel reads the model's width here: the narrowest model that keeps the layout.
+_NARROW = dict(embedding_dim=32, num_heads=2, head_dim=16, mlp_hidden=32, dtype="float32")
+
+
+def narrow(shape: BenchShape) -> BenchShape:
+    """`shape`'s cache layout and request shapes with a narrow model."""
+    return dataclasses.replace(shape, **_NARROW)
+
+
+def host_engine(shape: BenchShape, batch: int) -> RankingEngine:
+    """A CPU engine whose graph buckets (uncaptured) fit the cached batch and its re-rank."""
+    cfg = shape.model_config()
+    kv = shape.cache_config(cfg, 1)
+    kv = dataclasses.replace(kv, num_pages=max(kv.num_pages, 2 * batch * shape.pages_per_user))
+    engine = RankingEngine(InferenceRankingGR(cfg, "cpu"), AsyncKVCacheManager(kv, "cpu"))
+    rows = {batch * (shape.new_tokens + shape.num_candidates), batch * shape.num_candidates}
+    engine.enable_cuda_graphs(max_batch=batch, buckets=tuple(sorted(rows)), capture=False)
+    return engine
+
+
+def run_host_phases(engine: RankingEngine, requests: list[RankingRequest]) -> dict[str, float]:
+    """One batch's host phases (seconds), the forward left out."""
+    cache, model = engine.cache, engine.model
+    t0 = time.perf_counter()
+    plan = engine._plan(requests)
+    t1 = time.perf_counter()
+    if plan.pad is not None:
+        model.static_inputs(requests, plan.layout, engine.graphs.inputs_of(plan.pad))
+    t2 = time.perf_counter()
+    cache.wait(plan)
+    t3 = time.perf_counter()
+    cache.finish(plan)
+    logits = torch.zeros(plan.layout.num_candidate_rows, len(engine.task_names))  # the graph's output
+    t4 = time.perf_counter()
+    engine._split(requests, logits, plan.cached_lens)
+    t5 = time.perf_counter()
+    return dict(zip(HOST_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)))
+
+
+def _batches(engine: RankingEngine, shape: BenchShape, batch: int, n: int, ids: FreshUserIds):
+    """n times: commit fresh users' prefixes (untimed), then yield their full requests, hashed."""
+    prefix, full = make_requests(shape, engine.config, batch)
+    for _ in range(n):
+        users = ids.take(batch)
+        for r in (requests := as_users(prefix, users)):
+            r.validate(engine.config)
+        run_host_phases(engine, requests)
+        engine.cache.drain()
+        requests = as_users(full, users)
+        for r in requests:
+            r.validate(engine.config)
+            r.identity(engine.model.identity).prefix(r.history_tokens(engine.config))
+        yield requests
+        engine.cache.drain()
+
+
+def profile_host(shape: BenchShape, batch: int, n: int, top: int = 20) -> dict:
+    """Median ms per phase over n batches, then cProfile's top `top` functions by own time over
+    another n (the profiler's overhead kept out of the medians)."""
+    ids = FreshUserIds()
+    engine = host_engine(shape, batch)
+    try:
+        for requests in _batches(engine, shape, batch, 3, ids):  # warm-up
+            run_host_phases(engine, requests)
+        times = [run_host_phases(engine, r) for r in _batches(engine, shape, batch, n, ids)]
+        prof = cProfile.Profile()
+        for requests in _batches(engine, shape, batch, n, ids):
+            prof.enable()
+            run_host_phases(engine, requests)
+            prof.disable()
+    finally:
+        engine.close()
+    phases = {f"{p}_ms": statistics.median(t[p] for t in times) * 1e3 for p in HOST_PHASES}
+    phases["total_ms"] = statistics.median(sum(t.values()) for t in times) * 1e3
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return {
+        "phases": phases,
+        "top_own_time": [
+            {"function": f"{Path(f).name}:{line}({name})", "calls_per_batch": c[1] / n, "own_ms_per_batch": c[2] / n * 1e3,
+             "cumulative_ms_per_batch": c[3] / n * 1e3}
+            for (f, line, name), c in rows
+        ],
+    }
+
+
+def main(shape: BenchShape, batches: list[int], n: int, out: Path) -> int:
+    shape = narrow(shape)
+    doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host_only": True, "shape": dataclasses.asdict(shape),
+           "environment": report.environment(torch.device("cpu"))}
+    for batch in batches:
+        doc[str(batch)] = profile_host(dataclasses.replace(shape, batch_sizes=(batch,)), batch, n)
+    report.write_json(out / "profile_host.json", doc)
+    print(format_table(doc, batches))
+    return 0
+
+
+def format_table(doc: dict, batches: list[int]) -> str:
+    keys = [f"{p}_ms" for p in HOST_PHASES] + ["total_ms"]
+    rows = [["batch", *(k.removesuffix("_ms") for k in keys)]] + [
+        [str(b), *(f"{doc[str(b)]['phases'][k]:.3f}" for k in keys)] for b in batches
+    ]
+    parts = ["host ms per cached batch without kernels, medians by phase:\n" + report.format_table(rows)]
+    for b in batches:
+        top = [["function", "own ms", "cumulative ms", "calls"]] + [
+            [r["function"], f"{r['own_ms_per_batch']:.3f}", f"{r['cumulative_ms_per_batch']:.3f}", f"{r['calls_per_batch']:.1f}"]
+            for r in doc[str(b)]["top_own_time"][:12]
+        ]
+        parts.append(f"batch {b}, top own time per batch:\n" + report.format_table(top))
+    return "\n\n".join(parts)
