@@ -63,6 +63,7 @@ class _Bucket:
     device_buffer: torch.Tensor  # [meta bytes | inputs], what one copy refreshes
     meta: KVCacheMetadata  # views into device_buffer
     staging: list[torch.Tensor]
+    staged_inputs: list[torch.Tensor]  # each slot's [5, rows] inputs region (after the metadata)
     copied: list["torch.cuda.Event | None"]
     whole: Replay
     whole_logits: torch.Tensor
@@ -118,12 +119,15 @@ class ForwardGraphs:
         bucket.next_slot = (i + 1) % len(bucket.staging)
         if bucket.copied[i] is not None:
             bucket.copied[i].synchronize()  # its last batch's copy (batches ago) has completed
-        return PadSpec(rows, self.max_batch, self.max_pages, self.scratch_page, bucket.staging[i])
+        return PadSpec(
+            rows, self.max_batch, self.max_pages, self.scratch_page, bucket.staging[i], i, bucket.staged_inputs[i]
+        )
 
     def inputs_of(self, pad: PadSpec) -> torch.Tensor:
         """The [5, rows] int64 inputs region of a staging slot (after the packed metadata)."""
-        meta_bytes = self._buckets[pad.rows].meta.packed[0].numel()
-        return pad.staging[meta_bytes:].view(torch.int64).view(5, pad.rows)
+        if pad.inputs is None:
+            raise ValueError(f"a PadSpec of {pad.rows} rows without a staging slot has no inputs region")
+        return pad.inputs
 
     def capture_all(self) -> None:
         for rows in self.bucket_sizes:
@@ -141,6 +145,7 @@ class ForwardGraphs:
         meta = PackedMetadata(device_buffer[:meta_bytes], layout, rows, self.scratch_page).to(self.device)
         inputs = device_buffer[meta_bytes:].view(torch.int64).view(5, rows)
         staging = [torch.zeros(total, dtype=torch.uint8, pin_memory=self.capture) for _ in range(_STAGING_SLOTS)]
+        staged_inputs = [t[meta_bytes:].view(torch.int64).view(5, rows) for t in staging]
         model, kv, fns = self.model, self.kv_cache, self.layer_fns
 
         def embed() -> torch.Tensor:
@@ -172,7 +177,7 @@ class ForwardGraphs:
             replay, h = self._record(segment)
             segments.append(replay)
         copied = [None] * len(staging)
-        return _Bucket(rows, device_buffer, meta, staging, copied, replay_whole, whole_logits, segments, h)
+        return _Bucket(rows, device_buffer, meta, staging, staged_inputs, copied, replay_whole, whole_logits, segments, h)
 
     def _record(self, fn: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
         """(replay, static output) of fn over the bucket's static buffers."""
@@ -190,14 +195,16 @@ class ForwardGraphs:
         into its bucket's device buffer; False when the metadata is not the bucket's (the caller
         runs eagerly). run() does it itself unless told the batch is staged."""
         bucket = self._buckets.get(pad.rows)
+        slot = pad.slot
         if (
             bucket is None
+            or not 0 <= slot < len(bucket.staging)
+            or bucket.staging[slot] is not pad.staging
             or meta.max_q != pad.rows
             or meta.layout_key != bucket.meta.layout_key
             or meta.packed[0].data_ptr() != pad.staging.data_ptr()
         ):
             return False
-        slot = next(i for i, t in enumerate(bucket.staging) if t is pad.staging)
         bucket.device_buffer.copy_(pad.staging, non_blocking=True)
         if self.capture:
             if bucket.copied[slot] is None:

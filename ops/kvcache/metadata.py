@@ -18,6 +18,7 @@ field past the batch's own entries (csrc/pack_metadata.cpp applies it; the tests
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, fields
 
@@ -32,13 +33,17 @@ _ext = load_extension()
 class PadSpec:
     """Static shapes of one CUDA-graph bucket: rows, users, pages per user, and the scratch page;
     `staging`, when set, is the host buffer (pinned on CUDA) the padded metadata is packed into,
-    at its start (the bucket's own staging slot, engine/graphs.py)."""
+    at its start (the bucket's own staging slot, engine/graphs.py); `slot` its index among the
+    bucket's slots and `inputs` the slot's feature rows after the metadata (views made once, at
+    capture: a batch makes no tensor views to find them)."""
 
     rows: int
     max_batch: int
     max_pages: int
     scratch_page: int
     staging: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    slot: int = field(default=-1, compare=False)
+    inputs: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 _PADDING: dict[str, int | str] = {
@@ -205,6 +210,25 @@ def pack_metadata(
         nB, nP, nT, nTn = B, max(max_pages, 1), T, Tn
         n_indices = sum(counts)
         max_q = max((h - c + m for h, c, m in zip(history_lens, cached_lens, num_candidates)), default=0)
+    layout, offsets, total = _packed_layout(nB, nP, n_indices, nT, nTn)
+    staging = pad.staging if pad is not None else None
+    if staging is None:
+        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    elif staging.numel() < total:
+        raise ValueError(f"staging buffer of {staging.numel()} bytes cannot hold {total} bytes of metadata")
+    else:
+        buffer = staging[:total]
+    _ext.pack_metadata(
+        buffer, offsets, page_lists, list(history_lens), list(cached_lens),
+        list(num_candidates), page_size, nB, nP, nT, nTn, pad is not None, pad.scratch_page if pad is not None else 0,
+    )
+    return PackedMetadata(buffer, layout, max_q, pad.scratch_page if pad is not None else -1)
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_layout(nB: int, nP: int, n_indices: int, nT: int, nTn: int) -> tuple[tuple, list[int], int]:
+    """(layout: (field, byte offset, dtype, shape) per field, the offsets alone, total bytes) of a
+    packed buffer of these sizes. Cached: a graph bucket's padded sizes are the same every batch."""
     shapes = (
         ("page_table", torch.int32, (nB, nP)), ("page_indices", torch.int32, (n_indices,)),
         ("page_indptr", torch.int32, (nB + 1,)), ("last_page_len", torch.int32, (nB,)), ("kv_lens", torch.int32, (nB,)),
@@ -216,18 +240,7 @@ def pack_metadata(
     for name, dtype, shape in shapes:
         layout.append((name, total, dtype, shape))
         total += -(-dtype.itemsize * math.prod(shape) // _ALIGN) * _ALIGN
-    staging = pad.staging if pad is not None else None
-    if staging is None:
-        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
-    elif staging.numel() < total:
-        raise ValueError(f"staging buffer of {staging.numel()} bytes cannot hold {total} bytes of metadata")
-    else:
-        buffer = staging[:total]
-    _ext.pack_metadata(
-        buffer, [offset for _, offset, _, _ in layout], page_lists, list(history_lens), list(cached_lens),
-        list(num_candidates), page_size, nB, nP, nT, nTn, pad is not None, pad.scratch_page if pad is not None else 0,
-    )
-    return PackedMetadata(buffer, tuple(layout), max_q, pad.scratch_page if pad is not None else -1)
+    return tuple(layout), [offset for _, offset, _, _ in layout], total
 
 
 # Bytes: every packed array starts 16-byte aligned, as a separate allocation would. Triton

@@ -117,6 +117,32 @@ def test_the_static_forward_path_matches_no_cache_through_hits_onloads_and_fallb
     engine.close()
 
 
+
+def test_staging_slots_hand_out_their_own_inputs_and_a_foreign_slot_is_not_staged(tiny_config):
+    """pad_spec names the slot it hands out, with that slot's inputs region (views made at
+    capture, over its staging buffer); stage() copies only a spec whose slot is the bucket's."""
+    import dataclasses
+
+    engine = _static_engine(tiny_config)
+    engine.enable_cuda_graphs(max_batch=3, buckets=(32,), capture=False)
+    graphs = engine.graphs
+    specs = [graphs.pad_spec(20, 2) for _ in range(3)]
+    assert [s.slot for s in specs] == [0, 1, 2]
+    for spec in specs:
+        inputs = graphs.inputs_of(spec)
+        start = spec.staging.data_ptr()
+        assert inputs.shape == (5, 32) and start < inputs.data_ptr() < start + spec.staging.numel()
+    elsewhere = KVCacheMetadata.padded_empty(dataclasses.replace(specs[0], staging=None), 4)
+    in_slot = KVCacheMetadata.padded_empty(specs[0], 4)  # packed into slot 0's staging buffer
+    with torch.inference_mode():
+        assert not graphs.stage(specs[0], elsewhere)  # not packed into the slot: never staged
+        assert not graphs.stage(dataclasses.replace(specs[0], slot=1), in_slot)  # slot 1 is another buffer
+        assert graphs.stage(specs[0], in_slot)
+    with pytest.raises(ValueError, match="no inputs region"):
+        graphs.inputs_of(PadSpec(32, 3, specs[0].max_pages, specs[0].scratch_page))
+    engine.close()
+
+
 @pytest.mark.parametrize(
     "buckets, staged",
     [((32, 96), [32, 32]), ((12, 32), [12, 32]), ((12,), [12])],
