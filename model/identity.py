@@ -126,8 +126,24 @@ class HistoryIdentity:
     def __reduce__(self):
         """Pickled with its records and the block and tail digests computed so far (a parse worker
         or front-end process hashes a history once, the whole history's digest included; the
-        engine process reuses them instead of hashing the tail again on its prepare worker)."""
-        return _restored_identity, (bytes(self._bytes), list(self._chain), self.num_tokens, dict(self._tails))
+        engine process reuses them instead of hashing the tail again on its prepare worker). A
+        RankingRequest pickles only digests() and rebuilds the records from its arrays."""
+        return _restored_identity, (bytes(self._bytes), *self.digests())
+
+    def digests(self) -> tuple[list[bytes], int, dict[int, bytes]]:
+        """(block digests, tokens covered, tail digests) computed so far: with the same records,
+        restored() rebuilds this identity without hashing again."""
+        return list(self._chain), self.num_tokens, dict(self._tails)
+
+    @classmethod
+    def restored(
+        cls, records: np.ndarray, chain: list[bytes], num_tokens: int, tails: dict[int, bytes] | None = None
+    ) -> "HistoryIdentity":
+        """The identity whose digests() were (chain, num_tokens, tails), over `records` ([N, 2]
+        int64, exactly the records those digests were computed from: the caller's guarantee)."""
+        if records.shape[0] != num_tokens:
+            raise ValueError(f"records cover {records.shape[0]} tokens, the digests {num_tokens}")
+        return _restored_identity(memoryview(np.ascontiguousarray(records, dtype="<i8")).cast("B"), chain, num_tokens, tails)
 
     def _block(self, b: int) -> bytes:
         step = BLOCK_TOKENS * 16
@@ -155,10 +171,10 @@ class HistoryIdentity:
 
 
 def _restored_identity(
-    data: bytes, chain: list[bytes], num_tokens: int, tails: dict[int, bytes] | None = None
+    data: bytes | memoryview, chain: list[bytes], num_tokens: int, tails: dict[int, bytes] | None = None
 ) -> HistoryIdentity:
     out = object.__new__(HistoryIdentity)
-    out._bytes = memoryview(data).cast("B")
+    out._bytes = data if isinstance(data, memoryview) else memoryview(data).cast("B")
     out._chain = chain
     out.num_tokens = num_tokens
     out._tails = tails or {}

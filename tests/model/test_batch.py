@@ -46,3 +46,37 @@ def test_an_invalid_value_is_named_with_its_field(tiny_config, change, message):
     fields.update(change)
     with pytest.raises(ValueError, match=message):
         RankingRequest.create(3, config=tiny_config, **fields)
+
+
+def test_a_pickled_request_brings_its_digests_and_rebuilds_its_records(tiny_config, monkeypatch):
+    """The engine process gets the front end's digests (nothing is hashed again) without the token
+    records, which it rebuilds from the arrays: the pickle is about the arrays' size, not twice it."""
+    import numpy as np
+
+    from hstu.model import identity as identity_module
+
+    n = 120
+    request = RankingRequest.create(3, np.arange(n) % 400, np.arange(n) % 4, np.arange(n), [4], config=tiny_config)
+    model_id = b"m" * 32
+    sent = request.identity(model_id)
+    whole, part = sent.prefix(sent.num_tokens), sent.prefix(101)
+    data = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+    arrays = sum(getattr(request, f).nbytes for f in ("item_ids", "actions", "timestamps", "candidates", "contextual"))
+    assert len(data) < arrays + 2_000  # the records (16 bytes a token) are not in it
+
+    monkeypatch.setattr(identity_module, "_h", lambda *a: (_ for _ in ()).throw(AssertionError("hashed again")))
+    received = pickle.loads(data)
+    ident = received.identity(model_id)
+    assert bytes(ident.records) == bytes(sent.records)
+    assert ident.prefix(ident.num_tokens) == whole and ident.prefix(101) == part
+    assert not received.item_ids.flags.writeable
+
+
+def test_restoring_an_identity_over_records_of_another_length_is_refused():
+    import numpy as np
+
+    from hstu.model.identity import HistoryIdentity
+
+    ident = HistoryIdentity(b"m", np.zeros((10, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match="records cover 9 tokens, the digests 10"):
+        HistoryIdentity.restored(np.zeros((9, 2), dtype=np.int64), *ident.digests())
