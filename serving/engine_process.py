@@ -10,8 +10,9 @@ Here the front-end process keeps HTTP, parsing, digests and the history store; a
 owns a ServingRuntime (engine, KV cache, batcher, model thread) and receives parsed requests.
 
 Protocol over one multiprocessing pipe per front end, pickled tuples (RankingRequest with its
-identity chain, so digests are not recomputed; a RankOutput pickles its logits as numpy, see
-RankOutput.__reduce__):
+identities' digests, so nothing is hashed again, and not their token records, which the engine
+rebuilds from the arrays: RankingRequest.__getstate__; a RankOutput pickles its logits as numpy,
+see RankOutput.__reduce__):
   front -> engine   ("rank", id, request, seconds left, sent at) | ("prefetch", id, user_ids) |
                     ("scrape", id) | ("cancel", id) | ("metrics", text) | ("drain",) | ("close",)
   engine -> front   ("ready", fingerprint) | ("failed", detail) | ("done", id, outcome, sent at)
