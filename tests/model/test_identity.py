@@ -290,3 +290,26 @@ def test_a_digest_is_at_hand_through_the_blocks_hashed_plus_one_partial_block():
     assert ident.hashed_through(BLOCK_TOKENS - 1) and not ident.hashed_through(BLOCK_TOKENS + 1)
     ident.prefix(BLOCK_TOKENS + 7)
     assert ident.hashed_through(2 * BLOCK_TOKENS - 1) and not ident.hashed_through(2 * BLOCK_TOKENS)
+
+
+@pytest.mark.parametrize("changed_token", [None, 10, 2 * BLOCK_TOKENS + 3], ids=["equal", "early block", "tail"])
+def test_a_shared_prefix_of_two_hashed_identities_compares_block_digests_then_the_tail(changed_token, monkeypatch):
+    """A request hashed by its front end against the identity a GPU entry was committed with:
+    the block digests both hold stand for the whole blocks, the records past them are compared
+    byte for byte; nothing is hashed, and a difference anywhere is found."""
+    from hstu.model import identity as identity_module
+
+    rng = np.random.default_rng(1)
+    records = rng.integers(0, 2**40, (3 * BLOCK_TOKENS, 2))
+    length = 2 * BLOCK_TOKENS + 40
+    stored = HistoryIdentity(b"model", records[:length])
+    stored.prefix(length)
+    changed = records.copy()
+    if changed_token is not None:
+        changed[changed_token, 1] += 1
+    request = HistoryIdentity(b"model", changed)
+    request.prefix(request.num_tokens)
+    monkeypatch.setattr(identity_module, "_h", lambda *parts: (_ for _ in ()).throw(AssertionError("hashed")))
+    assert request.shares_prefix(stored, length) is (changed_token is None)
+    if changed_token is None:
+        assert request.prefix(length) == stored.prefix(length)  # adopted, not hashed
