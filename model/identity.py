@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 
 import numpy as np
 import torch
@@ -60,7 +61,7 @@ _MAX_TAILS = 8  # tail digests kept per identity (a few lengths are asked for pe
 class HistoryIdentity:
     """Prefix digests of one history under one model; block digests are computed once, lazily."""
 
-    __slots__ = ("_bytes", "_chain", "num_tokens", "_tails", "_shared")
+    __slots__ = ("_bytes", "_chain", "num_tokens", "_tails", "_shared", "__weakref__")
 
     def __init__(self, model_id: bytes, records: np.ndarray) -> None:
         self._bytes = memoryview(np.ascontiguousarray(records, dtype="<i8")).cast("B")
@@ -69,8 +70,11 @@ class HistoryIdentity:
         # prefix(length) digests of lengths off a block boundary: a batch asks for the same
         # one or two (cached, whole history) several times (lookup, extension check, commit).
         self._tails: dict[int, bytes] = {}
-        # (identity, length) of the last shares_prefix match: the lookup asks about the same entry twice.
-        self._shared: tuple[HistoryIdentity, int] | None = None
+        # (weak reference to the identity, length) of the last shares_prefix match: the lookup asks
+        # about the same entry twice. Weak: a strong one would chain every identity a user's entry
+        # was ever committed with to the next one, each holding its records, for as long as the
+        # user is cached.
+        self._shared: tuple[weakref.ref, int] | None = None
 
     @property
     def records(self) -> np.ndarray:
@@ -108,7 +112,7 @@ class HistoryIdentity:
         and only the records past them are compared (at most BLOCK_TOKENS). When they are equal,
         this identity takes over the digests `other` has computed for that prefix, which are its own."""
         shared = self._shared
-        if shared is not None and shared[0] is other and length <= shared[1]:
+        if shared is not None and shared[0]() is other and length <= shared[1]:
             return True
         if not 0 <= length <= min(self.num_tokens, other.num_tokens) or self._chain[0] != other._chain[0]:
             return False
@@ -125,7 +129,7 @@ class HistoryIdentity:
             mine, theirs = (np.frombuffer(ident._bytes, dtype="<i8", count=2 * length) for ident in (self, other))
             if not np.array_equal(mine, theirs):
                 return False
-        self._shared = (other, length)
+        self._shared = (weakref.ref(other), length)
         blocks = min(length // BLOCK_TOKENS + 1, len(other._chain))
         if blocks > len(self._chain):
             self._chain = other._chain[:blocks]

@@ -313,3 +313,21 @@ def test_a_shared_prefix_of_two_hashed_identities_compares_block_digests_then_th
     assert request.shares_prefix(stored, length) is (changed_token is None)
     if changed_token is None:
         assert request.prefix(length) == stored.prefix(length)  # adopted, not hashed
+
+
+def test_an_identity_does_not_keep_the_one_it_shared_a_prefix_with_alive():
+    """A GPU entry's identity is checked against the next request's, which is then committed in
+    its place: the older one (and its records) must be freed, not chained to the newer."""
+    import gc
+    import weakref
+
+    records = np.arange(2 * 3 * BLOCK_TOKENS, dtype=np.int64).reshape(-1, 2)
+    older = HistoryIdentity(b"model", records[: 2 * BLOCK_TOKENS])
+    older.prefix(older.num_tokens)
+    newer = HistoryIdentity(b"model", records)
+    assert newer.shares_prefix(older, older.num_tokens)
+    assert newer.shares_prefix(older, older.num_tokens)  # the remembered match
+    gone = weakref.ref(older)
+    del older
+    gc.collect()
+    assert gone() is None
