@@ -6,7 +6,7 @@
 # STAGES picks the stages (default: the first six; also split, split_front, pressure_ab, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank,
-# rest_loop2, rest_ray, rest_ray_direct, rest_ray_direct4, bench_export, bench_compiled), e.g.
+# rest_loop2, engine_process, profile_host, rest_ray, rest_ray_direct, rest_ray_direct4, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
 # are listed last and make the exit status non-zero. scripts/gpu_check.sh covers the kernels alone
@@ -114,6 +114,10 @@ REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 2" stage rest_front2 200 ba
 REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 3 --parse-processes 2" stage rest_front3 200 bash scripts/gpu_rest.sh "$OUT/rest_front3"
 # two front ends and the engine process launching on its loop's thread (model_on_loop; compare with rest_front2)
 REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 2 --model-on-loop" stage rest_loop2 200 bash scripts/gpu_rest.sh "$OUT/rest_loop2"
+# issue 18 on this machine's host CPU: the engine process's own work per request (forward stubbed), thread vs loop
+stage engine_process 120 python3 -m hstu.scripts.bench_engine_process --out "$OUT/engine_process.json"
+# issue 12: the model thread's host phases without the forward (compare with "profile"'s, which include launches)
+stage profile_host 120 python3 -m hstu.cli profile --host-only --forwards 30 --out "$OUT/profile_host"
 # the same server behind Ray Serve, one replica on this GPU (issue 16: overhead vs "rest", same call)
 REFERENCE=0 SERVE_ARGS="--replicas 1" stage rest_ray 240 bash scripts/gpu_rest.sh "$OUT/rest_ray"
 # ... with the ingress replicas serving HTTP on the port themselves (no proxy actor)
