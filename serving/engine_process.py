@@ -11,7 +11,7 @@ owns a ServingRuntime (engine, KV cache, batcher, model thread) and receives par
 
 Protocol over one multiprocessing pipe per front end, pickled tuples (RankingRequest with its
 identities' digests, so nothing is hashed again, and not their token records, which the engine
-rebuilds from the arrays: RankingRequest.__getstate__; a RankOutput pickles its logits as numpy,
+rebuilds from the arrays: RankingRequest.__reduce__; a RankOutput pickles its logits as numpy,
 see RankOutput.__reduce__):
   front -> engine   ("rank", id, request, seconds left, sent at) | ("prefetch", id, user_ids) |
                     ("scrape", id) | ("cancel", id) | ("metrics", text) | ("drain",) | ("close",)
