@@ -97,12 +97,6 @@ class HistoryIdentity:
         out._shared = None
         return out
 
-    def hashed_through(self, length: int) -> bool:
-        """Whether the digest of the first `length` tokens is at hand: computed, or one partial
-        block (at most BLOCK_TOKENS records, ~5 us) past the block digests computed so far (a
-        front end or parse worker hashed the history before it reached the engine)."""
-        return length in self._tails or len(self._chain) > length // BLOCK_TOKENS
-
     def shares_prefix(self, other: "HistoryIdentity", length: int) -> bool:
         """Whether this history's first `length` tokens under this model are exactly `other`'s:
         the same model (root digest) and the records compared byte for byte (~4 us for 4k tokens,

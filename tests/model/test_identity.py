@@ -284,14 +284,6 @@ def test_token_records_lay_out_contextual_then_item_and_action_tokens():
                          np.array([], dtype=np.int64)).shape == (0, 2)
 
 
-def test_a_digest_is_at_hand_through_the_blocks_hashed_plus_one_partial_block():
-    records = np.arange(2 * (2 * BLOCK_TOKENS + 50), dtype=np.int64).reshape(-1, 2)
-    ident = HistoryIdentity(b"m", records)
-    assert ident.hashed_through(BLOCK_TOKENS - 1) and not ident.hashed_through(BLOCK_TOKENS + 1)
-    ident.prefix(BLOCK_TOKENS + 7)
-    assert ident.hashed_through(2 * BLOCK_TOKENS - 1) and not ident.hashed_through(2 * BLOCK_TOKENS)
-
-
 @pytest.mark.parametrize("changed_token", [None, 10, 2 * BLOCK_TOKENS + 3], ids=["equal", "early block", "tail"])
 def test_a_shared_prefix_of_two_hashed_identities_compares_block_digests_then_the_tail(changed_token, monkeypatch):
     """A request hashed by its front end against the identity a GPU entry was committed with:
