@@ -226,7 +226,7 @@ def pack_metadata(
 
 
 @functools.lru_cache(maxsize=256)
-def _packed_layout(nB: int, nP: int, n_indices: int, nT: int, nTn: int) -> tuple[tuple, list[int], int]:
+def _packed_layout(nB: int, nP: int, n_indices: int, nT: int, nTn: int) -> tuple[tuple, tuple[int, ...], int]:
     """(layout: (field, byte offset, dtype, shape) per field, the offsets alone, total bytes) of a
     packed buffer of these sizes. Cached: a graph bucket's padded sizes are the same every batch."""
     shapes = (
@@ -240,7 +240,7 @@ def _packed_layout(nB: int, nP: int, n_indices: int, nT: int, nTn: int) -> tuple
     for name, dtype, shape in shapes:
         layout.append((name, total, dtype, shape))
         total += -(-dtype.itemsize * math.prod(shape) // _ALIGN) * _ALIGN
-    return tuple(layout), [offset for _, offset, _, _ in layout], total
+    return tuple(layout), tuple(offset for _, offset, _, _ in layout), total  # tuples: shared by every caller
 
 
 # Bytes: every packed array starts 16-byte aligned, as a separate allocation would. Triton
