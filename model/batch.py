@@ -150,12 +150,13 @@ _ARRAYS = ("item_ids", "actions", "timestamps", "candidates", "contextual")
 def _restored_request(user_id: int, blob: bytes, lengths: tuple[int, ...], digests: dict, valid_for) -> RankingRequest:
     """A pickled RankingRequest (its __reduce__): read-only array views over `blob`, identities
     restored over records rebuilt from them."""
-    flat = np.frombuffer(blob, dtype="<i8")  # read-only: bytes are immutable
+    flat = np.frombuffer(blob, dtype="<i8").astype(np.int64, copy=False)  # a view on little-endian hosts
+    flat.setflags(write=False)  # (already so for a view of the bytes; a big-endian host's copy too)
     if flat.shape[0] != sum(lengths):
         raise ValueError(f"a pickled request of {flat.shape[0]} values for arrays of {lengths}")
     arrays, start = {}, 0
     for name, n in zip(_ARRAYS, lengths):
-        arrays[name] = flat[start : start + n].astype(np.int64, copy=False)
+        arrays[name] = flat[start : start + n]
         start += n
     req = RankingRequest(user_id, **arrays)
     req._valid_for = valid_for
