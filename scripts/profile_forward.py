@@ -46,10 +46,13 @@ logger = logging.getLogger(__name__)
 _IDS = FreshUserIds()  # never-reused users across every profiled pass
 
 
-def _engine(
+def profile_engine(
     shape: BenchShape, device: torch.device, batch: int, cuda_graphs: bool, onload_fraction: float | None = None,
-    resident_batches: int = 2,
+    resident_batches: int = 2, capture: bool = True,
 ) -> RankingEngine:
+    """An engine holding `resident_batches` batches of `batch` users on the GPU, with graph buckets
+    for the cached forward, the re-rank and the split's batch when `cuda_graphs` (captured unless
+    `capture` is False: the same padded path replayed eagerly, on a CPU too)."""
     cfg = shape.model_config()
     kv = shape.cache_config(cfg, 1)
     kv = dataclasses.replace(kv, num_pages=max(kv.num_pages, resident_batches * batch * shape.pages_per_user))
@@ -63,11 +66,11 @@ def _engine(
             else:  # the prefix's recomputed back with the batch
                 rows.add(batch * (shape.history_tokens - onload + shape.num_candidates))
         rows = sorted(rows)
-        engine.enable_cuda_graphs(max_batch=batch, buckets=tuple(rows))
+        engine.enable_cuda_graphs(max_batch=batch, buckets=tuple(rows), capture=capture)
     return engine
 
 
-def _as_front_end(engine: RankingEngine, requests: list) -> list:
+def as_front_end(engine: RankingEngine, requests: list) -> list:
     """`requests` validated and their whole histories hashed, where the server does that: in its
     front end, off the model thread."""
     for r in requests:
@@ -98,7 +101,7 @@ def _forwards(
             engine.cache.evict_gpu(users)
         requests = as_users(full, users)
         if not cold:
-            _as_front_end(engine, requests)
+            as_front_end(engine, requests)
         sync(device)
         yield requests
 
@@ -166,7 +169,7 @@ def pipelined_profile(engine, shape, batch, n, device, depth: int = 2) -> dict:
     for _ in range(n):
         users = _IDS.take(len(full))
         engine.rank(as_users(prefix, users))
-        batches.append(_as_front_end(engine, as_users(full, users)))
+        batches.append(as_front_end(engine, as_users(full, users)))
     engine.cache.drain()
     sync(device)
     cuda = device.type == "cuda"
@@ -268,7 +271,7 @@ def main(args: argparse.Namespace) -> int:
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": dataclasses.asdict(shape), "cuda_graphs": args.cuda_graphs,
            "onload_fraction": args.onload_fraction, "rerank": args.rerank, "cold_requests": args.cold_requests}
     for batch in args.batch:
-        engine = _engine(
+        engine = profile_engine(
             dataclasses.replace(shape, batch_sizes=(batch,)), device, batch, args.cuda_graphs, args.onload_fraction,
             resident_batches=max(2, args.pipelined + 1),
         )

@@ -31,10 +31,9 @@ import torch
 
 from hstu.engine import RankingEngine
 from hstu.model.batch import RankingRequest
-from hstu.model.ranking import InferenceRankingGR
-from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.scripts import report
 from hstu.scripts.bench_shapes import BenchShape, make_requests
+from hstu.scripts.profile_forward import as_front_end, profile_engine
 from hstu.scripts.workload import FreshUserIds, as_users
 
 HOST_PHASES = ("plan", "inputs", "wait", "finish", "split")
@@ -49,13 +48,7 @@ def narrow(shape: BenchShape) -> BenchShape:
 
 def host_engine(shape: BenchShape, batch: int) -> RankingEngine:
     """A CPU engine whose graph buckets (uncaptured) fit the cached batch and its re-rank."""
-    cfg = shape.model_config()
-    kv = shape.cache_config(cfg, 1)
-    kv = dataclasses.replace(kv, num_pages=max(kv.num_pages, 2 * batch * shape.pages_per_user))
-    engine = RankingEngine(InferenceRankingGR(cfg, "cpu"), AsyncKVCacheManager(kv, "cpu"))
-    rows = {batch * (shape.new_tokens + shape.num_candidates), batch * shape.num_candidates}
-    engine.enable_cuda_graphs(max_batch=batch, buckets=tuple(sorted(rows)), capture=False)
-    return engine
+    return profile_engine(shape, torch.device("cpu"), batch, cuda_graphs=True, capture=False)
 
 
 def run_host_phases(engine: RankingEngine, requests: list[RankingRequest]) -> dict[str, float]:
@@ -86,11 +79,7 @@ def _batches(engine: RankingEngine, shape: BenchShape, batch: int, n: int, ids: 
             r.validate(engine.config)
         run_host_phases(engine, requests)
         engine.cache.drain()
-        requests = as_users(full, users)
-        for r in requests:
-            r.validate(engine.config)
-            r.identity(engine.model.identity).prefix(r.history_tokens(engine.config))
-        yield requests
+        yield as_front_end(engine, as_users(full, users))
         engine.cache.drain()
 
 

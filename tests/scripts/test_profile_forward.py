@@ -71,9 +71,9 @@ def test_a_profiled_split_gets_a_graph_bucket_of_its_own_rows(monkeypatch, host_
     from hstu.scripts.bench_shapes import TINY_SHAPE
 
     seen = {}
-    monkeypatch.setattr(RankingEngine, "enable_cuda_graphs", lambda self, max_batch, buckets: seen.update(rows=buckets))
+    monkeypatch.setattr(RankingEngine, "enable_cuda_graphs", lambda self, max_batch, buckets, capture=True: seen.update(rows=buckets))
     shape = dataclasses.replace(TINY_SHAPE, host_split=host_split)
-    engine = profile_forward._engine(shape, profile_forward.torch.device("cpu"), 2, True, onload_fraction=0.5)
+    engine = profile_forward.profile_engine(shape, profile_forward.torch.device("cpu"), 2, True, onload_fraction=0.5)
     engine.close()
     onload = shape.cached_tokens // shape.chunk_tokens // 2 * shape.chunk_tokens
     split_rows = 2 * (shape.cached_tokens - onload if host_split == "compute_front"
