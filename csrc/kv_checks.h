@@ -4,6 +4,7 @@
 //   kv_cache    [L, P, 2, page_size, H, d]              GPU page table (index 0 = K, 1 = V)
 //   host_arena  [S, L, pages_per_chunk, 2, page_size, H, d]  host chunk slots (page images)
 //   k, v        [T, H, d]                               new tokens' keys / values (jagged batch)
+//   hidden_arena [S, L, chunk_tokens, D]                 hidden-state chunks (check_hidden_arena)
 // Index tensors are int32 (append_kvcache's rows: int64, as the metadata holds them). Errors name the
 // offending values.
 //
@@ -139,6 +140,53 @@ inline void check_store(const at::Tensor& host_arena, const at::Tensor& chunks, 
   TORCH_CHECK(slot_ids.size(0) == chunks.size(0), "slot_ids needs ", num(chunks.size(0)), " entries, got ",
               num(slot_ids.size(0)));
   check_range_cpu(slot_ids, "slot_ids", host_arena.size(0));
+}
+
+// hidden_arena [S, L, chunk_tokens, D]: the host tier's hidden-state chunks (each layer's input
+// rows), a view of the host arena's slots: every slot's [L, chunk_tokens, D] block contiguous, the
+// slots any stride apart (one per host-arena slot, whose first L * chunk_tokens * D elements it uses).
+inline void check_hidden_arena(const at::Tensor& hidden_arena) {
+  TORCH_CHECK(hidden_arena.dim() == 4, "hidden_arena must be [S, L, chunk_tokens, D], got ",
+              dims(hidden_arena.sizes()));
+  const int64_t D = hidden_arena.size(3), ct = hidden_arena.size(2), L = hidden_arena.size(1);
+  TORCH_CHECK(hidden_arena.stride(3) == 1 && hidden_arena.stride(2) == D && hidden_arena.stride(1) == ct * D &&
+                  hidden_arena.stride(0) >= L * ct * D,
+              "hidden_arena's [L, chunk_tokens, D] blocks must be contiguous, got strides ",
+              dims(hidden_arena.strides()));
+  TORCH_CHECK(hidden_arena.scalar_type() == at::kFloat || hidden_arena.scalar_type() == at::kBFloat16 ||
+                  hidden_arena.scalar_type() == at::kHalf,
+              "hidden_arena dtype must be float32, bfloat16 or float16, got ", hidden_arena.scalar_type());
+}
+
+// onload_hidden: out [n, chunk_tokens, D] (contiguous, hidden_arena's dtype) <- layer `layer` of
+// slots slot_ids [n].
+inline void check_onload_hidden(const at::Tensor& out, const at::Tensor& hidden_arena, const at::Tensor& slot_ids,
+                                int64_t layer) {
+  check_hidden_arena(hidden_arena);
+  TORCH_CHECK(layer >= 0 && layer < hidden_arena.size(1), "layer ", num(layer), " out of range [0, ",
+              num(hidden_arena.size(1)), ")");
+  check_index(slot_ids, "slot_ids", 1);
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == slot_ids.size(0) && out.size(1) == hidden_arena.size(2) &&
+                  out.size(2) == hidden_arena.size(3),
+              "out must be [n_chunks=", num(slot_ids.size(0)), ", chunk_tokens=", num(hidden_arena.size(2)),
+              ", D=", num(hidden_arena.size(3)), "], got ", dims(out.sizes()));
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+  TORCH_CHECK(out.scalar_type() == hidden_arena.scalar_type(), "out dtype ", out.scalar_type(),
+              " must equal hidden_arena dtype ", hidden_arena.scalar_type());
+  check_range_cpu(slot_ids, "slot_ids", hidden_arena.size(0));
+}
+
+// store_hidden_chunks: hidden_arena[slot_ids[c]] <- chunks[c], chunks [n, L, chunk_tokens, D].
+inline void check_store_hidden(const at::Tensor& hidden_arena, const at::Tensor& chunks, const at::Tensor& slot_ids) {
+  check_hidden_arena(hidden_arena);
+  TORCH_CHECK(chunks.dim() == 4 && chunks.sizes().slice(1) == hidden_arena.sizes().slice(1),
+              "chunks must be [n, ", dims(hidden_arena.sizes().slice(1)), "], got ", dims(chunks.sizes()));
+  TORCH_CHECK(chunks.scalar_type() == hidden_arena.scalar_type(), "chunks dtype ", chunks.scalar_type(),
+              " must equal hidden_arena dtype ", hidden_arena.scalar_type());
+  check_index(slot_ids, "slot_ids", 1);
+  TORCH_CHECK(slot_ids.size(0) == chunks.size(0), "slot_ids needs ", num(chunks.size(0)), " entries, got ",
+              num(slot_ids.size(0)));
+  check_range_cpu(slot_ids, "slot_ids", hidden_arena.size(0));
 }
 
 // Per-token (page, offset) of a jagged batch given as a CSR page list (CPU int32 tensors), checked:

@@ -1,7 +1,8 @@
 // hstu custom ops: schemas (TORCH_LIBRARY) and CPU kernels (TORCH_LIBRARY_IMPL CPU).
 //
 // Layouts (see kv_checks.h): kv_cache [L, P, 2, page_size, H, d]; host_arena
-// [S, L, pages_per_chunk, 2, page_size, H, d]; k/v [T, H, d]; every index tensor int32.
+// [S, L, pages_per_chunk, 2, page_size, H, d]; hidden_arena [S, L, chunk_tokens, D] (a view of the
+// host arena's slots); k/v [T, H, d]; every index tensor int32.
 // A user's pages hold its tokens from position 0: token t lives in page pages[t / page_size] at
 // offset t % page_size. CUDA kernels for the same schemas live in kernels/*.cu.
 #include <ATen/ATen.h>
@@ -80,6 +81,20 @@ void store_host_chunks_cpu(at::Tensor host_arena, const at::Tensor& chunks, cons
   host_arena.index_copy_(0, slot_ids.to(at::kLong), chunks.to(host_arena.device()));
 }
 
+// Layer `layer` of hidden-state slots -> out: out[c] = hidden_arena[slot_ids[c], layer].
+void onload_hidden_cpu(at::Tensor out, const at::Tensor& hidden_arena, const at::Tensor& slot_ids, int64_t layer) {
+  check_onload_hidden(out, hidden_arena, slot_ids, layer);
+  if (slot_ids.numel() == 0) return;
+  out.copy_(hidden_arena.select(1, layer).index_select(0, slot_ids.to(at::kLong)));
+}
+
+// Hidden-state chunks -> host slots: hidden_arena[slot_ids[c]] = chunks[c].
+void store_hidden_chunks_cpu(at::Tensor hidden_arena, const at::Tensor& chunks, const at::Tensor& slot_ids) {
+  check_store_hidden(hidden_arena, chunks, slot_ids);
+  if (slot_ids.numel() == 0) return;
+  hidden_arena.index_copy_(0, slot_ids.to(at::kLong), chunks.to(hidden_arena.device()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hstu, m) {
@@ -91,6 +106,8 @@ TORCH_LIBRARY(hstu, m) {
   m.def("onload_kvcache(Tensor(a!) kv_cache, Tensor host_arena, Tensor slot_ids, Tensor page_ids, "
         "int layer) -> ()");
   m.def("store_host_chunks(Tensor(a!) host_arena, Tensor chunks, Tensor slot_ids) -> ()");
+  m.def("onload_hidden(Tensor(a!) out, Tensor hidden_arena, Tensor slot_ids, int layer) -> ()");
+  m.def("store_hidden_chunks(Tensor(a!) hidden_arena, Tensor chunks, Tensor slot_ids) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hstu, CPU, m) {
@@ -99,6 +116,8 @@ TORCH_LIBRARY_IMPL(hstu, CPU, m) {
   m.impl("gather_kvcache_all_layers", &gather_kvcache_all_layers_cpu);
   m.impl("onload_kvcache", &onload_kvcache_cpu);
   m.impl("store_host_chunks", &store_host_chunks_cpu);
+  m.impl("onload_hidden", &onload_hidden_cpu);
+  m.impl("store_hidden_chunks", &store_hidden_chunks_cpu);
 }
 
 }  // namespace hstu

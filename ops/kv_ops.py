@@ -5,7 +5,9 @@ the fakes below let torch.compile trace them. The references are the readable de
 kernel is tested against.
 
 Layouts: kv_cache [L, P, 2, page_size, H, d] (K at index 0, V at 1); host_arena
-[S, L, pages_per_chunk, 2, page_size, H, d]; k/v [T, H, d]; index tensors int32.
+[S, L, pages_per_chunk, 2, page_size, H, d]; hidden_arena [S, L, chunk_tokens, D] (the host tier's
+hidden-state chunks: a view of the host arena's slots, each slot's block contiguous); k/v [T, H, d];
+index tensors int32.
 """
 
 from __future__ import annotations
@@ -43,6 +45,16 @@ def _onload_fake(kv_cache, host_arena, slot_ids, page_ids, layer) -> None:
 
 @torch.library.register_fake("hstu::store_host_chunks")
 def _store_fake(host_arena, chunks, slot_ids) -> None:
+    return None
+
+
+@torch.library.register_fake("hstu::onload_hidden")
+def _onload_hidden_fake(out, hidden_arena, slot_ids, layer) -> None:
+    return None
+
+
+@torch.library.register_fake("hstu::store_hidden_chunks")
+def _store_hidden_fake(hidden_arena, chunks, slot_ids) -> None:
     return None
 
 
@@ -88,6 +100,17 @@ def store_host_chunks(host_arena: torch.Tensor, chunks: torch.Tensor, slot_ids: 
     _ops.store_host_chunks(host_arena, chunks, slot_ids)
 
 
+def onload_hidden(out: torch.Tensor, hidden_arena: torch.Tensor, slot_ids: torch.Tensor, layer: int) -> None:
+    """Layer `layer` of hidden-state slots -> out [n, chunk_tokens, D]: out[c] = hidden_arena[slot_ids[c], layer]
+    (H2D on CUDA: one copy per slot, no kernel)."""
+    _ops.onload_hidden(out, hidden_arena, slot_ids, layer)
+
+
+def store_hidden_chunks(hidden_arena: torch.Tensor, chunks: torch.Tensor, slot_ids: torch.Tensor) -> None:
+    """Hidden-state chunks [n, L, chunk_tokens, D] -> hidden_arena[slot_ids[c]] (D2H on CUDA)."""
+    _ops.store_hidden_chunks(hidden_arena, chunks, slot_ids)
+
+
 def append_kvcache_reference(kv_cache, k, v, page_ids, page_offsets, layer, rows=None, skip_page=-1) -> None:
     """Readable definition of append_kvcache, one token at a time."""
     for t in range(page_ids.shape[0]):
@@ -123,3 +146,15 @@ def onload_kvcache_reference(kv_cache, host_arena, slot_ids, page_ids, layer) ->
     for c in range(slot_ids.shape[0]):
         for p in range(page_ids.shape[1]):
             kv_cache[layer, int(page_ids[c, p])] = host_arena[int(slot_ids[c]), layer, p].to(kv_cache.device)
+
+
+def onload_hidden_reference(out, hidden_arena, slot_ids, layer) -> None:
+    """Readable definition of onload_hidden."""
+    for c in range(slot_ids.shape[0]):
+        out[c] = hidden_arena[int(slot_ids[c]), layer].to(out.device)
+
+
+def store_hidden_chunks_reference(hidden_arena, chunks, slot_ids) -> None:
+    """Readable definition of store_hidden_chunks."""
+    for c in range(slot_ids.shape[0]):
+        hidden_arena[int(slot_ids[c])] = chunks[c].to(hidden_arena.device)

@@ -1,4 +1,4 @@
-// CUDA impls (TORCH_LIBRARY_IMPL(hstu, CUDA)) of the five KV ops whose schemas and CPU impls live
+// CUDA impls (TORCH_LIBRARY_IMPL(hstu, CUDA)) of the seven KV ops whose schemas and CPU impls live
 // in ../ops.cpp. Checks are the shared ones of ../kv_checks.h.
 //
 // Layouts (row-major, contiguous unless noted):
@@ -6,6 +6,10 @@
 //   host_arena  [S, L, pages_per_chunk, 2, page_size, H, d]  host chunk slots (pinned CPU)
 //   k, v        [T, H, d]                                   [H, d] contiguous, any token stride
 //   chunks      [n, L, pages_per_chunk, 2, page_size, H, d] output of gather_kvcache_all_layers
+//   hidden_arena [S, L, chunk_tokens, D]                 pinned CPU view of the host arena's slots:
+//                                                         each slot's block contiguous, slots
+//                                                         stride(0) apart (onload_hidden,
+//                                                         store_hidden_chunks: copies, no kernel)
 //   index tensors int32
 // A token row (H*d elements) and a page image (2*page_size*H*d elements, K and V of one layer)
 // are contiguous on every side, so every op is a list of "items" (rows or pages) copied from one
@@ -414,6 +418,55 @@ void store_host_chunks_cuda(at::Tensor host_arena, const at::Tensor& chunks, con
   enqueue_runs(runs, cudaMemcpyDeviceToHost, host_arena.is_pinned(), stream);
 }
 
+// Layer `layer` of hidden-state slots -> out (device): one H2D run per slot, merged where slots
+// and rows are consecutive on both sides (they are not for layer blocks of consecutive slots).
+void onload_hidden_cuda(at::Tensor out, const at::Tensor& hidden_arena, const at::Tensor& slot_ids, int64_t layer) {
+  TORCH_CHECK(out.is_cuda() && hidden_arena.is_cpu() && slot_ids.is_cpu(),
+              "onload_hidden on CUDA takes out on the GPU and hidden_arena, slot_ids on the CPU, got ", out.device(),
+              ", ", hidden_arena.device(), ", ", slot_ids.device());
+  check_onload_hidden(out, hidden_arena, slot_ids, layer);
+  const int64_t n = slot_ids.size(0);
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  const int64_t es = hidden_arena.element_size();
+  const int64_t block_bytes = hidden_arena.size(2) * hidden_arena.size(3) * es;
+  const char* arena = static_cast<const char*>(hidden_arena.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  const int32_t* slots = slot_ids.data_ptr<int32_t>();
+  std::vector<CopyRun> runs;
+  runs.reserve(static_cast<size_t>(n));
+  for (int64_t c = 0; c < n; ++c) {
+    const char* src = arena + (static_cast<int64_t>(slots[c]) * hidden_arena.stride(0) + layer * hidden_arena.stride(1)) * es;
+    add_run(runs, dst + c * block_bytes, src, static_cast<size_t>(block_bytes));
+  }
+  enqueue_runs(runs, cudaMemcpyHostToDevice, hidden_arena.is_pinned(), at::cuda::getCurrentCUDAStream());
+}
+
+// Hidden-state chunks (device) -> host slots: one D2H run per slot.
+void store_hidden_chunks_cuda(at::Tensor hidden_arena, const at::Tensor& chunks, const at::Tensor& slot_ids) {
+  TORCH_CHECK(chunks.is_cuda() && hidden_arena.is_cpu() && slot_ids.is_cpu(),
+              "store_hidden_chunks on CUDA takes chunks on the GPU and hidden_arena, slot_ids on the CPU, got ",
+              chunks.device(), ", ", hidden_arena.device(), ", ", slot_ids.device());
+  check_store_hidden(hidden_arena, chunks, slot_ids);
+  const int64_t n = slot_ids.size(0);
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(chunks.device());
+  const auto src = chunks.contiguous();
+  const int64_t es = hidden_arena.element_size();
+  const int64_t chunk_bytes = hidden_arena.size(1) * hidden_arena.stride(1) * es;
+  const int32_t* slots = slot_ids.data_ptr<int32_t>();
+  char* arena = static_cast<char*>(hidden_arena.data_ptr());
+  const char* base = static_cast<const char*>(src.data_ptr());
+  std::vector<CopyRun> runs;
+  runs.reserve(static_cast<size_t>(n));
+  for (int64_t c = 0; c < n; ++c) {
+    add_run(runs, arena + static_cast<int64_t>(slots[c]) * hidden_arena.stride(0) * es, base + c * chunk_bytes,
+            static_cast<size_t>(chunk_bytes));
+  }
+  // As in store_host_chunks_cuda: a temporary `src` is reused only by work enqueued later on this stream.
+  enqueue_runs(runs, cudaMemcpyDeviceToHost, hidden_arena.is_pinned(), at::cuda::getCurrentCUDAStream());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hstu, CUDA, m) {
@@ -422,6 +475,8 @@ TORCH_LIBRARY_IMPL(hstu, CUDA, m) {
   m.impl("gather_kvcache_all_layers", &gather_kvcache_all_layers_cuda);
   m.impl("onload_kvcache", &onload_kvcache_cuda);
   m.impl("store_host_chunks", &store_host_chunks_cuda);
+  m.impl("onload_hidden", &onload_hidden_cuda);
+  m.impl("store_hidden_chunks", &store_hidden_chunks_cuda);
 }
 
 }  // namespace hstu

@@ -207,6 +207,32 @@ def test_store_host_chunks_from_noncontiguous_chunks():
     assert torch.equal(arena[slots.long()], chunks.cpu())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hidden_chunks_store_then_onload_layer_by_layer(dtype):
+    """store_hidden_chunks (D2H) then onload_hidden (H2D) of each layer, on a side stream, over a
+    pinned view whose slots are wider than their hidden blocks (as the manager's)."""
+    L, S, ct, dim, n = 3, 9, 16, 64, 4
+    flat = torch.full((S, L * ct * dim * 2), float("nan"), dtype=dtype).pin_memory()
+    arena = flat[:, : L * ct * dim].view(S, L, ct, dim)
+    chunks = torch.randn((n, L, ct, dim), device="cuda").to(dtype)
+    slots = distinct(n, S, run=2)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        kv_ops.store_hidden_chunks(arena, chunks, slots)
+        outs = []
+        for layer in range(L):
+            out = torch.empty((n, ct, dim), device="cuda", dtype=dtype)
+            kv_ops.onload_hidden(out, arena, slots, layer)
+            outs.append(out)
+    stream.synchronize()
+    assert torch.equal(arena[slots.long()], chunks.cpu())
+    for layer, out in enumerate(outs):
+        assert torch.equal(out, chunks[:, layer])
+    untouched = torch.ones(S, dtype=torch.bool)
+    untouched[slots.long()] = False
+    assert flat[untouched].isnan().all() and flat[:, L * ct * dim :].isnan().all()
+
+
 def test_offload_roundtrip_gather_store_onload(monkeypatch):
     """gather_all_layers -> store_host_chunks -> onload of every layer restores the pages."""
     L, P, ps, H, d, ppc, n = 4, 30, 16, 2, 128, 2, 3

@@ -115,6 +115,41 @@ def test_store_host_chunks_then_onload_round_trips():
     assert torch.equal(fresh[:, page_ids.flatten().long()], cache[:, page_ids.flatten().long()])
 
 
+def _hidden_arena(slots=5, ct=4, dim=6, fill=float("nan")):
+    """A hidden-state view [S, L, ct, dim] over a wider slot arena, as the manager makes it."""
+    flat = torch.full((slots, L * ct * dim + 5), fill)
+    return flat[:, : L * ct * dim].view(slots, L, ct, dim)
+
+
+def test_store_hidden_chunks_then_onload_round_trips():
+    arena = _hidden_arena()
+    chunks = torch.randn(2, L, 4, 6)
+    slots = torch.tensor([3, 1], dtype=torch.int32)
+    kv_ops.store_hidden_chunks(arena, chunks, slots)
+    assert torch.equal(arena[3], chunks[0]) and torch.equal(arena[1], chunks[1])
+    assert arena[0].isnan().all() and arena[2].isnan().all() and arena[4].isnan().all()
+    for layer in range(L):
+        out, expected = torch.zeros(2, 4, 6), torch.zeros(2, 4, 6)
+        kv_ops.onload_hidden(out, arena, slots, layer)
+        kv_ops.onload_hidden_reference(expected, arena, slots, layer)
+        assert torch.equal(out, expected) and torch.equal(out, chunks[:, layer])
+
+
+def test_hidden_ops_reject_bad_inputs():
+    arena = _hidden_arena()
+    with pytest.raises(RuntimeError, match=r"slot_ids values must lie in \[0, 5\)"):
+        kv_ops.onload_hidden(torch.zeros(1, 4, 6), arena, torch.tensor([5], dtype=torch.int32), 0)
+    with pytest.raises(RuntimeError, match=f"layer {L} out of range"):
+        kv_ops.onload_hidden(torch.zeros(1, 4, 6), arena, torch.tensor([0], dtype=torch.int32), L)
+    with pytest.raises(RuntimeError, match=r"out must be \[n_chunks=1, chunk_tokens=4, D=6\]"):
+        kv_ops.onload_hidden(torch.zeros(1, 4, 5), arena, torch.tensor([0], dtype=torch.int32), 0)
+    with pytest.raises(RuntimeError, match="blocks must be contiguous"):
+        kv_ops.onload_hidden(torch.zeros(1, 4, 6), arena.transpose(2, 3).contiguous().transpose(2, 3),
+                             torch.tensor([0], dtype=torch.int32), 0)
+    with pytest.raises(RuntimeError, match="chunks must be"):
+        kv_ops.store_hidden_chunks(arena, torch.zeros(1, L, 4, 5), torch.tensor([0], dtype=torch.int32))
+
+
 def _opcheck(op, args):
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
@@ -146,6 +181,13 @@ def test_opcheck_onload():
 def test_opcheck_store_host_chunks():
     chunks = torch.randn(2, L, 2, 2, PS, H, D)
     _opcheck(torch.ops.hstu.store_host_chunks.default, (torch.zeros(4, L, 2, 2, PS, H, D), chunks, torch.tensor([3, 1], dtype=torch.int32)))
+
+
+def test_opcheck_hidden_ops():
+    arena = _hidden_arena(fill=0.0)
+    slots = torch.tensor([3, 1], dtype=torch.int32)
+    _opcheck(torch.ops.hstu.store_hidden_chunks.default, (arena, torch.randn(2, L, 4, 6), slots))
+    _opcheck(torch.ops.hstu.onload_hidden.default, (torch.zeros(2, 4, 6), arena, slots, 1))
 
 
 def test_append_rejects_page_out_of_range():
