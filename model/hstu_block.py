@@ -55,11 +55,20 @@ class HSTUBlock(nn.Module):
         meta: KVCacheMetadata,
         before_layer: Callable[[int], None] | None = None,
         layer_fns: list[Callable] | None = None,
+        layer_inputs: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """All layers on the jagged batch; layer_fns[i](x, kv_cache, meta) may replace layer i (compiled)."""
+        """All layers on the jagged batch; layer_fns[i](x, kv_cache, meta) may replace layer i (compiled).
+        layer_inputs: if given, each layer's input [T, D] is appended to it (kept, not copied: the
+        host tier stores the history rows' as hidden-state chunks)."""
         fns = layer_fns or [functools.partial(self.paged_layer, i) for i in range(len(self.layers))]
         for i, fn in enumerate(fns):
             if before_layer is not None:
                 before_layer(i)
+            if layer_inputs is not None:
+                layer_inputs.append(x)
             x = fn(x, kv_cache, meta)
         return x
+
+    def kv_from_hidden(self, index: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s K and V [T, H, d] of tokens whose layer input was x [T, D]."""
+        return self.layers[index].project_kv(x)

@@ -40,6 +40,21 @@ class HSTULayer(nn.Module):
         T = x.shape[0]
         return u, q.reshape(T, H, dqk), k.reshape(T, H, dqk), v.reshape(T, H, dv)
 
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, D] -> k [T, H, d_qk], v [T, H, d_v]: project()'s keys and values alone, from the
+        layer's input. The host tier's hidden-state chunks are rebuilt into K/V this way: two
+        matmuls over the v and k rows of uvqk's weight, half of project()'s."""
+        H, dv, dqk = self.num_heads, self.d_v, self.d_qk
+        w, b = self.uvqk.weight, self.uvqk.bias
+        v_rows, k_rows = slice(H * dv, 2 * H * dv), slice(2 * H * dv + H * dqk, 2 * H * dv + 2 * H * dqk)
+        normed = self.input_norm(x)
+        v = F.linear(normed, w[v_rows], None if b is None else b[v_rows])
+        k = F.linear(normed, w[k_rows], None if b is None else b[k_rows])
+        if not self.meta_stu:
+            v, k = F.silu(v), F.silu(k)
+        T = x.shape[0]
+        return k.reshape(T, H, dqk), v.reshape(T, H, dv)
+
     def finish(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Residual output from attention [T, H, d_v] and gate u."""
         a = attn.reshape(x.shape[0], -1)

@@ -1,0 +1,46 @@
+"""HSTULayer.project_kv: the keys and values rebuilt from a layer's input (the host tier's
+hidden-state chunks) equal those of the layer's full projection."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hstu.model.hstu_block import HSTUBlock
+from tests.configs import TINY
+
+
+@pytest.mark.parametrize("variant", ["nvidia", "meta_stu"])
+def test_project_kv_equals_the_projections_keys_and_values(variant):
+    torch.manual_seed(0)
+    block = HSTUBlock(dataclasses.replace(TINY, layer_variant=variant))
+    for layer in block.layers:
+        torch.nn.init.normal_(layer.uvqk.bias)  # a bias of zeros would hide a slicing error
+    x = torch.randn(9, TINY.embedding_dim)
+    for index, layer in enumerate(block.layers):
+        _, _, k, v = layer.project(x)
+        k2, v2 = block.kv_from_hidden(index, x)
+        assert k2.shape == k.shape and v2.shape == v.shape
+        torch.testing.assert_close(k2, k, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v2, v, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_paged_hands_out_each_layers_input():
+    """layer_inputs receives layer i's input, so project_kv of it gives the K/V layer i appended."""
+    block = HSTUBlock(TINY)
+    seen = []
+
+    def layer_fn(index):
+        def fn(x, kv_cache, meta):
+            seen.append(x)
+            return x * 2 + index
+
+        return fn
+
+    inputs: list[torch.Tensor] = []
+    x = torch.randn(5, TINY.embedding_dim)
+    out = block.forward_paged(x, None, None, layer_fns=[layer_fn(i) for i in range(TINY.num_layers)], layer_inputs=inputs)
+    assert len(inputs) == TINY.num_layers and all(a is b for a, b in zip(inputs, seen))
+    assert torch.equal(out, (x * 2) * 2 + 1)
