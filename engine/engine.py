@@ -161,6 +161,13 @@ class RankingEngine:
                 f"host_split 'compute_front' recomputes whole chunks from the front, which end on an event only "
                 f"with an even number of contextual tokens; this model has {model.config.num_contextual}"
             )
+        if cache is not None and cache.config.host_format == "hidden":
+            if cache.config.hidden_dim != model.config.embedding_dim:
+                raise ValueError(
+                    f"host_format 'hidden' stores the model's layer inputs: the cache's hidden_dim "
+                    f"{cache.config.hidden_dim} must equal the model's embedding_dim {model.config.embedding_dim}"
+                )
+            cache.rebuild_kv_with(model.block.kv_from_hidden)
         self.graphs = None
         self.layer_fns: list[Callable] | None = None
         self.timings: deque[ForwardTiming] = deque(maxlen=4096)
@@ -266,8 +273,10 @@ class RankingEngine:
                 return None
             kv = self.cache.config
             forward, per_row, per_pair = fitted
-            cost = CostModel(measure_h2d(self.model.device), kv.page_bytes // kv.page_size, per_row, per_pair,
-                             forward_s=forward)
+            # Bytes a prefix token moves per layer: its K/V, or its layer input under host_format
+            # "hidden" (whose rebuild on the GPU measure_onload folds into the fitted link rate).
+            token_bytes = kv.hidden_dim * kv.element_size if kv.host_format == "hidden" else kv.page_bytes // kv.page_size
+            cost = CostModel(measure_h2d(self.model.device), token_bytes, per_row, per_pair, forward_s=forward)
             cost = measure_onload(self, cost)
             if self.cache.config.host_split == "compute_front":
                 cost = measure_front(self, cost)
@@ -415,7 +424,11 @@ class RankingEngine:
             if logits is None:  # padded metadata only fits its graph bucket
                 raise RuntimeError(f"no CUDA graph replayed the batch of {plan.layout.num_rows} rows padded for one")
         else:
-            y = model.block.forward_paged(x, prepared.kv_pages, prepared.metadata, ready, self.layer_fns)
+            if plan.hidden_chunks:  # host_format "hidden": finish() offloads their history rows' inputs
+                plan.layer_inputs = []
+            y = model.block.forward_paged(
+                x, prepared.kv_pages, prepared.metadata, ready, self.layer_fns, layer_inputs=plan.layer_inputs
+            )
             logits = model.logits(y, plan.layout)
         timing.forward_s = time.perf_counter() - t2 - timing.onload_wait_s
         return logits

@@ -57,6 +57,8 @@ _LABELLED_COUNTERS = (
      (("users", "offload_rejected_users"), ("bytes", "offload_rejected_bytes"))),
     ("hstu_cache_prefetch", "Prefetches started and later found on the GPU", "result",
      (("started", "prefetches"), ("hit", "prefetch_hits"))),
+    ("hstu_cache_hidden_chunks", "Host chunks moved as layer inputs (host_format hidden; K/V rebuilt on onload)",
+     "direction", (("onload", "hidden_chunks_onloaded"), ("offload", "hidden_chunks_offloaded"))),
 )
 # (metric, help, stats key): cache counters exported without a label.
 _COUNTERS = (

@@ -72,5 +72,9 @@ class BatchPlan:
     front_tokens: dict[int, int] = field(default_factory=dict)
     front_layout: JaggedLayout | None = None
     front_pad: PadSpec | None = None
+    # host_format "hidden": batch row -> the chunks [first, end) it computes whole and offloads as
+    # hidden states, and the forward's layer inputs ([rows, D] a layer) kept for them until finish().
+    hidden_chunks: dict[int, tuple[int, int]] = field(default_factory=dict)
+    layer_inputs: list[torch.Tensor] | None = None
     _future: Future | None = field(default=None, repr=False)
     _prepared: PreparedBatch | None = field(default=None, repr=False)

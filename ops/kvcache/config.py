@@ -17,6 +17,15 @@ HOST_SPLIT_HELP = (
 )
 
 
+# KVCacheConfig.host_format's values, and the help text of every command's --host-format flag.
+HOST_FORMATS = ("kv", "hidden")
+HOST_FORMAT_HELP = (
+    "what the host tier holds of a chunk: its K/V pages (kv, the default), or, for chunks computed whole "
+    "in one forward, each layer's input rows (hidden: half the bytes at D = H*d, rebuilt into K/V on the "
+    "GPU by the layer's norm and K/V projection when onloaded)"
+)
+
+
 def check_host_split(value: str) -> None:
     if value not in HOST_SPLITS:
         raise ValueError(f"host_split must be 'load_front' or 'compute_front', got {value!r}")
@@ -56,6 +65,15 @@ class KVCacheConfig:
     "compute_front" (Cake's order): recompute [0, q) first, in a pass of its own that reads no
     onloaded page, while tokens [q, n) are onloaded beside it; then the new tokens and candidates
     attend to both. Needs an even number of contextual tokens (q falls on an event boundary).
+    host_format: what a host chunk holds. "kv": every layer's K/V pages (2*H*d values a token and
+    layer). "hidden": a chunk whose tokens were all computed in one forward, by an admitted user,
+    holds each layer's input rows instead (hidden_dim values a token and layer: half at the seed
+    shapes), and its onload rebuilds K/V on the GPU with the layer's norm and K/V projection
+    (HCache, EuroSys 2025: restore from hidden states, fewer bytes over the link); other chunks
+    (completed across forwards, or computed in a CUDA-graph replay, which keeps no layer inputs)
+    stay "kv". A batch that keeps hidden states runs eagerly. hidden_dim: the model's embedding
+    dim (for_model sets it); a hidden chunk uses the first L*chunk_tokens*hidden_dim elements of
+    its slot, so hidden_dim must be at most 2*H*d.
     """
 
     num_layers: int
@@ -73,9 +91,19 @@ class KVCacheConfig:
     offload_bytes_per_s: float | None = None
     prepare_worker: bool = False
     host_split: str = "load_front"
+    host_format: str = "kv"
+    hidden_dim: int = 0
 
     def __post_init__(self) -> None:
         check_host_split(self.host_split)
+        if self.host_format not in HOST_FORMATS:
+            raise ValueError(f"host_format must be 'kv' or 'hidden', got {self.host_format!r}")
+        if self.host_format == "hidden" and not 0 < self.hidden_dim <= 2 * self.num_heads * self.head_dim:
+            raise ValueError(
+                f"host_format 'hidden' stores hidden_dim values a token and layer in a slot of 2*H*d = "
+                f"{2 * self.num_heads * self.head_dim}; hidden_dim must lie in [1, {2 * self.num_heads * self.head_dim}], "
+                f"got {self.hidden_dim}"
+            )
         if self.page_size <= 0 or self.num_pages <= 0:
             raise ValueError(f"page_size and num_pages must be positive, got {self.page_size}, {self.num_pages}")
         if self.chunk_tokens <= 0 or self.chunk_tokens % self.page_size:
@@ -106,7 +134,10 @@ class KVCacheConfig:
             raise ValueError(
                 f"the paged cache stores K and V with one head dim; got d_qk={model.head_dim_qk}, d_v={model.head_dim_v}"
             )
-        base = dict(num_layers=model.num_layers, num_heads=model.num_heads, head_dim=model.head_dim_qk, dtype=model.torch_dtype)
+        base = dict(
+            num_layers=model.num_layers, num_heads=model.num_heads, head_dim=model.head_dim_qk, dtype=model.torch_dtype,
+            hidden_dim=model.embedding_dim,
+        )
         base.update(overrides)
         return cls(**base)
 
@@ -129,6 +160,11 @@ class KVCacheConfig:
     def chunk_bytes(self) -> int:
         """Bytes of one host chunk: every layer's pages for chunk_tokens tokens."""
         return self.num_layers * self.pages_per_chunk * self.page_bytes
+
+    @property
+    def hidden_chunk_bytes(self) -> int:
+        """Bytes of one hidden-state host chunk: every layer's input rows for chunk_tokens tokens."""
+        return self.num_layers * self.chunk_tokens * self.hidden_dim * self.element_size
 
     @property
     def host_slots(self) -> int:

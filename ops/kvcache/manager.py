@@ -69,7 +69,7 @@ from hstu.ops.kvcache.layout import JaggedLayout
 from hstu.ops.kvcache.metadata import PadSpec, pack_layout
 from hstu.ops.kvcache.planner import CostModel, FixedSplit
 from hstu.ops.kvcache.stats import CacheStats
-from hstu.ops.kvcache.transfers import OffloadJob, TierTransfers
+from hstu.ops.kvcache.transfers import HiddenRows, OffloadJob, TierTransfers
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,9 @@ class AsyncKVCacheManager:
                 with self._index_lock:
                     self.host.unpin(unpin)
             plan.layout = JaggedLayout.build(plan.history_lens, plan.cached_lens, num_candidates)
-            plan.pad = pad_for(plan.layout.num_rows, len(user_ids)) if pad_for is not None else None
+            plan.hidden_chunks = self._hidden_chunks(plan)
+            # a batch keeping its layer inputs runs eagerly: a graph replay keeps none
+            plan.pad = pad_for(plan.layout.num_rows, len(user_ids)) if pad_for is not None and not plan.hidden_chunks else None
             if plan.front_tokens:  # host_split "compute_front": the front pass's rows
                 fronts = [plan.front_tokens[u] for u in user_ids if u in plan.front_tokens]
                 plan.front_layout = JaggedLayout.build(fronts, [0] * len(fronts), [0] * len(fronts))
@@ -156,6 +158,27 @@ class AsyncKVCacheManager:
                 self.host.unpin(list(plan.onload_slots))
             raise
         return plan
+
+    def rebuild_kv_with(self, kv_from_hidden: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """host_format "hidden": the model's K/V of a layer's input rows (HSTUBlock.kv_from_hidden:
+        layer index, [T, D] -> k, v [T, H, d]), which rebuilds hidden-state chunks when they are
+        onloaded. Until it is given, every chunk is offloaded as K/V."""
+        self.transfers.kv_rebuilder = kv_from_hidden
+
+    def _hidden_chunks(self, plan: BatchPlan) -> dict[int, tuple[int, int]]:
+        """host_format "hidden": batch row b -> the chunks [first, end) of its user that this batch
+        computes whole (from its cached length to its history's last full chunk), for users the
+        admission policy admits: the batch keeps its layer inputs so finish() offloads those chunks
+        as hidden states."""
+        c = self.config
+        if c.host_format != "hidden" or self.transfers.kv_rebuilder is None or self.transfers.hidden_arena is None:
+            return {}
+        out = {}
+        for b, (u, n, cached) in enumerate(zip(plan.user_ids, plan.history_lens, plan.cached_lens)):
+            first, end = -(-cached // c.chunk_tokens), n // c.chunk_tokens
+            if end > first and u not in plan.read_only and self.admission.admits(u):
+                out[b] = (first, end)
+        return out
 
     def _lookup(self, user_ids: list[int], history_lens: list[int], identities: list[HistoryIdentity]) -> BatchPlan:
         self._check_open()
@@ -448,9 +471,19 @@ class AsyncKVCacheManager:
                 self.gpu.release(done)
         if offload:
             self.transfers.offload_async(
-                [OffloadJob(u, plan.history_lens[b], prepared.pages[b], plan.identities[b]) for u, b in offload]
+                [OffloadJob(u, plan.history_lens[b], prepared.pages[b], plan.identities[b], self._hidden_rows(plan, b))
+                 for u, b in offload]
             )
+        plan.layer_inputs = None  # the offload jobs hold what they need
         return failed
+
+    @staticmethod
+    def _hidden_rows(plan: BatchPlan, b: int) -> HiddenRows | None:
+        """The layer inputs holding row b's whole chunks, when the batch kept them (host_format "hidden")."""
+        chunks = plan.hidden_chunks.get(b)
+        if chunks is None or not plan.layer_inputs:
+            return None
+        return HiddenRows(plan.layer_inputs, int(plan.layout.q_offsets[b]) - plan.cached_lens[b], *chunks)
 
     def prefetch(self, user_ids: list[int], max_users: int = 256) -> int:
         """Start onloading host-tier users expected to rank soon into free GPU pages (never evicting

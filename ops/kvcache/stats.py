@@ -23,6 +23,8 @@ class CacheStats:
     offload_skipped: int = 0
     bytes_onloaded: int = 0
     bytes_offloaded: int = 0
+    hidden_chunks_onloaded: int = 0  # host_format "hidden": chunks onloaded as layer inputs, K/V rebuilt
+    hidden_chunks_offloaded: int = 0  # chunks offloaded as layer inputs (the rest of bytes_offloaded: K/V)
     cached_tokens: int = 0
     computed_tokens: int = 0
     tokens_onloaded: int = 0  # host-tier prefix tokens onloaded

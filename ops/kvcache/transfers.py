@@ -8,6 +8,10 @@
   offload  a batch's newly full chunks: host slots reserved, all layers gathered in one op on the
            offload stream, copied into the slots, committed to the host index only after the copy
            completed (with the digest of the prefix they hold), then the users' GPU pins dropped.
+Under host_format "hidden" a chunk the batch computed whole (OffloadJob.hidden) is stored as its
+layers' input rows instead (store_hidden_chunks), and its onload copies those rows and rebuilds
+the layer's K/V from them on the onload stream (kv_rebuilder: the model's norm + K/V projection)
+before marking the layer ready; slot_hidden says which format each host slot holds.
 Both fail open: a failed onload fails its handle (the engine recomputes those users), a failed
 offload drops the users' host copies. Index changes run under the manager's index lock, copies
 outside it.
@@ -22,11 +26,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from hstu.model.identity import HistoryIdentity
 from hstu.ops._build import load_extension
-from hstu.ops.kv_ops import gather_kvcache_all_layers, onload_kvcache, store_host_chunks
+from hstu.ops.kv_ops import (
+    gather_kvcache_all_layers,
+    onload_hidden,
+    onload_kvcache,
+    store_hidden_chunks,
+    store_host_chunks,
+)
 from hstu.ops.kvcache.admission import ByteBudget
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.handle import OnloadHandle
@@ -38,6 +49,17 @@ _CapacityError = load_extension().CacheCapacityError
 
 
 @dataclass
+class HiddenRows:
+    """Layer inputs a batch kept (host_format "hidden"): token t of the user is row first_row + t of
+    each of `inputs` (one [T, D] tensor a layer); chunks [first_chunk, end_chunk) lie wholly in them."""
+
+    inputs: list[torch.Tensor]
+    first_row: int
+    first_chunk: int
+    end_chunk: int
+
+
+@dataclass
 class OffloadJob:
     """One user's committed history in a batch: its pages and the identity of its tokens."""
 
@@ -45,6 +67,18 @@ class OffloadJob:
     history_len: int
     pages: list[int]
     identity: HistoryIdentity
+    hidden: HiddenRows | None = None
+
+
+@dataclass
+class _OnloadParts:
+    """An onload's chunks by host format: K/V slots and their pages, and hidden-state slots with
+    their pages (flat, int64, on the device: where the rebuilt K/V go)."""
+
+    kv_slots: torch.Tensor
+    kv_pages: torch.Tensor
+    hidden_slots: torch.Tensor
+    hidden_pages: torch.Tensor | None
 
 
 class TierTransfers:
@@ -68,6 +102,17 @@ class TierTransfers:
         self.kv_pages, self.host_arena = kv_pages, host_arena
         self.stats, self._index_lock, self._count_evictions = stats, index_lock, count_evictions
         self.onload_fault = onload_fault
+        # host_format "hidden": the arena's hidden-state view [S, L, chunk_tokens, D], which format each
+        # slot holds (set for reserved slots before their commit, read only for pinned committed
+        # ones), and the model's K/V projection of a layer's input; None: every chunk K/V.
+        self.hidden_arena: torch.Tensor | None = None
+        self.slot_hidden = np.zeros(host_arena.shape[0], dtype=bool)
+        self.kv_rebuilder: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+        if config.host_format == "hidden" and host_arena.shape[0] > 0:
+            c = config
+            self.hidden_arena = host_arena.view(host_arena.shape[0], -1)[
+                :, : c.num_layers * c.chunk_tokens * c.hidden_dim
+            ].view(host_arena.shape[0], c.num_layers, c.chunk_tokens, c.hidden_dim)
         self.budget = ByteBudget(config.offload_bytes_per_s)
         cuda = device.type == "cuda"
         self._onload_pool = ThreadPoolExecutor(1, thread_name_prefix="hstu-onload")
@@ -99,20 +144,59 @@ class TierTransfers:
         stream = self._onload_stream
         compute_done = after if after is not None else self._compute_event()
         error: BaseException | None = None
+        parts = None
         try:
             with torch.cuda.stream(stream):  # a no-op for None (CPU)
                 if stream is not None and compute_done is not None:
                     stream.wait_event(compute_done)
+                parts = self._by_format(slot_ids, page_ids)
                 for layer in range(self.config.num_layers):
                     if self.onload_fault is not None:
                         self.onload_fault(users, layer)
-                    onload_kvcache(self.kv_pages, self.host_arena, slot_ids, page_ids, layer)
+                    self._onload_layer(parts, layer)
                     handle.mark_ready(layer, stream)
         except BaseException as exc:  # settled on the worker, as a failed copy would be
             error = exc
-        self._onload_pool.submit(self._settle_onload, handle, users, page_ids, error)
+        self._onload_pool.submit(self._settle_onload, handle, users, parts, error)
 
-    def _settle_onload(self, handle, users, page_ids, error: BaseException | None = None) -> None:
+    def _by_format(self, slot_ids: torch.Tensor, page_ids: torch.Tensor) -> _OnloadParts:
+        """Split an onload's chunks by the format their slots hold."""
+        hidden = self.slot_hidden[slot_ids.numpy()] if slot_ids.numel() else np.zeros(0, dtype=bool)
+        if not hidden.any():
+            return _OnloadParts(slot_ids, page_ids, slot_ids[:0], None)
+        mask = torch.from_numpy(hidden)
+        pages = page_ids[mask].reshape(-1).to(torch.int64)
+        return _OnloadParts(
+            slot_ids[~mask].contiguous(), page_ids[~mask].contiguous(), slot_ids[mask].contiguous(),
+            pages.to(self.kv_pages.device, non_blocking=True),
+        )
+
+    def _onload_layer(self, parts: _OnloadParts, layer: int) -> None:
+        """Enqueue one layer's onload on the current stream: K/V chunks copied into their pages,
+        hidden-state chunks copied to the device and rebuilt into K/V there (the layer's norm and
+        K/V projection), written into theirs."""
+        if parts.kv_slots.numel():
+            onload_kvcache(self.kv_pages, self.host_arena, parts.kv_slots, parts.kv_pages, layer)
+        n = parts.hidden_slots.numel()
+        if n == 0:
+            return
+        if self.kv_rebuilder is None or self.hidden_arena is None:
+            raise RuntimeError("hidden-state host chunks to onload but no K/V rebuilder was given (rebuild_kv_with)")
+        c = self.config
+        rows = torch.empty((n, c.chunk_tokens, c.hidden_dim), dtype=self.kv_pages.dtype, device=self.kv_pages.device)
+        onload_hidden(rows, self.hidden_arena, parts.hidden_slots, layer)
+        with torch.inference_mode():  # the prefetch worker's thread is not in the engine's mode
+            k, v = self.kv_rebuilder(layer, rows.view(n * c.chunk_tokens, c.hidden_dim))
+            page_shape = (n * c.pages_per_chunk, c.page_size, c.num_heads, c.head_dim)
+            kv = torch.stack((k.reshape(page_shape), v.reshape(page_shape)), dim=1)
+            self.kv_pages[layer].index_copy_(0, parts.hidden_pages, kv.to(self.kv_pages.dtype))
+
+    def _onloaded_bytes(self, parts: _OnloadParts) -> int:
+        c = self.config
+        kv = int(parts.kv_pages.numel()) * c.page_bytes * c.num_layers
+        return kv + int(parts.hidden_slots.numel()) * c.hidden_chunk_bytes
+
+    def _settle_onload(self, handle, users, parts: _OnloadParts | None, error: BaseException | None = None) -> None:
         """After onload_async enqueued the copies: wait for them, then drop the users' host pins and
         mark the handle done, or failed (with `error`, or the copies' own) so the batch recomputes
         the users."""
@@ -122,7 +206,7 @@ class TierTransfers:
                 raise error
             if stream is not None:
                 stream.synchronize()
-            self.stats.add(bytes_onloaded=int(page_ids.numel()) * self.config.page_bytes * self.config.num_layers)
+            self.stats.add(bytes_onloaded=self._onloaded_bytes(parts), hidden_chunks_onloaded=int(parts.hidden_slots.numel()))
         except BaseException as exc:  # fail-open: the batch recomputes these users
             error = exc
             logger.warning("onload of users %s failed: %s; they will be recomputed", users, exc)
@@ -156,11 +240,12 @@ class TierTransfers:
             with torch.cuda.stream(stream):
                 if stream is not None:
                     stream.wait_event(compute_done)
+                parts = self._by_format(slot_ids, page_ids)
                 for layer in range(self.config.num_layers):
-                    onload_kvcache(self.kv_pages, self.host_arena, slot_ids, page_ids, layer)
+                    self._onload_layer(parts, layer)
             if stream is not None:
                 stream.synchronize()
-            self.stats.add(bytes_onloaded=int(page_ids.numel()) * self.config.page_bytes * self.config.num_layers)
+            self.stats.add(bytes_onloaded=self._onloaded_bytes(parts), hidden_chunks_onloaded=int(parts.hidden_slots.numel()))
             with self._index_lock:
                 self.gpu.commit(user, length, digest)
         except BaseException as exc:  # fail-open: the user's next request onloads or recomputes
@@ -197,7 +282,9 @@ class TierTransfers:
         stream = self._offload_stream
         reserved: list[tuple[OffloadJob, int, list[int]]] = []
         try:
-            page_rows, slot_list = [], []
+            page_rows, slot_list = [], []  # K/V chunks: their pages and slots
+            hidden_rows, hidden_slots = [], []  # hidden-state chunks: their first rows and slots
+            hidden_inputs: list[torch.Tensor] | None = None
             with self._index_lock:
                 for job in jobs:
                     first = len(self.host.lookup(job.user)[0])
@@ -211,23 +298,40 @@ class TierTransfers:
                         continue
                     self._count_evictions()
                     reserved.append((job, first, slots))
-                    page_rows += [job.pages[(first + c) * ppc : (first + c + 1) * ppc] for c in range(count)]
-                    slot_list.extend(slots)
+                    for c, slot in zip(range(first, first + count), slots):
+                        h = job.hidden
+                        if h is not None and self.hidden_arena is not None and h.first_chunk <= c < h.end_chunk:
+                            hidden_inputs = h.inputs  # a batch's jobs share its layer inputs
+                            hidden_rows.append(h.first_row + c * chunk)
+                            hidden_slots.append(slot)
+                        else:
+                            page_rows.append(job.pages[c * ppc : (c + 1) * ppc])
+                            slot_list.append(slot)
             if reserved:
-                delay = self.budget.delay_for(len(slot_list) * self.config.chunk_bytes)
+                c = self.config
+                nbytes = len(slot_list) * c.chunk_bytes + len(hidden_slots) * c.hidden_chunk_bytes
+                delay = self.budget.delay_for(nbytes)
                 if delay > 0:  # paced: D2H stays under its share of the link
                     time.sleep(min(delay, 1.0))
-                page_ids = torch.tensor(page_rows, dtype=torch.int32).reshape(-1, ppc)
-                slot_ids = torch.tensor(slot_list, dtype=torch.int32)
                 with torch.cuda.stream(stream):  # a no-op for None (CPU)
                     if stream is not None:
                         stream.wait_event(compute_done)
-                        page_ids = page_ids.to(self.device, non_blocking=True)
-                    chunks = gather_kvcache_all_layers(self.kv_pages, page_ids)
-                    store_host_chunks(self.host_arena, chunks, slot_ids)
+                    if slot_list:
+                        page_ids = torch.tensor(page_rows, dtype=torch.int32).reshape(-1, ppc)
+                        if stream is not None:
+                            page_ids = page_ids.to(self.device, non_blocking=True)
+                        chunks = gather_kvcache_all_layers(self.kv_pages, page_ids)
+                        store_host_chunks(self.host_arena, chunks, torch.tensor(slot_list, dtype=torch.int32))
+                    if hidden_slots:
+                        store_hidden_chunks(
+                            self.hidden_arena, self._hidden_chunks(hidden_inputs, hidden_rows),
+                            torch.tensor(hidden_slots, dtype=torch.int32),
+                        )
                     if stream is not None:
                         stream.synchronize()
-                self.stats.add(bytes_offloaded=len(slot_list) * self.config.chunk_bytes)
+                self.slot_hidden[slot_list] = False
+                self.slot_hidden[hidden_slots] = True
+                self.stats.add(bytes_offloaded=nbytes, hidden_chunks_offloaded=len(hidden_slots))
             with self._index_lock:
                 for job, first, slots in reserved:
                     digest = job.identity.prefix((first + len(slots)) * chunk)
@@ -243,6 +347,14 @@ class TierTransfers:
         finally:
             with self._index_lock:
                 self.gpu.release([j.user for j in jobs])
+
+    def _hidden_chunks(self, inputs: list[torch.Tensor], first_rows: list[int]) -> torch.Tensor:
+        """[n, L, chunk_tokens, D]: chunk i is rows first_rows[i] .. + chunk_tokens of every layer's input."""
+        chunk = self.config.chunk_tokens
+        rows = (np.asarray(first_rows, dtype=np.int64)[:, None] + np.arange(chunk, dtype=np.int64)).reshape(-1)
+        index = torch.from_numpy(rows).to(inputs[0].device, non_blocking=True)
+        per_layer = torch.stack([x.index_select(0, index) for x in inputs])  # [L, n * chunk, D]
+        return per_layer.view(len(inputs), len(first_rows), chunk, -1).transpose(0, 1).contiguous()
 
     def join(self, user_ids: list[int] | None) -> None:
         """Wait for the in-flight offloads of these users (None: of every user)."""

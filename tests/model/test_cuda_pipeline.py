@@ -29,10 +29,12 @@ def _fp64_twin(model: InferenceRankingGR) -> InferenceRankingGR:
     return twin
 
 
-def test_bf16_oracle_on_cuda_with_eviction():
+@pytest.mark.parametrize("host_format", ["kv", "hidden"])
+def test_bf16_oracle_on_cuda_with_eviction(host_format):
     cfg = cuda_pipeline_model("bfloat16")
     kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=160, chunk_tokens=32)
-    kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=160, chunk_tokens=32, host_capacity_bytes=120 * kv.chunk_bytes)
+    kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=160, chunk_tokens=32, host_capacity_bytes=120 * kv.chunk_bytes,
+                                 host_format=host_format)
     mgr = AsyncKVCacheManager(kv, device="cuda")
     assert mgr.host_arena.is_pinned()
     model = RankingEngine(InferenceRankingGR(cfg, device="cuda"), mgr)
@@ -53,6 +55,7 @@ def test_bf16_oracle_on_cuda_with_eviction():
     stats = mgr.stats.snapshot()
     assert worst_ratio <= 2.0, worst_ratio
     assert stats["gpu_evictions"] > 0 and stats["host_hits"] > 0 and stats["onload_failures"] == 0
+    assert (stats["hidden_chunks_onloaded"] > 0) == (host_format == "hidden")
 
 
 def test_fp32_oracle_on_cuda_matches_no_cache():
@@ -133,8 +136,9 @@ def test_rerank_of_unchanged_histories_on_cuda_computes_only_candidates(cuda_gra
     engine.close()
 
 
+@pytest.mark.parametrize("host_format", ["kv", "hidden"])
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "cuda_graphs"])
-def test_pipelined_batches_with_eviction_and_prefetch_match_no_cache(cuda_graphs):
+def test_pipelined_batches_with_eviction_and_prefetch_match_no_cache(cuda_graphs, host_format):
     """rank_async launches up to three batches before reading the first: pages freed by one batch
     (evicted, invalidated, prefetched into) must not be overwritten while an earlier launched batch
     still reads them. Every batch's logits equal the no-cache model's (fp32)."""
@@ -143,7 +147,8 @@ def test_pipelined_batches_with_eviction_and_prefetch_match_no_cache(cuda_graphs
     cfg = cuda_pipeline_model("float32")
     torch.backends.cuda.matmul.allow_tf32 = False
     kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=160, chunk_tokens=32)
-    kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=160, chunk_tokens=32, host_capacity_bytes=200 * kv.chunk_bytes)
+    kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=160, chunk_tokens=32, host_capacity_bytes=200 * kv.chunk_bytes,
+                                 host_format=host_format)
     engine = RankingEngine(InferenceRankingGR(cfg, device="cuda"), AsyncKVCacheManager(kv, device="cuda"))
     if cuda_graphs:
         engine.enable_cuda_graphs(max_batch=5, buckets=(256, 1024))

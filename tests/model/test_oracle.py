@@ -16,17 +16,21 @@ from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from tests.conftest import HistoryBook, rel_err
 
 
-def _model(config, num_pages, host_chunks, prepare_worker=False):
+def _model(config, num_pages, host_chunks, prepare_worker=False, host_format="kv"):
     kv = KVCacheConfig.for_model(config, page_size=4, num_pages=num_pages, chunk_tokens=8)
     kv = KVCacheConfig.for_model(config, page_size=4, num_pages=num_pages, chunk_tokens=8,
-                                 host_capacity_bytes=host_chunks * kv.chunk_bytes, prepare_worker=prepare_worker)
+                                 host_capacity_bytes=host_chunks * kv.chunk_bytes, prepare_worker=prepare_worker,
+                                 host_format=host_format)
     mgr = AsyncKVCacheManager(kv)
     return RankingEngine(InferenceRankingGR(config), mgr), mgr
 
 
-@pytest.mark.parametrize("prepare_worker", [True, False], ids=["prepare-worker", "prepare-inline"])
-def test_oracle_many_users_growing_histories_with_eviction(tiny_config, prepare_worker):
-    model, mgr = _model(tiny_config, num_pages=96, host_chunks=250, prepare_worker=prepare_worker)
+@pytest.mark.parametrize(
+    "prepare_worker,host_format", [(True, "kv"), (False, "kv"), (False, "hidden")],
+    ids=["prepare-worker", "prepare-inline", "hidden-host-chunks"],
+)
+def test_oracle_many_users_growing_histories_with_eviction(tiny_config, prepare_worker, host_format):
+    model, mgr = _model(tiny_config, num_pages=96, host_chunks=250, prepare_worker=prepare_worker, host_format=host_format)
     book = HistoryBook(tiny_config, seed=1)
     rng = np.random.default_rng(2)
     rounds = {u: int(rng.integers(3, 6)) for u in range(60)}
@@ -49,6 +53,7 @@ def test_oracle_many_users_growing_histories_with_eviction(tiny_config, prepare_
     assert requests_done == sum(rounds.values())
     assert stats["gpu_evictions"] > 0 and stats["host_hits"] > 0 and stats["gpu_hits"] > 0
     assert stats["cached_tokens"] > stats["computed_tokens"] / 4
+    assert (stats["hidden_chunks_onloaded"] > 0) == (host_format == "hidden")
 
 
 def test_oracle_four_concurrent_clients_thousand_requests(tiny_config):

@@ -1,0 +1,174 @@
+"""host_format "hidden": host chunks of layer inputs, rebuilt into K/V when onloaded.
+
+The oracle holds through every path a hidden chunk takes (offload from a batch that computed it
+whole, onload with the rebuild, mixed with K/V chunks, splits, prefetch, failures), the chunks move
+at hidden_dim values a token and layer, and chunks a batch did not compute whole stay K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hstu.engine import RankingEngine
+from hstu.model.ranking import InferenceRankingGR
+from hstu.ops.kvcache.config import KVCacheConfig
+from hstu.ops.kvcache.manager import AsyncKVCacheManager
+from hstu.ops.kvcache.planner import FixedSplit
+
+
+def _engine(config, onload_fault=None, **kv) -> RankingEngine:
+    params = dict(page_size=4, num_pages=64, chunk_tokens=8, host_capacity_bytes=1 << 22, host_format="hidden")
+    params.update(kv)
+    cache = AsyncKVCacheManager(KVCacheConfig.for_model(config, **params), onload_fault=onload_fault)
+    return RankingEngine(InferenceRankingGR(config), cache)
+
+
+def _check(engine, requests):
+    out = engine.rank(requests)
+    torch.testing.assert_close(
+        torch.cat([o.logits for o in out]), engine.forward_no_cache(requests), rtol=1e-5, atol=1e-6
+    )
+    return out
+
+
+def test_a_chunk_computed_whole_goes_to_the_host_as_layer_inputs_and_comes_back_as_kv(tiny_config, book):
+    engine = _engine(tiny_config)
+    mgr, kv = engine.cache, engine.cache.config
+    assert kv.hidden_chunk_bytes * 2 == kv.chunk_bytes  # D = H * d: half the bytes
+    _check(engine, [book.request(1, 12)])  # 26 tokens: three 8-token chunks computed whole
+    mgr.drain()
+    stats = mgr.stats.snapshot()
+    assert stats["hidden_chunks_offloaded"] == 3 and stats["bytes_offloaded"] == 3 * kv.hidden_chunk_bytes
+    mgr.evict_gpu([1])
+    (out,) = _check(engine, [book.request(1, 2)])
+    stats = mgr.stats.snapshot()
+    assert out.cached_tokens == 24 and stats["host_hits"] == 1
+    assert stats["hidden_chunks_onloaded"] == 3 and stats["bytes_onloaded"] == 3 * kv.hidden_chunk_bytes
+    mgr.drain()
+    assert mgr.host.pin_count(1) == 0 and mgr.gpu.pin_count(1) == 0
+    engine.close()
+
+
+def test_a_chunk_completed_across_two_forwards_stays_kv_and_both_formats_onload_together(tiny_config, book):
+    engine = _engine(tiny_config)
+    mgr, kv = engine.cache, engine.cache.config
+    _check(engine, [book.request(1, 3)])  # 8 tokens: chunk 0 computed whole -> hidden
+    _check(engine, [book.request(1, 3)])  # 14: no chunk full
+    _check(engine, [book.request(1, 3)])  # 20: chunk 1 (tokens 8-15) spans forwards -> K/V
+    mgr.drain()
+    stats = mgr.stats.snapshot()
+    assert stats["hidden_chunks_offloaded"] == 1
+    assert stats["bytes_offloaded"] == kv.hidden_chunk_bytes + kv.chunk_bytes
+    assert list(mgr.transfers.slot_hidden[mgr.host.lookup(1)[0]]) == [True, False]
+    mgr.evict_gpu([1])
+    (out,) = _check(engine, [book.request(1, 2)])
+    assert out.cached_tokens == 16 and mgr.stats.snapshot()["hidden_chunks_onloaded"] == 1
+    engine.close()
+
+
+def test_many_users_with_evictions_match_the_no_cache_model(tiny_config, book):
+    """Returning users in random batches through a GPU tier too small for them: GPU hits, host
+    hits of both formats, misses; every answer equals the no-cache model's."""
+    engine = _engine(tiny_config, num_pages=96)
+    for batch in book.random_batches(seed=3, rounds=30, num_users=12, max_users=4, new_events=(1, 6), candidates=(1, 5)):
+        _check(engine, batch)
+    stats = engine.cache.stats.snapshot()
+    assert stats["host_hits"] > 0 and stats["hidden_chunks_onloaded"] > 0 and stats["gpu_evictions"] > 0
+    engine.close()
+
+
+@pytest.mark.parametrize("host_split", ["load_front", "compute_front"])
+@pytest.mark.parametrize("onload_chunks", [1, 2])
+def test_split_hidden_prefixes_match_the_no_cache_model(tiny_config, book, host_split, onload_chunks):
+    engine = _engine(tiny_config, num_pages=128, host_split=host_split)
+    mgr = engine.cache
+    _check(engine, [book.request(1, 11)])  # 24 tokens: three hidden chunks
+    mgr.drain()
+    mgr.evict_gpu([1])
+    mgr.cost_model = FixedSplit(onload_chunks / 3)
+    (out,) = _check(engine, [book.request(1, 2)])
+    assert out.cached_tokens == onload_chunks * 8
+    assert mgr.stats.snapshot()["hidden_chunks_onloaded"] == onload_chunks
+    mgr.cost_model = None
+    mgr.drain()
+    (again,) = _check(engine, [book.request(1, 2)])
+    assert again.cached_tokens == 28
+    engine.close()
+
+
+def test_a_prefetched_hidden_user_is_a_gpu_hit(tiny_config, book):
+    engine = _engine(tiny_config)
+    mgr = engine.cache
+    _check(engine, [book.request(1, 12)])
+    mgr.drain()
+    mgr.evict_gpu([1])
+    assert engine.prefetch([1]) == 1
+    mgr.drain()
+    (out,) = _check(engine, [book.request(1, 2)])
+    stats = mgr.stats.snapshot()
+    assert out.cached_tokens == 24
+    assert stats["prefetch_hits"] == 1 and stats["hidden_chunks_onloaded"] == 3
+    engine.close()
+
+
+def test_a_failed_rebuild_recomputes_the_user(tiny_config, book, monkeypatch):
+    engine = _engine(tiny_config)
+    mgr = engine.cache
+    _check(engine, [book.request(1, 12)])
+    mgr.drain()
+    mgr.evict_gpu([1])
+
+    def broken(layer, x):
+        raise RuntimeError("rebuild failed")
+
+    monkeypatch.setattr(mgr.transfers, "kv_rebuilder", broken)
+    out = _check(engine, [book.request(1, 2), book.request(2, 3)])
+    stats = mgr.stats.snapshot()
+    assert out[0].cached_tokens == 0 and stats["onload_failures"] == 1 and stats["recomputes"] == 1
+    mgr.drain()
+    assert mgr.host.pin_count(1) == 0 and mgr.gpu.pin_count(1) == 0
+    engine.close()
+
+
+def test_users_not_admitted_keep_no_layer_inputs(tiny_config, book):
+    """offload_min_seen=2: a user's first batch neither keeps its layer inputs nor offloads."""
+    engine = _engine(tiny_config, offload_min_seen=2)
+    mgr = engine.cache
+    plan = mgr.plan([1], [26], [book.request(1, 12).identity(engine.model.identity)], [3])
+    assert plan.hidden_chunks == {}
+    mgr.abort(plan)
+    engine.close()
+
+
+def test_graph_buckets_run_a_batch_that_keeps_layer_inputs_eagerly(tiny_config, book):
+    engine = _engine(tiny_config, num_pages=256)
+    engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96), capture=False)
+    _check(engine, [book.request(1, 12)])  # kept its inputs: ran eagerly
+    _check(engine, [book.request(1, 1)])  # nothing whole to keep: replayed
+    engine.cache.drain()
+    assert engine.graphs.replays == 1 and engine.cache.stats.snapshot()["hidden_chunks_offloaded"] == 3
+    engine.close()
+
+
+def test_hidden_format_checks_its_dimensions(tiny_config):
+    with pytest.raises(ValueError, match="hidden_dim must lie in"):
+        KVCacheConfig(num_layers=2, num_heads=2, head_dim=4, host_format="hidden", hidden_dim=32)
+    with pytest.raises(ValueError, match="host_format must be"):
+        KVCacheConfig(num_layers=2, num_heads=2, head_dim=4, host_format="hiddn")
+    cache = AsyncKVCacheManager(KVCacheConfig(num_layers=2, num_heads=2, head_dim=16, host_format="hidden", hidden_dim=8))
+    with pytest.raises(ValueError, match="hidden_dim 8 must equal the model's embedding_dim 32"):
+        RankingEngine(InferenceRankingGR(tiny_config), cache)
+    cache.close()
+
+
+def test_a_calibrated_planner_counts_layer_input_bytes_and_stays_correct(tiny_config, book):
+    engine = _engine(tiny_config, num_pages=128)
+    cost = engine.calibrate()
+    if cost is not None:  # a CPU too noisy to fit leaves the planner off
+        assert cost.bytes_per_token_layer == tiny_config.embedding_dim * 4
+    mgr = engine.cache
+    _check(engine, [book.request(u, 11 + u) for u in (1, 2, 3)])
+    mgr.drain()
+    mgr.evict_gpu([1, 2, 3])
+    _check(engine, [book.request(u, 2) for u in (1, 2, 3)])
+    engine.close()
