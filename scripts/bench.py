@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from hstu.ops.attention import ATTENTION_BACKENDS, use_attention_backend
-from hstu.ops.kvcache.config import HOST_SPLIT_HELP, HOST_SPLITS
+from hstu.ops.kvcache.config import HOST_FORMAT_HELP, HOST_FORMATS, HOST_SPLIT_HELP, HOST_SPLITS
 from hstu.scripts import report
 from hstu.scripts.bench_e2e import EndToEnd, split_sweep
 from hstu.scripts.block_bench import bench_block
@@ -245,6 +245,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--prepare-worker", action="store_true", default=None,
                    help="each batch's prepare job on the cache's prepare worker instead of the model thread")
     p.add_argument("--host-split", choices=HOST_SPLITS, default=None, help=HOST_SPLIT_HELP)
+    p.add_argument("--host-format", choices=HOST_FORMATS, default=None, help=HOST_FORMAT_HELP)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", type=Path, default=Path("out/bench"))

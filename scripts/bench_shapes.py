@@ -34,6 +34,7 @@ class BenchShape:
     mlp_hidden: int = 512
     prepare_worker: bool = False  # KVCacheConfig.prepare_worker: each batch's prepare job on a worker thread
     host_split: str = "load_front"  # KVCacheConfig.host_split: which end of a host-tier prefix is onloaded
+    host_format: str = "kv"  # KVCacheConfig.host_format: host chunks as K/V or, computed whole, as layer inputs
 
     def __post_init__(self) -> None:
         C = self.num_contextual
@@ -89,7 +90,7 @@ class BenchShape:
         )
         chunks = host_batches * B * (self.history_tokens // self.chunk_tokens)
         return dataclasses.replace(base, host_capacity_bytes=chunks * base.chunk_bytes, prepare_worker=self.prepare_worker,
-                                   host_split=self.host_split)
+                                   host_split=self.host_split, host_format=self.host_format)
 
 
 TINY_SHAPE = BenchShape(

@@ -34,7 +34,7 @@ import torch
 
 from hstu.engine import RankingEngine
 from hstu.model.ranking import InferenceRankingGR
-from hstu.ops.kvcache.config import HOST_SPLIT_HELP, HOST_SPLITS
+from hstu.ops.kvcache.config import HOST_FORMAT_HELP, HOST_FORMATS, HOST_SPLIT_HELP, HOST_SPLITS
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.ops.kvcache.planner import FixedSplit, front_tokens
 from hstu.scripts import report
@@ -260,7 +260,9 @@ def device_profile(engine, shape, batch, n, device, rerank=False, cold=False, tr
 
 def main(args: argparse.Namespace) -> int:
     shape = TINY_SHAPE if args.tiny else BenchShape()
-    shape = dataclasses.replace(shape, prepare_worker=args.prepare_worker, host_split=args.host_split)
+    shape = dataclasses.replace(
+        shape, prepare_worker=args.prepare_worker, host_split=args.host_split, host_format=args.host_format
+    )
     if args.cached_tokens is not None:
         shape = dataclasses.replace(shape, cached_tokens=args.cached_tokens)
     if args.host_only:
@@ -349,6 +351,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--cold-requests", action="store_true",
                    help="requests neither validated nor hashed before the timed forward (as hstu bench times them)")
     p.add_argument("--host-split", choices=HOST_SPLITS, default="load_front", help=HOST_SPLIT_HELP)
+    p.add_argument("--host-format", choices=HOST_FORMATS, default="kv", help=HOST_FORMAT_HELP)
     p.add_argument("--prepare-worker", action="store_true",
                    help="each batch's prepare job on the cache's prepare worker instead of the model thread")
     p.add_argument("--rerank", action="store_true",

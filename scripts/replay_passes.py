@@ -48,6 +48,7 @@ class CacheSettings:
     offload_min_seen: int = ServerSettings.offload_min_seen
     prepare_worker: bool = False
     host_split: str = "load_front"
+    host_format: str = "kv"
 
     def build(self, model: HSTUConfig, workload: WorkloadConfig, batch_size: int) -> KVCacheConfig:
         per_batch = batch_size * -(-workload.history_limit(model) // self.page_size)
@@ -66,6 +67,7 @@ class CacheSettings:
             offload_min_seen=self.offload_min_seen,
             prepare_worker=self.prepare_worker,
             host_split=self.host_split,
+            host_format=self.host_format,
             on_no_new_tokens="raise",
             on_shorter_history="invalidate",
         )

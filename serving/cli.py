@@ -89,6 +89,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="host-tier prefixes split by the planner: onload the front and recompute the back (load_front, "
                    "the default) or recompute the front in a pass of its own beside the back's onload (compute_front, "
                    "Cake's order)")
+    p.add_argument("--host-format", choices=["kv", "hidden"], default=None,
+                   # ops/kvcache/config.py's HOST_FORMATS and HOST_FORMAT_HELP, spelled out (torch-free module)
+                   help="what the host tier holds of a chunk: its K/V pages (kv, the default), or, for chunks computed "
+                   "whole in one forward, each layer's input rows (hidden: half the bytes at D = H*d, rebuilt into K/V "
+                   "on the GPU when onloaded)")
     p.add_argument(
         "--prepare-worker", action="store_true", default=None,
         help="run each batch's prepare job (pages, metadata) on a worker thread, not on the model thread (an experiment)",
@@ -150,6 +155,7 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
         prepare_worker=args.prepare_worker,
         model_on_loop=args.model_on_loop,
         host_split=args.host_split,
+        host_format=args.host_format,
     )
     return ServerSettings.load(args.config_file, env, **flags)
 

@@ -118,6 +118,8 @@ class ServerSettings:
     model_on_loop: bool = False
     # KVCacheConfig.host_split: which end of a host-tier prefix the planner onloads (load_front measured)
     host_split: str = "load_front"
+    # KVCacheConfig.host_format: host chunks as K/V pages or, computed whole, as layer inputs (hidden)
+    host_format: str = "kv"
 
     def __post_init__(self) -> None:
         cuda = self.device.startswith("cuda")
@@ -131,6 +133,8 @@ class ServerSettings:
             raise ValueError(f"front_ends must be >= 1, got {self.front_ends}")
         if self.host_split not in ("load_front", "compute_front"):  # KVCacheConfig's check, before torch loads
             raise ValueError(f"host_split must be 'load_front' or 'compute_front', got {self.host_split!r}")
+        if self.host_format not in ("kv", "hidden"):  # KVCacheConfig's check, before torch loads
+            raise ValueError(f"host_format must be 'kv' or 'hidden', got {self.host_format!r}")
         if self.front_ends > 1 and not self.engine_process:
             raise ValueError(f"front_ends {self.front_ends} share one engine process: it needs engine_process")
         if self.model_on_loop and not self.engine_process:
@@ -223,6 +227,7 @@ class ServerSettings:
             offload_bytes_per_s=None if self.offload_mb_per_s is None else self.offload_mb_per_s * 2**20,
             prepare_worker=self.prepare_worker,
             host_split=self.host_split,
+            host_format=self.host_format,
         )
 
 
