@@ -118,6 +118,10 @@ class TierTransfers:
         self._onload_pool = ThreadPoolExecutor(1, thread_name_prefix="hstu-onload")
         self._offload_pool = ThreadPoolExecutor(1, thread_name_prefix="hstu-offload")
         self._onload_stream = torch.cuda.Stream(device) if cuda else None
+        # host_format "hidden": the K/V rebuilds of hidden-state chunks run here, each after its
+        # layer's copies, so the onload stream's copies of the next layers go on meanwhile (on one
+        # stream each copy would wait for the rebuild before it, leaving the link idle).
+        self._rebuild_stream = torch.cuda.Stream(device) if cuda else None
         self._offload_stream = torch.cuda.Stream(device) if cuda else None
         self._offloads: dict[int, Future] = {}
         self._offloads_lock = threading.Lock()
@@ -153,8 +157,7 @@ class TierTransfers:
                 for layer in range(self.config.num_layers):
                     if self.onload_fault is not None:
                         self.onload_fault(users, layer)
-                    self._onload_layer(parts, layer)
-                    handle.mark_ready(layer, stream)
+                    handle.mark_ready(layer, self._onload_layer(parts, layer))
         except BaseException as exc:  # settled on the worker, as a failed copy would be
             error = exc
         self._onload_pool.submit(self._settle_onload, handle, users, parts, error)
@@ -171,25 +174,32 @@ class TierTransfers:
             pages.to(self.kv_pages.device, non_blocking=True),
         )
 
-    def _onload_layer(self, parts: _OnloadParts, layer: int) -> None:
-        """Enqueue one layer's onload on the current stream: K/V chunks copied into their pages,
-        hidden-state chunks copied to the device and rebuilt into K/V there (the layer's norm and
-        K/V projection), written into theirs."""
+    def _onload_layer(self, parts: _OnloadParts, layer: int) -> "torch.cuda.Stream | None":
+        """Enqueue one layer's onload, its copies on the current (onload) stream: K/V chunks into
+        their pages; hidden-state chunks to the device, then rebuilt into K/V (the layer's norm and
+        K/V projection) and written into theirs on the rebuild stream, after the copies. Returns the
+        stream whose work so far completes the layer (None off CUDA: done on return)."""
+        copies = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if parts.kv_slots.numel():
             onload_kvcache(self.kv_pages, self.host_arena, parts.kv_slots, parts.kv_pages, layer)
         n = parts.hidden_slots.numel()
         if n == 0:
-            return
+            return copies
         if self.kv_rebuilder is None or self.hidden_arena is None:
             raise RuntimeError("hidden-state host chunks to onload but no K/V rebuilder was given (rebuild_kv_with)")
         c = self.config
         rows = torch.empty((n, c.chunk_tokens, c.hidden_dim), dtype=self.kv_pages.dtype, device=self.kv_pages.device)
         onload_hidden(rows, self.hidden_arena, parts.hidden_slots, layer)
-        with torch.inference_mode():  # the prefetch worker's thread is not in the engine's mode
+        rebuild = self._rebuild_stream
+        if rebuild is not None:
+            rebuild.wait_stream(copies)  # this layer's copies (and the K/V chunks') landed
+            rows.record_stream(rebuild)  # allocated on the copy stream, read on this one
+        with torch.cuda.stream(rebuild), torch.inference_mode():  # (the prefetch worker is not in inference mode)
             k, v = self.kv_rebuilder(layer, rows.view(n * c.chunk_tokens, c.hidden_dim))
             page_shape = (n * c.pages_per_chunk, c.page_size, c.num_heads, c.head_dim)
             kv = torch.stack((k.reshape(page_shape), v.reshape(page_shape)), dim=1)
             self.kv_pages[layer].index_copy_(0, parts.hidden_pages, kv.to(self.kv_pages.dtype))
+        return rebuild
 
     def _onloaded_bytes(self, parts: _OnloadParts) -> int:
         c = self.config
@@ -206,6 +216,7 @@ class TierTransfers:
                 raise error
             if stream is not None:
                 stream.synchronize()
+                self._rebuild_stream.synchronize()
             self.stats.add(bytes_onloaded=self._onloaded_bytes(parts), hidden_chunks_onloaded=int(parts.hidden_slots.numel()))
         except BaseException as exc:  # fail-open: the batch recomputes these users
             error = exc
@@ -214,6 +225,7 @@ class TierTransfers:
             if stream is not None:
                 try:
                     stream.synchronize()
+                    self._rebuild_stream.synchronize()
                 except BaseException:
                     logger.exception("onload stream failed to synchronize")
         finally:
@@ -245,6 +257,7 @@ class TierTransfers:
                     self._onload_layer(parts, layer)
             if stream is not None:
                 stream.synchronize()
+                self._rebuild_stream.synchronize()
             self.stats.add(bytes_onloaded=self._onloaded_bytes(parts), hidden_chunks_onloaded=int(parts.hidden_slots.numel()))
             with self._index_lock:
                 self.gpu.commit(user, length, digest)
