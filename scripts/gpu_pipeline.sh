@@ -3,7 +3,8 @@
 # present), build, every `cuda` test (kernels, Triton attention, pipeline oracle, CUDA graphs,
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
-# STAGES picks the stages (default: the first six; also split, split_front, pressure_ab, replay_sync, pytest_pipeline, profile_split, replay_ab,
+# STAGES picks the stages (default: the first six; also split, split_front, pressure_ab, pytest_hidden, split_hidden,
+# split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank,
 # rest_loop2, engine_process, profile_host, rest_ray, rest_ray_direct, rest_ray_direct4, bench_export, bench_compiled), e.g.
@@ -59,6 +60,22 @@ pressure_ab() {
   done
 }
 stage pressure_ab 240 bash -c "$(declare -f pressure_ab); pressure_ab"
+# issue 11: the host tier holding layer inputs (host_format hidden: half the bytes, K/V rebuilt on the GPU);
+# compare with "split" / "split_front" / "pressure_ab" in the same call. pytest_hidden: its CUDA tests alone.
+stage pytest_hidden 200 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/model/test_cuda_pipeline.py \
+  tests/ops/test_cuda_kernels.py -k "hidden"
+stage split_hidden 240 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e split --warmup 2 --repeats 8 \
+  --host-format hidden --out "$OUT/split_hidden"
+stage split_front_hidden 240 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e split --warmup 2 \
+  --repeats 8 --host-split compute_front --host-format hidden --out "$OUT/split_front_hidden"
+pressure_hidden() {
+  local r="python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress"
+  for format in kv hidden; do
+    $r --users 256 --requests 600 --num-pages 1024 --host-cache-mb 4096 --host-format $format \
+      --out "$OUT/pressure_$format" | grep -E "speedup|mismatch|onloaded|offloaded" | sed "s/^/$format: /" || return 1
+  done
+}
+stage pressure_hidden 240 bash -c "$(declare -f pressure_hidden); pressure_hidden"
 # the replay ranking and synchronising one batch at a time (replay_graphs pipelines two)
 stage replay_sync 120 python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress \
   --pipeline 1 --out "$OUT/replay_sync"
