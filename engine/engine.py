@@ -330,7 +330,8 @@ class RankingEngine:
 
         layer_fns = self._compiled_layers(dynamic=False) if compile else None
         self.graphs = ForwardGraphs(
-            self.model, self.cache.kv_pages, self.cache.scratch_page, max_batch, buckets, layer_fns, capture
+            self.model, self.cache.kv_pages, self.cache.scratch_page, max_batch, buckets, layer_fns, capture,
+            keep_layer_inputs=self.cache.config.host_format == "hidden",
         )
         # Every layer is one code object (paged_layer) compiled once per (layer, bucket): lift
         # Dynamo's per-code recompile limit for the captures, else the later ones run uncompiled.
@@ -423,6 +424,8 @@ class RankingEngine:
             )
             if logits is None:  # padded metadata only fits its graph bucket
                 raise RuntimeError(f"no CUDA graph replayed the batch of {plan.layout.num_rows} rows padded for one")
+            if plan.hidden_chunks:  # host_format "hidden": finish() gathers their rows before the next replay
+                plan.layer_inputs = self.graphs.layer_inputs(plan.pad.rows)
         else:
             if plan.hidden_chunks:  # host_format "hidden": finish() offloads their history rows' inputs
                 plan.layer_inputs = []

@@ -36,6 +36,11 @@ Padding (static shapes per bucket of T_pad rows, at most max_batch users):
   max_q                  = T_pad, the static upper bound the attention grid is sized for.
 Metadata not padded for a bucket runs eagerly.
 
+Layer inputs (keep_layer_inputs, the host tier's hidden format): every capture also copies each
+layer's input rows into one static buffer [L, largest bucket, D] shared by all buckets; the cache
+gathers the rows it offloads from it on the compute stream right after the replay (finish), so
+before any later replay can overwrite it.
+
 Compiled layers: `layer_fns` (torch.compile'd paged layers, one static shape per bucket) replace
 the eager layers inside the captures. `capture=False` records nothing and replays the same
 functions eagerly over the same static buffers: the padding path, tested where CUDA is absent.
@@ -84,6 +89,7 @@ class ForwardGraphs:
         buckets: tuple[int, ...],
         layer_fns: Sequence[Callable] | None = None,
         capture: bool = True,
+        keep_layer_inputs: bool = False,
     ) -> None:
         self.model = model
         n = len(model.block.layers)
@@ -103,6 +109,12 @@ class ForwardGraphs:
         self.capture = capture
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._buckets: dict[int, _Bucket] = {}
+        # [L, largest bucket, D]: each replay's layer inputs (keep_layer_inputs), else None
+        self._layer_inputs = (
+            torch.zeros((n, self.bucket_sizes[-1], model.config.embedding_dim), dtype=model.config.torch_dtype,
+                        device=self.device)
+            if keep_layer_inputs and self.bucket_sizes else None
+        )
         self.replays = 0
         self.segmented_replays = 0
 
@@ -129,6 +141,13 @@ class ForwardGraphs:
             raise ValueError(f"a PadSpec of {pad.rows} rows without a staging slot has no inputs region")
         return pad.inputs
 
+    def layer_inputs(self, rows: int) -> list[torch.Tensor] | None:
+        """Views of the last replay's layer inputs [rows, D] a layer (keep_layer_inputs), valid
+        until the next replay; None when the graphs keep none."""
+        if self._layer_inputs is None:
+            return None
+        return list(self._layer_inputs[:, :rows].unbind(0))
+
     def capture_all(self) -> None:
         for rows in self.bucket_sizes:
             self._buckets[rows] = self._capture(rows)
@@ -147,6 +166,12 @@ class ForwardGraphs:
         staging = [torch.zeros(total, dtype=torch.uint8, pin_memory=self.capture) for _ in range(_STAGING_SLOTS)]
         staged_inputs = [t[meta_bytes:].view(torch.int64).view(5, rows) for t in staging]
         model, kv, fns = self.model, self.kv_cache, self.layer_fns
+        kept = self._layer_inputs
+
+        def layer(i: int, h: torch.Tensor) -> torch.Tensor:
+            if kept is not None:
+                kept[i, :rows].copy_(h)
+            return fns[i](h, kv, meta)
 
         def embed() -> torch.Tensor:
             return model.embed_rows(inputs[:4])
@@ -156,8 +181,8 @@ class ForwardGraphs:
 
         def whole() -> torch.Tensor:
             h = embed()
-            for fn in fns:
-                h = fn(h, kv, meta)
+            for i in range(len(fns)):
+                h = layer(i, h)
             return head(h)
 
         if self.capture:  # warm-up off the capture: Triton and Inductor compile, allocator settles
@@ -169,9 +194,9 @@ class ForwardGraphs:
             torch.cuda.current_stream(self.device).wait_stream(side)
         replay_whole, whole_logits = self._record(whole)
         segments, h = [], None
-        for i, fn in enumerate(fns):
-            def segment(i=i, fn=fn, h_in=h) -> torch.Tensor:
-                out = fn(embed() if i == 0 else h_in, kv, meta)
+        for i in range(len(fns)):
+            def segment(i=i, h_in=h) -> torch.Tensor:
+                out = layer(i, embed() if i == 0 else h_in)
                 return head(out) if i == len(fns) - 1 else out
 
             replay, h = self._record(segment)

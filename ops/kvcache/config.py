@@ -70,8 +70,9 @@ class KVCacheConfig:
     holds each layer's input rows instead (hidden_dim values a token and layer: half at the seed
     shapes), and its onload rebuilds K/V on the GPU with the layer's norm and K/V projection
     (HCache, EuroSys 2025: restore from hidden states, fewer bytes over the link); other chunks
-    (completed across forwards, or computed in a CUDA-graph replay, which keeps no layer inputs)
-    stay "kv". A batch that keeps hidden states runs eagerly. hidden_dim: the model's embedding
+    (completed across forwards) stay "kv". The batch's layer inputs (eager tensors, or a graph
+    replay's static copy of them) are gathered for the offload right after its forward.
+    hidden_dim: the model's embedding
     dim (for_model sets it); a hidden chunk uses the first L*chunk_tokens*hidden_dim elements of
     its slot, so hidden_dim must be at most 2*H*d.
     """

@@ -69,7 +69,7 @@ from hstu.ops.kvcache.layout import JaggedLayout
 from hstu.ops.kvcache.metadata import PadSpec, pack_layout
 from hstu.ops.kvcache.planner import CostModel, FixedSplit
 from hstu.ops.kvcache.stats import CacheStats
-from hstu.ops.kvcache.transfers import HiddenRows, OffloadJob, TierTransfers
+from hstu.ops.kvcache.transfers import HiddenChunks, OffloadJob, TierTransfers, gather_hidden_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +146,7 @@ class AsyncKVCacheManager:
                     self.host.unpin(unpin)
             plan.layout = JaggedLayout.build(plan.history_lens, plan.cached_lens, num_candidates)
             plan.hidden_chunks = self._hidden_chunks(plan)
-            # a batch keeping its layer inputs runs eagerly: a graph replay keeps none
-            plan.pad = pad_for(plan.layout.num_rows, len(user_ids)) if pad_for is not None and not plan.hidden_chunks else None
+            plan.pad = pad_for(plan.layout.num_rows, len(user_ids)) if pad_for is not None else None
             if plan.front_tokens:  # host_split "compute_front": the front pass's rows
                 fronts = [plan.front_tokens[u] for u in user_ids if u in plan.front_tokens]
                 plan.front_layout = JaggedLayout.build(fronts, [0] * len(fronts), [0] * len(fronts))
@@ -470,20 +469,31 @@ class AsyncKVCacheManager:
             if done:
                 self.gpu.release(done)
         if offload:
+            hidden = self._gather_hidden(plan, [b for _, b in offload])
             self.transfers.offload_async(
-                [OffloadJob(u, plan.history_lens[b], prepared.pages[b], plan.identities[b], self._hidden_rows(plan, b))
+                [OffloadJob(u, plan.history_lens[b], prepared.pages[b], plan.identities[b], hidden.get(b))
                  for u, b in offload]
             )
-        plan.layer_inputs = None  # the offload jobs hold what they need
+        plan.layer_inputs = None  # gathered: a graph's buffer may be overwritten, an eager batch's freed
         return failed
 
-    @staticmethod
-    def _hidden_rows(plan: BatchPlan, b: int) -> HiddenRows | None:
-        """The layer inputs holding row b's whole chunks, when the batch kept them (host_format "hidden")."""
-        chunks = plan.hidden_chunks.get(b)
-        if chunks is None or not plan.layer_inputs:
-            return None
-        return HiddenRows(plan.layer_inputs, int(plan.layout.q_offsets[b]) - plan.cached_lens[b], *chunks)
+    def _gather_hidden(self, plan: BatchPlan, rows: list[int]) -> dict[int, HiddenChunks]:
+        """host_format "hidden": the whole chunks of the offloaded batch rows, gathered from the
+        forward's layer inputs now, on the compute stream: before any later replay overwrites a
+        graph's static inputs buffer (the offload worker copies them to the host later)."""
+        spans = [(b, *plan.hidden_chunks[b]) for b in rows if b in plan.hidden_chunks]
+        if not spans or not plan.layer_inputs:
+            return {}
+        chunk, first_rows = self.config.chunk_tokens, []
+        for b, first, end in spans:
+            base = int(plan.layout.q_offsets[b]) - plan.cached_lens[b]  # the row of the user's token 0
+            first_rows += [base + c * chunk for c in range(first, end)]
+        gathered = gather_hidden_chunks(plan.layer_inputs, first_rows, chunk)
+        out, i = {}, 0
+        for b, first, end in spans:
+            out[b] = HiddenChunks(gathered[i : i + end - first], first, end)
+            i += end - first
+        return out
 
     def prefetch(self, user_ids: list[int], max_users: int = 256) -> int:
         """Start onloading host-tier users expected to rank soon into free GPU pages (never evicting

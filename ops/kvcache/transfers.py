@@ -49,14 +49,23 @@ _CapacityError = load_extension().CacheCapacityError
 
 
 @dataclass
-class HiddenRows:
-    """Layer inputs a batch kept (host_format "hidden"): token t of the user is row first_row + t of
-    each of `inputs` (one [T, D] tensor a layer); chunks [first_chunk, end_chunk) lie wholly in them."""
+class HiddenChunks:
+    """A user's chunks [first_chunk, end_chunk) as its batch computed them (host_format "hidden"):
+    chunks[c - first_chunk] is chunk c's layer inputs [L, chunk_tokens, D], gathered on the compute
+    stream right after the forward (gather_hidden_chunks)."""
 
-    inputs: list[torch.Tensor]
-    first_row: int
+    chunks: torch.Tensor
     first_chunk: int
     end_chunk: int
+
+
+def gather_hidden_chunks(inputs: list[torch.Tensor], first_rows: list[int], chunk_tokens: int) -> torch.Tensor:
+    """[n, L, chunk_tokens, D]: chunk i is rows first_rows[i] .. + chunk_tokens of every layer's
+    input (inputs: one [rows, D] tensor a layer), enqueued on the current stream."""
+    rows = (np.asarray(first_rows, dtype=np.int64)[:, None] + np.arange(chunk_tokens, dtype=np.int64)).reshape(-1)
+    index = torch.from_numpy(rows).to(inputs[0].device, non_blocking=True)
+    per_layer = torch.stack([x.index_select(0, index) for x in inputs])  # [L, n * chunk_tokens, D]
+    return per_layer.view(len(inputs), len(first_rows), chunk_tokens, -1).transpose(0, 1).contiguous()
 
 
 @dataclass
@@ -67,7 +76,7 @@ class OffloadJob:
     history_len: int
     pages: list[int]
     identity: HistoryIdentity
-    hidden: HiddenRows | None = None
+    hidden: HiddenChunks | None = None
 
 
 @dataclass
@@ -296,8 +305,7 @@ class TierTransfers:
         reserved: list[tuple[OffloadJob, int, list[int]]] = []
         try:
             page_rows, slot_list = [], []  # K/V chunks: their pages and slots
-            hidden_rows, hidden_slots = [], []  # hidden-state chunks: their first rows and slots
-            hidden_inputs: list[torch.Tensor] | None = None
+            hidden_chunks, hidden_slots = [], []  # hidden-state chunks [L, chunk_tokens, D] and slots
             with self._index_lock:
                 for job in jobs:
                     first = len(self.host.lookup(job.user)[0])
@@ -314,8 +322,7 @@ class TierTransfers:
                     for c, slot in zip(range(first, first + count), slots):
                         h = job.hidden
                         if h is not None and self.hidden_arena is not None and h.first_chunk <= c < h.end_chunk:
-                            hidden_inputs = h.inputs  # a batch's jobs share its layer inputs
-                            hidden_rows.append(h.first_row + c * chunk)
+                            hidden_chunks.append(h.chunks[c - h.first_chunk])
                             hidden_slots.append(slot)
                         else:
                             page_rows.append(job.pages[c * ppc : (c + 1) * ppc])
@@ -337,8 +344,7 @@ class TierTransfers:
                         store_host_chunks(self.host_arena, chunks, torch.tensor(slot_list, dtype=torch.int32))
                     if hidden_slots:
                         store_hidden_chunks(
-                            self.hidden_arena, self._hidden_chunks(hidden_inputs, hidden_rows),
-                            torch.tensor(hidden_slots, dtype=torch.int32),
+                            self.hidden_arena, torch.stack(hidden_chunks), torch.tensor(hidden_slots, dtype=torch.int32)
                         )
                     if stream is not None:
                         stream.synchronize()
@@ -360,14 +366,6 @@ class TierTransfers:
         finally:
             with self._index_lock:
                 self.gpu.release([j.user for j in jobs])
-
-    def _hidden_chunks(self, inputs: list[torch.Tensor], first_rows: list[int]) -> torch.Tensor:
-        """[n, L, chunk_tokens, D]: chunk i is rows first_rows[i] .. + chunk_tokens of every layer's input."""
-        chunk = self.config.chunk_tokens
-        rows = (np.asarray(first_rows, dtype=np.int64)[:, None] + np.arange(chunk, dtype=np.int64)).reshape(-1)
-        index = torch.from_numpy(rows).to(inputs[0].device, non_blocking=True)
-        per_layer = torch.stack([x.index_select(0, index) for x in inputs])  # [L, n * chunk, D]
-        return per_layer.view(len(inputs), len(first_rows), chunk, -1).transpose(0, 1).contiguous()
 
     def join(self, user_ids: list[int] | None) -> None:
         """Wait for the in-flight offloads of these users (None: of every user)."""

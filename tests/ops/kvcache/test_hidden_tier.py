@@ -140,13 +140,19 @@ def test_users_not_admitted_keep_no_layer_inputs(tiny_config, book):
     engine.close()
 
 
-def test_graph_buckets_run_a_batch_that_keeps_layer_inputs_eagerly(tiny_config, book):
+def test_graph_buckets_keep_layer_inputs_for_the_hidden_chunks(tiny_config, book):
+    """A batch that fits a bucket replays it and still offloads hidden chunks: the replay copies each
+    layer's input into the graphs' shared buffer, and finish gathers them before the next replay."""
     engine = _engine(tiny_config, num_pages=256)
     engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96), capture=False)
-    _check(engine, [book.request(1, 12)])  # kept its inputs: ran eagerly
-    _check(engine, [book.request(1, 1)])  # nothing whole to keep: replayed
-    engine.cache.drain()
-    assert engine.graphs.replays == 1 and engine.cache.stats.snapshot()["hidden_chunks_offloaded"] == 3
+    mgr = engine.cache
+    _check(engine, [book.request(1, 12), book.request(2, 15)])  # 26 and 32 tokens: 3 + 4 chunks
+    _check(engine, [book.request(3, 12), book.request(1, 1)])  # the next replay: user 3's 3 chunks
+    mgr.drain()
+    assert engine.graphs.replays == 2 and mgr.stats.snapshot()["hidden_chunks_offloaded"] == 10
+    mgr.evict_gpu([1, 2, 3])
+    _check(engine, [book.request(u, 1) for u in (1, 2, 3)])
+    assert mgr.stats.snapshot()["hidden_chunks_onloaded"] == 10
     engine.close()
 
 
