@@ -141,12 +141,12 @@ class ForwardGraphs:
             raise ValueError(f"a PadSpec of {pad.rows} rows without a staging slot has no inputs region")
         return pad.inputs
 
-    def layer_inputs(self, rows: int) -> list[torch.Tensor] | None:
-        """Views of the last replay's layer inputs [rows, D] a layer (keep_layer_inputs), valid
-        until the next replay; None when the graphs keep none."""
+    def layer_inputs(self, rows: int) -> torch.Tensor | None:
+        """A view [L, rows, D] of the last replay's layer inputs (keep_layer_inputs), valid until
+        the next replay; None when the graphs keep none."""
         if self._layer_inputs is None:
             return None
-        return list(self._layer_inputs[:, :rows].unbind(0))
+        return self._layer_inputs[:, :rows]
 
     def capture_all(self) -> None:
         for rows in self.bucket_sizes:

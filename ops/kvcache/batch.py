@@ -72,9 +72,10 @@ class BatchPlan:
     front_tokens: dict[int, int] = field(default_factory=dict)
     front_layout: JaggedLayout | None = None
     front_pad: PadSpec | None = None
-    # host_format "hidden": batch row -> the chunks [first, end) it computes whole and offloads as
-    # hidden states, and the forward's layer inputs ([rows, D] a layer) kept for them until finish().
+    # host_format "hidden": batch row -> the chunks [first, end) it computes whole (ops/kvcache/
+    # hidden_tier.py), and the forward's layer inputs kept for them until finish(): a [rows, D]
+    # tensor a layer (eager), or a graph replay's static copy [L, rows, D].
     hidden_chunks: dict[int, tuple[int, int]] = field(default_factory=dict)
-    layer_inputs: list[torch.Tensor] | None = None
+    layer_inputs: list[torch.Tensor] | torch.Tensor | None = None
     _future: Future | None = field(default=None, repr=False)
     _prepared: PreparedBatch | None = field(default=None, repr=False)

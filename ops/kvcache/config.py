@@ -74,7 +74,10 @@ class KVCacheConfig:
     replay's static copy of them) are gathered for the offload right after its forward.
     hidden_dim: the model's embedding
     dim (for_model sets it); a hidden chunk uses the first L*chunk_tokens*hidden_dim elements of
-    its slot, so hidden_dim must be at most 2*H*d.
+    its slot, so hidden_dim must be at most 2*H*d. hidden_tail_bytes: device memory for the layer
+    inputs of each admitted user's partial last chunk (ops/kvcache/hidden_tier.py), so the forward
+    that completes it stores it as hidden states too (least recently kept dropped beyond it: their
+    chunks go as K/V).
     """
 
     num_layers: int
@@ -94,9 +97,12 @@ class KVCacheConfig:
     host_split: str = "load_front"
     host_format: str = "kv"
     hidden_dim: int = 0
+    hidden_tail_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         check_host_split(self.host_split)
+        if self.hidden_tail_bytes < 0:
+            raise ValueError(f"hidden_tail_bytes must be >= 0, got {self.hidden_tail_bytes}")
         if self.host_format not in HOST_FORMATS:
             raise ValueError(f"host_format must be 'kv' or 'hidden', got {self.host_format!r}")
         if self.host_format == "hidden" and not 0 < self.hidden_dim <= 2 * self.num_heads * self.head_dim:

@@ -69,7 +69,8 @@ from hstu.ops.kvcache.layout import JaggedLayout
 from hstu.ops.kvcache.metadata import PadSpec, pack_layout
 from hstu.ops.kvcache.planner import CostModel, FixedSplit
 from hstu.ops.kvcache.stats import CacheStats
-from hstu.ops.kvcache.transfers import HiddenChunks, OffloadJob, TierTransfers, gather_hidden_chunks
+from hstu.ops.kvcache.hidden_tier import HiddenTails, gather_hidden, keeps_layer_inputs
+from hstu.ops.kvcache.transfers import OffloadJob, TierTransfers
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,8 @@ class AsyncKVCacheManager:
         # The identity each GPU entry was committed with (its digest equals the entry's), so a
         # shorter request can be checked against any prefix of it; dropped with the entry.
         self._identities: dict[int, HistoryIdentity] = {}
+        # host_format "hidden": each admitted user's partial last chunk of layer inputs (model thread)
+        self._tails = HiddenTails(c.hidden_tail_bytes)
         self._prefetcher = Prefetcher(c, self.gpu, self.host, self.transfers, self.stats, self._index_lock)
         self._closed = False
 
@@ -165,19 +168,11 @@ class AsyncKVCacheManager:
         self.transfers.kv_rebuilder = kv_from_hidden
 
     def _hidden_chunks(self, plan: BatchPlan) -> dict[int, tuple[int, int]]:
-        """host_format "hidden": batch row b -> the chunks [first, end) of its user that this batch
-        computes whole (from its cached length to its history's last full chunk), for users the
-        admission policy admits: the batch keeps its layer inputs so finish() offloads those chunks
-        as hidden states."""
+        """host_format "hidden": the batch rows whose layer inputs the forward keeps (hidden_tier.py)."""
         c = self.config
         if c.host_format != "hidden" or self.transfers.kv_rebuilder is None or self.transfers.hidden_arena is None:
             return {}
-        out = {}
-        for b, (u, n, cached) in enumerate(zip(plan.user_ids, plan.history_lens, plan.cached_lens)):
-            first, end = -(-cached // c.chunk_tokens), n // c.chunk_tokens
-            if end > first and u not in plan.read_only and self.admission.admits(u):
-                out[b] = (first, end)
-        return out
+        return keeps_layer_inputs(plan, c.chunk_tokens, self.admission.admits)
 
     def _lookup(self, user_ids: list[int], history_lens: list[int], identities: list[HistoryIdentity]) -> BatchPlan:
         self._check_open()
@@ -468,32 +463,17 @@ class AsyncKVCacheManager:
             done = [u for u, b in jobs if (u, b) not in offload] + list(plan.read_only)
             if done:
                 self.gpu.release(done)
+        hidden = {}
+        if plan.hidden_chunks:  # gathered now, on the compute stream, before any later forward
+            kept = [b for b in plan.hidden_chunks if plan.user_ids[b] not in failed]
+            hidden = gather_hidden(plan, kept, self.config.chunk_tokens, self._tails, digests)
         if offload:
-            hidden = self._gather_hidden(plan, [b for _, b in offload])
             self.transfers.offload_async(
                 [OffloadJob(u, plan.history_lens[b], prepared.pages[b], plan.identities[b], hidden.get(b))
                  for u, b in offload]
             )
         plan.layer_inputs = None  # gathered: a graph's buffer may be overwritten, an eager batch's freed
         return failed
-
-    def _gather_hidden(self, plan: BatchPlan, rows: list[int]) -> dict[int, HiddenChunks]:
-        """host_format "hidden": the whole chunks of the offloaded batch rows, gathered from the
-        forward's layer inputs now, on the compute stream: before any later replay overwrites a
-        graph's static inputs buffer (the offload worker copies them to the host later)."""
-        spans = [(b, *plan.hidden_chunks[b]) for b in rows if b in plan.hidden_chunks]
-        if not spans or not plan.layer_inputs:
-            return {}
-        chunk, first_rows = self.config.chunk_tokens, []
-        for b, first, end in spans:
-            base = int(plan.layout.q_offsets[b]) - plan.cached_lens[b]  # the row of the user's token 0
-            first_rows += [base + c * chunk for c in range(first, end)]
-        gathered = gather_hidden_chunks(plan.layer_inputs, first_rows, chunk)
-        out, i = {}, 0
-        for b, first, end in spans:
-            out[b] = HiddenChunks(gathered[i : i + end - first], first, end)
-            i += end - first
-        return out
 
     def prefetch(self, user_ids: list[int], max_users: int = 256) -> int:
         """Start onloading host-tier users expected to rank soon into free GPU pages (never evicting
@@ -527,6 +507,7 @@ class AsyncKVCacheManager:
             self.gpu.invalidate(user)
             self.host.invalidate(user)
             self._identities.pop(user, None)
+            self._tails.drop(user)
 
     def evict_gpu(self, users: list[int]) -> None:
         """Drop only the GPU copy of users (their host chunks stay), after in-flight offloads finish;

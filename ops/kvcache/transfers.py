@@ -52,20 +52,11 @@ _CapacityError = load_extension().CacheCapacityError
 class HiddenChunks:
     """A user's chunks [first_chunk, end_chunk) as its batch computed them (host_format "hidden"):
     chunks[c - first_chunk] is chunk c's layer inputs [L, chunk_tokens, D], gathered on the compute
-    stream right after the forward (gather_hidden_chunks)."""
+    stream right after the forward (hidden_tier.gather_hidden)."""
 
     chunks: torch.Tensor
     first_chunk: int
     end_chunk: int
-
-
-def gather_hidden_chunks(inputs: list[torch.Tensor], first_rows: list[int], chunk_tokens: int) -> torch.Tensor:
-    """[n, L, chunk_tokens, D]: chunk i is rows first_rows[i] .. + chunk_tokens of every layer's
-    input (inputs: one [rows, D] tensor a layer), enqueued on the current stream."""
-    rows = (np.asarray(first_rows, dtype=np.int64)[:, None] + np.arange(chunk_tokens, dtype=np.int64)).reshape(-1)
-    index = torch.from_numpy(rows).to(inputs[0].device, non_blocking=True)
-    per_layer = torch.stack([x.index_select(0, index) for x in inputs])  # [L, n * chunk_tokens, D]
-    return per_layer.view(len(inputs), len(first_rows), chunk_tokens, -1).transpose(0, 1).contiguous()
 
 
 @dataclass

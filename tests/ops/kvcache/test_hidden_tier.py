@@ -49,20 +49,66 @@ def test_a_chunk_computed_whole_goes_to_the_host_as_layer_inputs_and_comes_back_
     engine.close()
 
 
-def test_a_chunk_completed_across_two_forwards_stays_kv_and_both_formats_onload_together(tiny_config, book):
-    engine = _engine(tiny_config)
+@pytest.mark.parametrize("tail_bytes", [0, 1 << 20], ids=["no tails", "tails"])
+def test_a_chunk_completed_across_forwards_is_hidden_only_with_its_tail(tiny_config, book, tail_bytes):
+    """Chunk 1 (tokens 8-15) fills over two forwards: with the first forward's partial rows kept
+    (a tail) it goes to the host as layer inputs; without, as K/V from the pages. Both formats onload
+    together."""
+    engine = _engine(tiny_config, hidden_tail_bytes=tail_bytes)
     mgr, kv = engine.cache, engine.cache.config
     _check(engine, [book.request(1, 3)])  # 8 tokens: chunk 0 computed whole -> hidden
-    _check(engine, [book.request(1, 3)])  # 14: no chunk full
-    _check(engine, [book.request(1, 3)])  # 20: chunk 1 (tokens 8-15) spans forwards -> K/V
+    _check(engine, [book.request(1, 3)])  # 14: no chunk full; tokens 8-13 kept as a tail
+    _check(engine, [book.request(1, 3)])  # 20: chunk 1 completed from the tail
     mgr.drain()
     stats = mgr.stats.snapshot()
-    assert stats["hidden_chunks_offloaded"] == 1
-    assert stats["bytes_offloaded"] == kv.hidden_chunk_bytes + kv.chunk_bytes
-    assert list(mgr.transfers.slot_hidden[mgr.host.lookup(1)[0]]) == [True, False]
+    hidden = 2 if tail_bytes else 1
+    assert stats["hidden_chunks_offloaded"] == hidden
+    assert stats["bytes_offloaded"] == hidden * kv.hidden_chunk_bytes + (2 - hidden) * kv.chunk_bytes
+    assert list(mgr.transfers.slot_hidden[mgr.host.lookup(1)[0]]) == [True, bool(tail_bytes)]
     mgr.evict_gpu([1])
     (out,) = _check(engine, [book.request(1, 2)])
-    assert out.cached_tokens == 16 and mgr.stats.snapshot()["hidden_chunks_onloaded"] == 1
+    assert out.cached_tokens == 16 and mgr.stats.snapshot()["hidden_chunks_onloaded"] == hidden
+    engine.close()
+
+
+def test_a_tail_is_taken_only_by_the_prefix_it_ends():
+    from hstu.ops.kvcache.hidden_tier import HiddenTails
+
+    tails = HiddenTails(1 << 20)
+    rows = torch.zeros(2, 6, 4)
+    tails.put(1, 1, rows, b"digest of 14")  # tokens 8-13
+    assert tails.take(1, 14, 8, b"another history") is None and len(tails) == 0  # dropped
+    tails.put(1, 1, rows, b"digest of 14")
+    assert tails.take(1, 12, 8, b"digest of 14") is None  # ends elsewhere
+    tails.put(1, 1, rows, b"digest of 14")
+    assert tails.take(1, 14, 8, b"digest of 14") is rows and tails.bytes == 0
+
+
+def test_another_history_of_the_user_recomputes_and_matches(tiny_config, book):
+    from tests.conftest import HistoryBook
+
+    engine = _engine(tiny_config)
+    mgr = engine.cache
+    _check(engine, [book.request(1, 3)])  # 8 tokens
+    _check(engine, [book.request(1, 3)])  # 14: a tail of tokens 8-13
+    _check(engine, [HistoryBook(tiny_config, seed=9).request(1, 7)])  # another history: recomputed
+    _check(engine, [book.request(1, 3)])  # the first one again (20 tokens): recomputed
+    mgr.drain()
+    assert mgr.stats.snapshot()["invalidations"] >= 2
+    mgr.evict_gpu([1])
+    _check(engine, [book.request(1, 1)])
+    engine.close()
+
+
+def test_tails_stay_within_their_byte_budget(tiny_config, book):
+    kv = KVCacheConfig.for_model(tiny_config, page_size=4, chunk_tokens=8)
+    one_tail = kv.num_layers * 6 * kv.hidden_dim * kv.element_size  # 6 rows
+    engine = _engine(tiny_config, hidden_tail_bytes=2 * one_tail)
+    for u in range(4):
+        _check(engine, [book.request(u, 7)])  # 16 tokens: 2 chunks, no tail
+        _check(engine, [book.request(u, 3)])  # 22: a tail of 6 rows
+    tails = engine.cache._tails
+    assert len(tails) == 2 and tails.bytes == 2 * one_tail
     engine.close()
 
 
