@@ -273,10 +273,11 @@ class RankingEngine:
                 return None
             kv = self.cache.config
             forward, per_row, per_pair = fitted
-            # Bytes a prefix token moves per layer: its K/V, or its layer input under host_format
-            # "hidden" (whose rebuild on the GPU measure_onload folds into the fitted link rate).
-            token_bytes = kv.hidden_dim * kv.element_size if kv.host_format == "hidden" else kv.page_bytes // kv.page_size
-            cost = CostModel(measure_h2d(self.model.device), token_bytes, per_row, per_pair, forward_s=forward)
+            # A hidden-state chunk's token moves its layer input instead of its K/V (host_format
+            # "hidden"; measure_onload folds the rebuild on the GPU into the fitted link rate).
+            hidden_bytes = kv.hidden_dim * kv.element_size if kv.host_format == "hidden" else 0
+            cost = CostModel(measure_h2d(self.model.device), kv.page_bytes // kv.page_size, per_row, per_pair,
+                             forward_s=forward, hidden_bytes_per_token_layer=hidden_bytes)
             cost = measure_onload(self, cost)
             if self.cache.config.host_split == "compute_front":
                 cost = measure_front(self, cost)

@@ -265,7 +265,9 @@ def split_sweep(e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: i
     times, reference = timer.measure(rank(e2e.uncached), e2e.fresh_full(full, state), warmup, repeats)
     uncached_ms = summarize(times)["median_ms"]
     out: dict[str, Any] = {"uncached_ms": uncached_ms, "splits": []}
-    users = [UserShape(cached, 0, shape.history_tokens, shape.num_candidates)] * batch
+    # prefilled in one forward: under host_format "hidden" every chunk holds hidden states
+    hidden = (True,) * (cached // chunk) if mgr.config.host_format == "hidden" else ()
+    users = [UserShape(cached, 0, shape.history_tokens, shape.num_candidates, hidden)] * batch
     L = e2e.model_config.num_layers
     front = mgr.config.host_split == "compute_front"
     for f in SPLIT_FRACTIONS:
@@ -286,7 +288,7 @@ def split_sweep(e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: i
             buckets = e2e.cached.graph_buckets
             predicted = (
                 predict_front(users, onload, e2e.cost, L, chunk, buckets) if front  # predict at either end
-                else predict(users, onload, e2e.cost, L, buckets)
+                else predict(users, onload, e2e.cost, L, buckets, chunk)
             )
             row["predicted_ms"], row["predicted_onload_ms"], row["predicted_compute_ms"] = (t * 1e3 for t in predicted)
         out["splits"].append(row)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from hstu.ops.kvcache.admission import FrequencyAdmission
@@ -29,12 +30,14 @@ def split_host_prefixes(
     cost_model: CostModel | FixedSplit | None,
     stats: CacheStats,
     buckets: tuple[int, ...] | None = None,
+    slot_hidden: np.ndarray | None = None,
 ) -> list[int]:
     """Keep only the planner's share of each host-tier prefix in `plan` (the rest is recomputed:
     after the onloaded front, or with host_split "compute_front" before the onloaded back, in a
     front pass of its own, plan.front_tokens);
     with no cost model every host prefix is onloaded whole (buckets: see planner.plan). Returns
-    the users that now onload nothing, whose host pins the caller must release."""
+    the users that now onload nothing, whose host pins the caller must release. slot_hidden: which
+    host slots hold hidden states (host_format "hidden"; the planner prices their onload so)."""
     host = [b for b, s in enumerate(plan.sources) if s == "host"]
     if not host:
         return []
@@ -47,6 +50,7 @@ def split_host_prefixes(
                 plan.cached_lens[b] if s == "gpu" else 0,
                 plan.history_lens[b],
                 num_candidates[b],
+                _hidden_flags(plan.onload_slots[plan.user_ids[b]], slot_hidden) if s == "host" else (),
             )
             for b, s in enumerate(plan.sources)
         ]
@@ -72,6 +76,13 @@ def split_host_prefixes(
         else:
             plan.onload_slots[u] = plan.onload_slots[u][: -(-p // chunk)]
     return unpin
+
+
+def _hidden_flags(slots: list[int], slot_hidden: np.ndarray | None) -> tuple[bool, ...]:
+    """Which of a user's host chunks hold hidden states (empty: none)."""
+    if slot_hidden is None or not slot_hidden.any():
+        return ()
+    return tuple(bool(h) for h in slot_hidden[slots])
 
 
 def admitted(

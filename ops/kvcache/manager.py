@@ -143,7 +143,9 @@ class AsyncKVCacheManager:
         the largest)."""
         plan = self._lookup(user_ids, history_lens, identities)
         try:
-            unpin = split_host_prefixes(plan, num_candidates, self.config, self.cost_model, self.stats, graph_buckets)
+            unpin = split_host_prefixes(
+                plan, num_candidates, self.config, self.cost_model, self.stats, graph_buckets, self.transfers.slot_hidden
+            )
             if unpin:
                 with self._index_lock:
                     self.host.unpin(unpin)

@@ -11,6 +11,7 @@ Timeline of one batch (layer-wise, L layers): the onload stream copies layer 0's
 onloading user, then layer 1's, ...; layer i's compute starts when layer i - 1's compute finished
 and layer i's pages landed:
     load_layer    = onload_tokens * bytes_per_token_layer / h2d_bytes_per_s
+                    (a token of a hidden-state chunk: hidden_bytes_per_token_layer)
     compute_layer = fixed_s + rows * per_row_s + pairs * per_pair_s
     finish_i      = max(finish_{i-1}, onload_start_s + (i + 1) * load_layer) + compute_layer
     batch         = forward_s + finish_{L-1}
@@ -52,6 +53,9 @@ class CostModel:
     onload_start_s: float = 0.0
     min_gain: float = 0.1
     front_s: float = 0.0
+    # host_format "hidden": the bytes a token of a hidden-state chunk moves per layer (its layer
+    # input); 0: every chunk costs bytes_per_token_layer (K/V)
+    hidden_bytes_per_token_layer: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_gain < 1.0:
@@ -59,7 +63,8 @@ class CostModel:
         for name in ("h2d_bytes_per_s", "bytes_per_token_layer"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("per_row_s", "per_pair_s", "fixed_s", "forward_s", "onload_start_s", "front_s"):
+        for name in ("per_row_s", "per_pair_s", "fixed_s", "forward_s", "onload_start_s", "front_s",
+                     "hidden_bytes_per_token_layer"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -104,6 +109,9 @@ class UserShape:
     gpu_tokens: int
     history_tokens: int
     candidates: int
+    # which of the host prefix's chunks hold hidden states (host_format "hidden"), in order; the
+    # rest, and all when empty, hold K/V
+    hidden_chunks: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -135,12 +143,14 @@ def front_tokens(host_tokens: int, onload: int, chunk_tokens: int) -> int:
 
 
 def predict(
-    users: list[UserShape], onload: list[int], cost: CostModel, num_layers: int, buckets: tuple[int, ...] | None = None
+    users: list[UserShape], onload: list[int], cost: CostModel, num_layers: int, buckets: tuple[int, ...] | None = None,
+    chunk_tokens: int | None = None,
 ) -> tuple[float, float, float]:
     """(the batch's predicted time, total onload time, total compute time) for this split; the
     per-row cost applies to the rows of the batch's graph bucket (padding computes too: at batch 1
-    a half split of a 4k-token prefix has 2,304 rows, which a 4,096-row bucket runs)."""
-    return _one(_predict_splits(users, np.asarray([onload], dtype=np.int64), cost, num_layers, buckets))
+    a half split of a 4k-token prefix has 2,304 rows, which a 4,096-row bucket runs). chunk_tokens:
+    needed when users name hidden-state chunks."""
+    return _one(_predict_splits(users, np.asarray([onload], dtype=np.int64), cost, num_layers, buckets, chunk_tokens))
 
 
 def predict_front(
@@ -156,7 +166,7 @@ def predict_front(
         finish_-1 = front.
     A prefix onloaded whole or not at all has no front: at either end this is predict()."""
     onload_array = np.asarray([onload], dtype=np.int64)
-    return _one(_predict_splits(users, onload_array, cost, num_layers, buckets, chunk_tokens))
+    return _one(_predict_splits(users, onload_array, cost, num_layers, buckets, chunk_tokens, front=True))
 
 
 def _one(predicted: tuple[np.ndarray, ...]) -> tuple[float, float, float]:
@@ -197,40 +207,69 @@ def _layers_s(cost: CostModel, rows: np.ndarray, pairs: np.ndarray, buckets: tup
 
 def _predict_splits(
     users: list[UserShape], onload: np.ndarray, cost: CostModel, num_layers: int, buckets: tuple[int, ...] | None,
-    chunk_tokens: int | None = None,
+    chunk_tokens: int | None = None, front: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(batch time, total onload time, total compute time, rows that must fit a graph bucket) of
-    each of K candidate splits, `onload` [K, users]; chunk_tokens given: host_split
-    "compute_front" (predict_front), else the onloaded front (predict). The rows checked against the
-    largest bucket are a split's front pass (compute_front) or its batch (load_front).
+    each of K candidate splits, `onload` [K, users]; front: host_split "compute_front"
+    (predict_front; needs chunk_tokens), else the onloaded front (predict). The rows checked against
+    the largest bucket are a split's front pass (compute_front) or its batch (load_front).
 
     Timeline (_timeline): after `first` seconds of work that reads no onloaded page (a front pass),
-    L layers, layer i once it and its onloaded tokens' copies are done."""
-    if chunk_tokens is not None:
-        host = np.asarray([u.host_tokens for u in users], dtype=np.int64)
+    L layers, layer i once it and its onloaded tokens' copies are done. Onloaded tokens of
+    hidden-state chunks move hidden_bytes_per_token_layer each, the others bytes_per_token_layer."""
+    host = np.asarray([u.host_tokens for u in users], dtype=np.int64)
+    if front:
         fronts = np.where((onload > 0) & (onload < host), _front(host, onload, chunk_tokens), 0)
         f_rows = fronts.sum(axis=1)
         front_layer = _layers_s(cost, f_rows, (fronts * (fronts + 1) // 2).sum(axis=1), buckets)
         first = np.where(f_rows > 0, cost.front_s + front_layer * num_layers, 0.0)
         # the batch's pass starts after the whole host prefix unless the user recomputes it all
         layer = _layers_s(cost, *_work(users, np.where(onload > 0, host, 0)), buckets)
-        loaded = np.where(onload > 0, host - fronts, 0).sum(axis=1)
+        loaded_from, loaded_to = fronts, np.where(onload > 0, host, 0)
         fitted_rows = f_rows
     else:
         rows, pairs = _work(users, onload)
         layer = _layers_s(cost, rows, pairs, buckets)
         first = np.zeros(len(onload))
-        loaded = onload.sum(axis=1)
+        loaded_from, loaded_to = np.zeros_like(onload), onload
         fitted_rows = rows
+    loaded = _loaded_bytes(users, loaded_from, loaded_to, cost, chunk_tokens)
     finish = _timeline(cost, num_layers, loaded, layer, first)
-    load = loaded * (cost.bytes_per_token_layer / cost.h2d_bytes_per_s) * num_layers
+    load = loaded / cost.h2d_bytes_per_s * num_layers
     return finish, load, first + layer * num_layers, fitted_rows
+
+
+def _loaded_bytes(
+    users: list[UserShape], start: np.ndarray, end: np.ndarray, cost: CostModel, chunk_tokens: int | None
+) -> np.ndarray:
+    """Bytes per layer [K] that K splits onload when user u loads its host tokens [start, end)
+    ([K, users] each, chunk-aligned starts): K/V chunks at bytes_per_token_layer a token, hidden
+    ones at hidden_bytes_per_token_layer."""
+    kv = cost.bytes_per_token_layer
+    total = (end - start).sum(axis=1) * kv
+    if not cost.hidden_bytes_per_token_layer or not any(u.hidden_chunks for u in users):
+        return total.astype(np.float64)
+    if not chunk_tokens:
+        raise ValueError("hidden-state chunks need chunk_tokens to be priced")
+    width = max(len(u.hidden_chunks) for u in users)
+    counts = np.zeros((len(users), width + 1), dtype=np.int64)  # hidden chunks among the first k
+    for i, u in enumerate(users):
+        flags = np.asarray(u.hidden_chunks, dtype=np.int64)
+        counts[i, 1 : len(flags) + 1] = np.cumsum(flags)
+        counts[i, len(flags) + 1 :] = counts[i, len(flags)]
+    cols = np.arange(len(users))[None, :]
+    hi = np.minimum(-(-end // chunk_tokens), width)
+    lo = np.minimum(start // chunk_tokens, width)
+    hidden_tokens = (counts[cols, hi] - counts[cols, lo]) * chunk_tokens
+    hidden_tokens = np.minimum(hidden_tokens, end - start)  # a partial last chunk moves its tokens only
+    saved = hidden_tokens.sum(axis=1) * (kv - cost.hidden_bytes_per_token_layer)
+    return (total - saved).astype(np.float64)
 
 
 def _timeline(cost: CostModel, num_layers: int, onloaded: np.ndarray, layer_s: np.ndarray, first_s: np.ndarray) -> np.ndarray:
     """The batch's time: after `first_s` of work that reads no onloaded page, L layers of
-    `layer_s` each, layer i once it and its `onloaded` tokens' copies are done."""
-    load_layer = onloaded * (cost.bytes_per_token_layer / cost.h2d_bytes_per_s)
+    `layer_s` each, layer i once it and its `onloaded` bytes per layer have landed."""
+    load_layer = onloaded / cost.h2d_bytes_per_s
     start = np.where(onloaded > 0, cost.onload_start_s, 0.0)
     finish = first_s.astype(np.float64)
     for i in range(num_layers):
@@ -264,9 +303,7 @@ def plan(
         return Plan(zero, *predict(users, zero, cost, num_layers, buckets))
     chunks = np.asarray([u.host_tokens // chunk_tokens for u in users], dtype=np.int64)
     onload = chunks[None, :] * np.arange(steps, -1, -1, dtype=np.int64)[:, None] // steps * chunk_tokens
-    finish, load, compute, rows = _predict_splits(
-        users, onload, cost, num_layers, buckets, chunk_tokens if front else None
-    )
+    finish, load, compute, rows = _predict_splits(users, onload, cost, num_layers, buckets, chunk_tokens, front)
     split = np.zeros(steps + 1, dtype=bool)
     split[1:-1] = True  # 0 < k < steps: pure onload and pure recompute always stay
     skip = split & (rows > buckets[-1]) if buckets else np.zeros_like(split)

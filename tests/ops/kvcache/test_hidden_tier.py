@@ -217,7 +217,7 @@ def test_a_calibrated_planner_counts_layer_input_bytes_and_stays_correct(tiny_co
     engine = _engine(tiny_config, num_pages=128)
     cost = engine.calibrate()
     if cost is not None:  # a CPU too noisy to fit leaves the planner off
-        assert cost.bytes_per_token_layer == tiny_config.embedding_dim * 4
+        assert cost.hidden_bytes_per_token_layer == tiny_config.embedding_dim * 4
     mgr = engine.cache
     _check(engine, [book.request(u, 11 + u) for u in (1, 2, 3)])
     mgr.drain()

@@ -43,6 +43,38 @@ def test_a_link_in_between_splits_on_chunk_boundaries_and_beats_both_ends():
         assert chosen.predicted_s < predict(SEED_USERS, end, cost, LAYERS)[0]
 
 
+def _hidden(users: list[UserShape], flags: tuple[bool, ...]) -> list[UserShape]:
+    return [dataclasses.replace(u, hidden_chunks=flags) for u in users]
+
+
+def test_hidden_state_chunks_are_priced_at_their_own_bytes():
+    """A token of a hidden-state chunk moves hidden_bytes_per_token_layer (half the K/V's here):
+    pure onload's load time halves, a half-hidden prefix in between, by which chunks are hidden."""
+    cost = dataclasses.replace(_cost(55), hidden_bytes_per_token_layer=2048)
+    chunks = 3968 // CHUNK
+    onload = [3968] * 8
+    kv_load = predict(SEED_USERS, onload, cost, LAYERS)[1]
+    all_hidden = predict(_hidden(SEED_USERS, (True,) * chunks), onload, cost, LAYERS, chunk_tokens=CHUNK)[1]
+    front_hidden = _hidden(SEED_USERS, (True,) * 15 + (False,) * (chunks - 15))
+    assert all_hidden == pytest.approx(kv_load / 2)
+    assert predict(front_hidden, onload, cost, LAYERS, chunk_tokens=CHUNK)[1] == pytest.approx(kv_load * (1 - 15 * CHUNK / 3968 / 2))
+    front_only = [15 * CHUNK] * 8  # load_front onloading the hidden chunks alone
+    assert predict(front_hidden, front_only, cost, LAYERS, chunk_tokens=CHUNK)[1] == pytest.approx(
+        predict(SEED_USERS, front_only, cost, LAYERS)[1] / 2
+    )
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        predict(front_hidden, onload, cost, LAYERS)
+
+
+def test_hidden_state_chunks_make_the_planner_onload_more():
+    cost = dataclasses.replace(_cost(55), hidden_bytes_per_token_layer=2048)
+    kv = plan(SEED_USERS, cost, LAYERS, CHUNK).onload_tokens[0]
+    hidden = plan(_hidden(SEED_USERS, (True,) * 31), cost, LAYERS, CHUNK).onload_tokens[0]
+    assert hidden > kv
+    front = plan(_hidden(SEED_USERS, (True,) * 31), cost, LAYERS, CHUNK, front=True)
+    assert front.onload_tokens[0] >= plan(SEED_USERS, cost, LAYERS, CHUNK, front=True).onload_tokens[0]
+
+
 def test_more_bandwidth_never_onloads_less():
     shares = [plan(SEED_USERS, _cost(gb), LAYERS, CHUNK).onload_tokens[0] for gb in (1, 10, 30, 55, 100, 400, 4000)]
     assert shares == sorted(shares)
