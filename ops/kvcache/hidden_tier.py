@@ -5,11 +5,17 @@ A chunk is stored as hidden states only when the layer inputs of all its tokens 
 it fills. A forward computes a user's tokens [cached, n): the chunks wholly inside are at hand; the
 chunk the forward starts inside (cached off a chunk boundary) began in an earlier forward, whose
 layer inputs are gone unless kept. HiddenTails keeps, per admitted user, the layer inputs of the
-last, partial chunk its forward left ([L, r, D] on the device, r < chunk_tokens), tied to the
-digest of the prefix they end at; the forward that completes the chunk takes them (only if it
-extends exactly that prefix) and the chunk goes to the host as hidden states instead of K/V. A
-tail is an optimisation: missing (never kept, evicted by the byte budget, another history), its
-chunk is stored as K/V from the pages. Model thread only (plan, finish).
+last, partial chunk its forward left, in a slot of one device buffer [L, slots, chunk_tokens, D],
+tied to the digest of the prefix they end at; the forward that completes the chunk writes its rows
+into the slot (only if it extends exactly that prefix) and the chunk goes to the host as hidden
+states instead of K/V. A tail is an optimisation: missing (never kept, evicted for want of slots,
+another history), its chunk is stored as K/V from the pages.
+
+gather_hidden does a batch's work in a fixed number of ops whatever its users (one index upload,
+one gather of the rows it needs, two writes into the tail buffer, two into the chunks it returns),
+all on the compute stream in this order: the tail rows a forward extends are written, then the
+completed slots are read, then new tails are written (possibly into slots just read), so every
+read of a slot precedes the next write to it. Model thread only (plan, finish).
 """
 
 from __future__ import annotations
@@ -26,47 +32,69 @@ from hstu.ops.kvcache.transfers import HiddenChunks
 
 @dataclass
 class _Tail:
+    slot: int  # its slot in HiddenTails.buffer
     chunk: int  # the chunk the rows start
-    rows: torch.Tensor  # [L, r, D]: layer inputs of tokens chunk * chunk_tokens .. + r - 1
-    digest: bytes  # the user's prefix digest at chunk * chunk_tokens + r (what the rows end)
+    rows: int  # tokens chunk * chunk_tokens .. + rows - 1 are kept (rows < chunk_tokens)
+    digest: bytes  # the user's prefix digest at chunk * chunk_tokens + rows (what the rows end)
 
 
 class HiddenTails:
-    """Each admitted user's partial last chunk of layer inputs, least recently kept evicted first
-    beyond `budget_bytes`."""
+    """Each admitted user's partial last chunk of layer inputs, one slot each of a device buffer of
+    `budget_bytes`; the least recently kept tail gives up its slot when none is free."""
 
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget_bytes = budget_bytes
-        self.bytes = 0
+    def __init__(self, budget_bytes: int, num_layers: int, chunk_tokens: int, hidden_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.shape = (num_layers, chunk_tokens, hidden_dim)
+        self.dtype, self.device = dtype, device
+        self.slot_bytes = num_layers * chunk_tokens * hidden_dim * dtype.itemsize
+        self.num_slots = budget_bytes // self.slot_bytes if self.slot_bytes else 0
+        self.buffer: torch.Tensor | None = None  # [L, slots, chunk_tokens, D], made at first use
         self._tails: OrderedDict[int, _Tail] = OrderedDict()
+        self._free = list(range(self.num_slots - 1, -1, -1))
 
     def __len__(self) -> int:
         return len(self._tails)
 
-    def take(self, user: int, end: int, chunk_tokens: int, digest: bytes) -> torch.Tensor | None:
-        """The user's tail rows if they end at token `end` of a prefix with `digest` (then forgotten:
-        the caller extends or stores them); else None, and any other tail of the user is dropped."""
-        tail = self.drop(user)
-        if tail is None or tail.chunk * chunk_tokens + tail.rows.shape[1] != end or tail.digest != digest:
+    def take(self, user: int, end: int, digest: bytes) -> _Tail | None:
+        """The user's tail if it ends at token `end` of a prefix with `digest`, now owned by the
+        caller (who puts it back or frees its slot); else None, and any other tail dropped."""
+        tail = self._tails.pop(user, None)
+        if tail is None:
             return None
-        return tail.rows
+        if tail.chunk * self.shape[1] + tail.rows != end or tail.digest != digest:
+            self._free.append(tail.slot)
+            return None
+        return tail
 
-    def put(self, user: int, chunk: int, rows: torch.Tensor, digest: bytes) -> None:
+    def put(self, user: int, tail: _Tail) -> None:
+        """Keep `tail` (its slot owned by the caller) as the user's, most recently kept."""
         self.drop(user)
-        size = rows.numel() * rows.element_size()
-        if size > self.budget_bytes:
-            return
-        self._tails[user] = _Tail(chunk, rows, digest)
-        self.bytes += size
-        while self.bytes > self.budget_bytes:
-            _, old = self._tails.popitem(last=False)
-            self.bytes -= old.rows.numel() * old.rows.element_size()
+        self._tails[user] = tail
 
-    def drop(self, user: int) -> _Tail | None:
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def allocate(self) -> int | None:
+        """A free slot, the least recently kept tail's if none is (None: no slots at all)."""
+        if not self._free:
+            if not self._tails:
+                return None
+            _, old = self._tails.popitem(last=False)
+            return old.slot
+        return self._free.pop()
+
+    def drop(self, user: int) -> None:
         tail = self._tails.pop(user, None)
         if tail is not None:
-            self.bytes -= tail.rows.numel() * tail.rows.element_size()
-        return tail
+            self._free.append(tail.slot)
+
+    def rows_view(self) -> torch.Tensor:
+        """The buffer as [L, slots * chunk_tokens, D] rows (made at first use)."""
+        if self.buffer is None:
+            L, ct, D = self.shape
+            self.buffer = torch.zeros((L, self.num_slots, ct, D), dtype=self.dtype, device=self.device)
+        L, ct, D = self.shape
+        return self.buffer.view(L, self.num_slots * ct, D)
 
 
 def keeps_layer_inputs(plan: BatchPlan, chunk_tokens: int, admits) -> dict[int, tuple[int, int]]:
@@ -80,75 +108,111 @@ def keeps_layer_inputs(plan: BatchPlan, chunk_tokens: int, admits) -> dict[int, 
     return out
 
 
+class _Index:
+    """Int64 index runs collected on the host, uploaded as one tensor."""
+
+    def __init__(self) -> None:
+        self.parts: list[np.ndarray] = []
+        self.size = 0
+
+    def add(self, values: np.ndarray) -> tuple[int, int]:
+        self.parts.append(values)
+        self.size += len(values)
+        return self.size - len(values), self.size
+
+    def upload(self, device: torch.device) -> torch.Tensor:
+        values = np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.int64)
+        return torch.from_numpy(values).to(device, non_blocking=True)
+
+
 def gather_hidden(
     plan: BatchPlan, rows: list[int], chunk_tokens: int, tails: HiddenTails, digests: dict[int, bytes]
 ) -> dict[int, HiddenChunks]:
-    """The hidden chunks of the offloaded batch rows `rows`, gathered now on the current (compute)
-    stream from the forward's layer inputs (before any later replay overwrites a graph's copy of
-    them), and the users' new tails kept. A chunk the forward starts inside is included when the
-    user's tail holds its beginning. digests[b]: the digest of row b's whole history."""
-    spans = [b for b in rows if b in plan.hidden_chunks]
-    if not spans or plan.layer_inputs is None:
+    """The hidden chunks of batch rows `rows` (those planned to keep their layer inputs), gathered
+    now on the current (compute) stream from the forward's layer inputs, before any later replay
+    overwrites a graph's copy of them; the users' tails extended, completed or kept. digests[b]:
+    the digest of row b's whole history."""
+    rows = [b for b in rows if b in plan.hidden_chunks]
+    if not rows or plan.layer_inputs is None:
         return {}
     ct = chunk_tokens
-    pieces: list[tuple[int, int]] = []  # (first token row, count) of every run gathered, in order
-    work = []
-    for b in spans:
+    index = _Index()
+    lead_rows, full_rows, trail_rows = [], [], []  # X rows to gather, by use
+    lead_dst, trail_dst = [], []  # tail-buffer rows they are written to
+    full_pos, done_pos, done_slots = [], [], []  # where the chunks go in the batch's result
+    spans: dict[int, tuple[int, int, int]] = {}  # b -> (first position in result, first chunk, count)
+    n_chunks = 0
+    kept: list[tuple[int, _Tail]] = []
+    for b in rows:
         u, n, cached = plan.user_ids[b], plan.history_lens[b], plan.cached_lens[b]
         base = int(plan.layout.q_offsets[b]) - cached  # the row of the user's token 0
         first, end = plan.hidden_chunks[b]
-        lead = None  # a tail the forward extends: (its rows, its chunk)
-        if cached % ct:
-            rows_before = tails.take(u, cached, ct, plan.identities[b].prefix(cached))
-            if rows_before is not None:
-                lead = (rows_before, cached // ct)
-        lead_end = min(n, first * ct)  # the tokens of the chunk the forward starts inside
-        lead_run = len(pieces)
-        pieces.append((base + cached, lead_end - cached if lead is not None else 0))
-        full_run = len(pieces)
-        pieces.append((base + first * ct, max(end - first, 0) * ct))
-        trail_start = max(end, first) * ct
-        trail_run = len(pieces)
-        pieces.append((base + trail_start, n - trail_start if n > trail_start and end >= first else 0))
-        work.append((b, u, n, first, end, lead, lead_run, full_run, trail_run))
-    index = np.concatenate([np.arange(r, r + k, dtype=np.int64) for r, k in pieces])
-    gathered = _gather_rows(plan.layer_inputs, index)  # [L, R, D]
-    offsets = np.cumsum([0] + [k for _, k in pieces])
+        position, lead = n_chunks, 0
+        if cached % ct:  # the forward starts inside a chunk: extend its tail, if kept
+            tail = tails.take(u, cached, plan.identities[b].prefix(cached))
+            if tail is not None:
+                stop = min(n, first * ct)  # this forward's tokens of that chunk
+                lead_rows.append(np.arange(base + cached, base + stop, dtype=np.int64))
+                at = tail.slot * ct + tail.rows
+                lead_dst.append(np.arange(at, at + stop - cached, dtype=np.int64))
+                if stop == first * ct:  # completed: stored as hidden states; its slot free after
+                    done_pos.append(position)
+                    done_slots.append(tail.slot)
+                    tails.release(tail.slot)
+                    lead = 1
+                else:  # still partial: kept, longer
+                    kept.append((u, _Tail(tail.slot, tail.chunk, tail.rows + stop - cached, digests[b])))
+        if end > first:
+            full_rows.append(np.arange(base + first * ct, base + end * ct, dtype=np.int64))
+            full_pos.extend(range(position + lead, position + lead + end - first))
+        count = lead + max(end - first, 0)
+        if count:
+            spans[b] = (position, first - lead, count)
+            n_chunks += count
+        if n % ct and end >= first:  # a new partial last chunk, begun in this forward
+            slot = tails.allocate()
+            if slot is not None:
+                trail_rows.append(np.arange(base + end * ct, base + n, dtype=np.int64))
+                trail_dst.append(np.arange(slot * ct, slot * ct + n - end * ct, dtype=np.int64))
+                kept.append((u, _Tail(slot, end, n - end * ct, digests[b])))
+    # one upload: X rows (leads, full chunks, trails), then tail-buffer rows and result positions
+    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)  # noqa: E731
+    lead_x = index.add(cat(lead_rows))
+    full_x = index.add(cat(full_rows))
+    trail_x = index.add(cat(trail_rows))
+    lead_t, trail_t = index.add(cat(lead_dst)), index.add(cat(trail_dst))
+    full_p, done_p = index.add(np.asarray(full_pos, dtype=np.int64)), index.add(np.asarray(done_pos, dtype=np.int64))
+    done_s = index.add(np.asarray(done_slots, dtype=np.int64))
+    idx = index.upload(_device_of(plan.layer_inputs))
 
-    def run(i: int) -> torch.Tensor:
-        return gathered[:, offsets[i] : offsets[i + 1]]
+    def part(span: tuple[int, int]) -> torch.Tensor:
+        return idx[span[0] : span[1]]
 
-    out = {}
-    for b, u, n, first, end, lead, lead_run, full_run, trail_run in work:
-        L, D = gathered.shape[0], gathered.shape[2]
-        chunks = list(run(full_run).view(L, max(end - first, 0), ct, D).unbind(1))
-        start = first
-        if lead is not None:
-            rows_before, lead_chunk = lead
-            joined = torch.cat([rows_before, run(lead_run)], dim=1)
-            if joined.shape[1] == ct:  # the forward completed the chunk its tail began
-                chunks.insert(0, joined)
-                start = lead_chunk
-            else:  # still partial: the longer tail is kept
-                tails.put(u, lead_chunk, joined, digests[b])
-        trail = run(trail_run)
-        if trail.shape[1]:
-            tails.put(u, trail_start_of(n, ct), trail.clone(), digests[b])
-        if chunks:
-            out[b] = HiddenChunks(torch.stack(chunks), start, start + len(chunks))
-    return out
+    gathered = _gather_rows(plan.layer_inputs, idx[: trail_x[1]])  # [L, R, D]: every X row needed
+    L, _, D = gathered.shape
+    result = gathered.new_empty((n_chunks, L, ct, D)) if n_chunks else None
+    if lead_x[1] > lead_x[0]:
+        tails.rows_view().index_copy_(1, part(lead_t), gathered[:, lead_x[0] : lead_x[1]])
+    if done_slots:
+        done = tails.rows_view().view(L, tails.num_slots, ct, D).index_select(1, part(done_s))
+        result.index_copy_(0, part(done_p), done.transpose(0, 1))
+    if full_pos:
+        full = gathered[:, full_x[0] : full_x[1]].reshape(L, len(full_pos), ct, D)
+        result.index_copy_(0, part(full_p), full.transpose(0, 1))
+    if trail_dst:
+        tails.rows_view().index_copy_(1, part(trail_t), gathered[:, trail_x[0] : trail_x[1]])
+    for u, tail in kept:
+        tails.put(u, tail)
+    return {b: HiddenChunks(result[p : p + k], c, c + k) for b, (p, c, k) in spans.items()}
 
 
-def trail_start_of(n: int, chunk_tokens: int) -> int:
-    """The chunk a history of n tokens ends inside."""
-    return n // chunk_tokens
+def _device_of(inputs: list[torch.Tensor] | torch.Tensor) -> torch.device:
+    return inputs.device if isinstance(inputs, torch.Tensor) else inputs[0].device
 
 
-def _gather_rows(inputs: list[torch.Tensor] | torch.Tensor, index: np.ndarray) -> torch.Tensor:
+def _gather_rows(inputs: list[torch.Tensor] | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """[L, len(index), D]: rows `index` of every layer's input (a list of [rows, D] tensors, or one
     [L, rows, D] tensor: a graph's static copy, gathered in one op)."""
-    device = inputs[0].device
-    idx = torch.from_numpy(index).to(device, non_blocking=True)
     if isinstance(inputs, torch.Tensor):
-        return inputs.index_select(1, idx)
-    return torch.stack([x.index_select(0, idx) for x in inputs])
+        return inputs.index_select(1, index)
+    return torch.stack([x.index_select(0, index) for x in inputs])

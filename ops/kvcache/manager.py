@@ -122,7 +122,10 @@ class AsyncKVCacheManager:
         # shorter request can be checked against any prefix of it; dropped with the entry.
         self._identities: dict[int, HistoryIdentity] = {}
         # host_format "hidden": each admitted user's partial last chunk of layer inputs (model thread)
-        self._tails = HiddenTails(c.hidden_tail_bytes)
+        self._tails = HiddenTails(
+            c.hidden_tail_bytes if c.host_format == "hidden" else 0, c.num_layers, c.chunk_tokens, c.hidden_dim, c.dtype,
+            self.device,
+        )
         self._prefetcher = Prefetcher(c, self.gpu, self.host, self.transfers, self.stats, self._index_lock)
         self._closed = False
 

@@ -72,16 +72,16 @@ def test_a_chunk_completed_across_forwards_is_hidden_only_with_its_tail(tiny_con
 
 
 def test_a_tail_is_taken_only_by_the_prefix_it_ends():
-    from hstu.ops.kvcache.hidden_tier import HiddenTails
+    from hstu.ops.kvcache.hidden_tier import HiddenTails, _Tail
 
-    tails = HiddenTails(1 << 20)
-    rows = torch.zeros(2, 6, 4)
-    tails.put(1, 1, rows, b"digest of 14")  # tokens 8-13
-    assert tails.take(1, 14, 8, b"another history") is None and len(tails) == 0  # dropped
-    tails.put(1, 1, rows, b"digest of 14")
-    assert tails.take(1, 12, 8, b"digest of 14") is None  # ends elsewhere
-    tails.put(1, 1, rows, b"digest of 14")
-    assert tails.take(1, 14, 8, b"digest of 14") is rows and tails.bytes == 0
+    tails = HiddenTails(1 << 20, 2, 8, 4, torch.float32, torch.device("cpu"))
+    slot = tails.allocate()
+    tails.put(1, _Tail(slot, 1, 6, b"digest of 14"))  # tokens 8-13
+    assert tails.take(1, 14, b"another history") is None and len(tails) == 0  # dropped, slot freed
+    tails.put(1, _Tail(tails.allocate(), 1, 6, b"digest of 14"))
+    assert tails.take(1, 12, b"digest of 14") is None  # ends elsewhere
+    tails.put(1, _Tail(tails.allocate(), 1, 6, b"digest of 14"))
+    assert tails.take(1, 14, b"digest of 14").rows == 6 and len(tails) == 0
 
 
 def test_another_history_of_the_user_recomputes_and_matches(tiny_config, book):
@@ -102,13 +102,17 @@ def test_another_history_of_the_user_recomputes_and_matches(tiny_config, book):
 
 def test_tails_stay_within_their_byte_budget(tiny_config, book):
     kv = KVCacheConfig.for_model(tiny_config, page_size=4, chunk_tokens=8)
-    one_tail = kv.num_layers * 6 * kv.hidden_dim * kv.element_size  # 6 rows
-    engine = _engine(tiny_config, hidden_tail_bytes=2 * one_tail)
+    slot_bytes = kv.num_layers * 8 * kv.hidden_dim * kv.element_size  # one chunk of layer inputs
+    engine = _engine(tiny_config, hidden_tail_bytes=2 * slot_bytes + 7)
     for u in range(4):
         _check(engine, [book.request(u, 7)])  # 16 tokens: 2 chunks, no tail
         _check(engine, [book.request(u, 3)])  # 22: a tail of 6 rows
     tails = engine.cache._tails
-    assert len(tails) == 2 and tails.bytes == 2 * one_tail
+    assert tails.num_slots == 2 and len(tails) == 2 and tails.buffer.numel() * 4 == 2 * slot_bytes
+    for u in (2, 3):  # the two most recent users' tails complete their chunks
+        _check(engine, [book.request(u, 1)])
+    engine.cache.drain()
+    assert engine.cache.stats.snapshot()["hidden_chunks_offloaded"] == 4 * 2 + 2
     engine.close()
 
 
