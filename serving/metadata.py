@@ -27,6 +27,7 @@ class CacheSizes(BaseModel):
     num_pages: int
     chunk_tokens: int
     host_cache_bytes: int
+    host_format: str = Field(description="what a host chunk holds: 'kv' (K/V pages) or 'hidden' (layer inputs)")
 
 
 class ModelMetadata(BaseModel):

@@ -71,8 +71,9 @@ async def test_scores_equal_the_in_process_no_cache_model_and_reuse_the_cache(re
 
 
 @anyio
-async def test_200_concurrent_requests_from_20_users_with_eviction_match_the_no_cache_model(reference):
-    settings, payloads = eviction_workload(first_user=100)
+@pytest.mark.parametrize("host_format", ["kv", "hidden"])
+async def test_200_concurrent_requests_from_20_users_with_eviction_match_the_no_cache_model(reference, host_format):
+    settings, payloads = eviction_workload(first_user=100, host_format=host_format)
     async with serving(settings) as (app, client):
         responses = await post_per_user_in_order(client, payloads, concurrency=20)
         stats = app.state.runtime.manager.stats.snapshot()
@@ -83,6 +84,7 @@ async def test_200_concurrent_requests_from_20_users_with_eviction_match_the_no_
     assert app.state.metrics.registry.get_sample_value("hstu_batch_splits_total") > 0, "batches over the pool split"
     assert stats["gpu_evictions"] > 0 and stats["host_evictions"] > 0, stats
     assert stats["gpu_hits"] > 0 and stats["host_hits"] > 0 and stats["bytes_onloaded"] > 0, stats
+    assert (stats["hidden_chunks_onloaded"] > 0) == (host_format == "hidden"), stats
     assert sum(b["cached_tokens"] for b in bodies) > 0
 
 
@@ -430,7 +432,7 @@ async def test_model_metadata_names_the_config_limits_cache_and_the_weights_fing
     assert meta["limits"]["max_events"] == 126 and meta["limits"]["max_candidates"] == 64
     assert meta["limits"]["max_body_bytes"] > 126 * 100
     assert (meta["dtype"], meta["device"]) == ("float32", "cpu")
-    assert meta["cache"] == {"page_size": 8, "num_pages": 64, "chunk_tokens": 16, "host_cache_bytes": 1 << 20}
+    assert meta["cache"] == {"page_size": 8, "num_pages": 64, "chunk_tokens": 16, "host_cache_bytes": 1 << 20, "host_format": "kv"}
     assert meta["weights_fingerprint"] == model_identity(reference, TINY).hex()
     assert ready.status_code == 200 and ready.json() == {"name": "hstu", "ready": True}
 

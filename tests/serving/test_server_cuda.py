@@ -16,8 +16,9 @@ CUDA_RTOL = 2e-3
 
 
 @pytest.mark.anyio
-async def test_cuda_server_with_eviction_matches_the_cpu_no_cache_model(reference):
-    settings, payloads = eviction_workload(first_user=500, device="cuda")
+@pytest.mark.parametrize("host_format", ["kv", "hidden"])
+async def test_cuda_server_with_eviction_matches_the_cpu_no_cache_model(reference, host_format):
+    settings, payloads = eviction_workload(first_user=500, device="cuda", host_format=host_format)
     async with serving(settings) as (app, client):
         responses = await post_per_user_in_order(client, payloads, concurrency=20)
         # read from /metrics: on CUDA the default server runs its engine (and cache) in a child process
