@@ -197,8 +197,9 @@ class TierTransfers:
         with torch.cuda.stream(rebuild), torch.inference_mode():  # (the prefetch worker is not in inference mode)
             k, v = self.kv_rebuilder(layer, rows.view(n * c.chunk_tokens, c.hidden_dim))
             page_shape = (n * c.pages_per_chunk, c.page_size, c.num_heads, c.head_dim)
-            kv = torch.stack((k.reshape(page_shape), v.reshape(page_shape)), dim=1)
-            self.kv_pages[layer].index_copy_(0, parts.hidden_pages, kv.to(self.kv_pages.dtype))
+            pages = self.kv_pages[layer]  # [P, 2, page_size, H, d]: K and V written in place, no stacked copy
+            pages.select(1, 0).index_copy_(0, parts.hidden_pages, k.reshape(page_shape).to(pages.dtype))
+            pages.select(1, 1).index_copy_(0, parts.hidden_pages, v.reshape(page_shape).to(pages.dtype))
         return rebuild
 
     def _onloaded_bytes(self, parts: _OnloadParts) -> int:
