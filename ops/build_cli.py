@@ -1,6 +1,10 @@
 """`hstu build-ext`: build the C++/CUDA extension ahead of time (at image build or install time),
 so a serving host starts without compiling. The build lands in HSTU_BUILD_DIR (default
-~/.cache/hstu_kvcache/<torch version>); ship or mount that directory on hosts without a compiler."""
+~/.cache/hstu_kvcache/<torch version>); ship or mount that directory on hosts without a compiler.
+
+`hstu build-ext --check-cuda` compiles only the CUDA sources, to objects it throws away, against
+this install's torch headers: on a machine with nvcc but a CPU build of torch (no GPU) it catches
+a CUDA source that would not build before a GPU session is spent on finding out."""
 
 from __future__ import annotations
 
@@ -13,12 +17,19 @@ logger = logging.getLogger(__name__)
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("build-ext", help="build the C++/CUDA extension now (serving hosts then need no compiler)",
                               description=__doc__)
+    p.add_argument("--check-cuda", action="store_true",
+                   help="only compile the CUDA sources with nvcc against torch's headers (no GPU needed), then discard them")
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    from hstu.ops._build import load_extension
+    from hstu.ops._build import check_cuda_sources, load_extension
+
+    if args.check_cuda:
+        for source in check_cuda_sources():
+            logger.info("compiles: %s", source)
+        return 0
 
     module = load_extension()
     logger.info("hstu ops ready: %s", module.__file__)
