@@ -52,14 +52,15 @@ stage split 240 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections
 # "split" in the same call), and the pressure replay both ways
 stage split_front 240 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e split --warmup 2 --repeats 8 \
   --host-split compute_front --out "$OUT/split_front"
-pressure_ab() {
-  local r="python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress"
-  for split in load_front compute_front; do
-    $r --users 256 --requests 600 --num-pages 1024 --host-cache-mb 4096 --host-split $split \
-      --out "$OUT/pressure_$split" | grep -E "speedup|mismatch" | sed "s/^/$split: /" || return 1
+pressure() {  # pressure FLAG VALUE...: the pressure replay once per value of FLAG
+  local flag=$1 v r="python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress"
+  shift
+  for v in "$@"; do
+    $r --users 256 --requests 600 --num-pages 1024 --host-cache-mb 4096 "$flag" "$v" --out "$OUT/pressure_$v" \
+      | grep -E "speedup|mismatch|onloaded|offloaded" | sed "s/^/$v: /" || return 1
   done
 }
-stage pressure_ab 240 bash -c "$(declare -f pressure_ab); pressure_ab"
+stage pressure_ab 240 bash -c "$(declare -f pressure); pressure --host-split load_front compute_front"
 # issue 11: the host tier holding layer inputs (host_format hidden: half the bytes, K/V rebuilt on the GPU);
 # compare with "split" / "split_front" / "pressure_ab" in the same call. pytest_hidden: its CUDA tests alone.
 stage pytest_hidden 200 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/model/test_cuda_pipeline.py \
@@ -68,14 +69,7 @@ stage split_hidden 240 python3 -m hstu.cli bench --device cuda --cuda-graphs --s
   --host-format hidden --out "$OUT/split_hidden"
 stage split_front_hidden 240 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e split --warmup 2 \
   --repeats 8 --host-split compute_front --host-format hidden --out "$OUT/split_front_hidden"
-pressure_hidden() {
-  local r="python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress"
-  for format in kv hidden; do
-    $r --users 256 --requests 600 --num-pages 1024 --host-cache-mb 4096 --host-format $format \
-      --out "$OUT/pressure_$format" | grep -E "speedup|mismatch|onloaded|offloaded" | sed "s/^/$format: /" || return 1
-  done
-}
-stage pressure_hidden 240 bash -c "$(declare -f pressure_hidden); pressure_hidden"
+stage pressure_hidden 240 bash -c "$(declare -f pressure); pressure --host-format kv hidden"
 # the replay ranking and synchronising one batch at a time (replay_graphs pipelines two)
 stage replay_sync 120 python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress \
   --pipeline 1 --out "$OUT/replay_sync"

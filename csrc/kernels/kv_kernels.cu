@@ -393,29 +393,36 @@ void onload_kvcache_cuda(at::Tensor kv_cache, const at::Tensor& host_arena, cons
   copy_items(addr, n * ppc, page_bytes, vec, stream);
 }
 
-void store_host_chunks_cuda(at::Tensor host_arena, const at::Tensor& chunks, const at::Tensor& slot_ids) {
-  TORCH_CHECK(chunks.is_cuda() && host_arena.is_cpu() && slot_ids.is_cpu(),
-              "store_host_chunks on CUDA takes chunks on the GPU and host_arena, slot_ids on the CPU, got ",
-              chunks.device(), ", ", host_arena.device(), ", ", slot_ids.device());
-  check_store(host_arena, chunks, slot_ids);
+// Chunks (device) -> host slots: chunk c's chunk_bytes to `arena` + slot_ids[c] * slot_stride_bytes
+// (pinned or not). One D2H run per chunk, merged where both sides continue.
+void store_chunks_in_slots(const at::Tensor& arena_tensor, int64_t slot_stride_bytes, int64_t chunk_bytes,
+                           const at::Tensor& chunks, const at::Tensor& slot_ids) {
   const int64_t n = slot_ids.size(0);
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(chunks.device());
   const auto src = chunks.contiguous();
-  const int64_t chunk_bytes = host_arena.stride(0) * host_arena.element_size();
   const int32_t* slots = slot_ids.data_ptr<int32_t>();
-  char* arena = static_cast<char*>(host_arena.data_ptr());
+  char* arena = static_cast<char*>(arena_tensor.data_ptr());
   const char* base = static_cast<const char*>(src.data_ptr());
   std::vector<CopyRun> runs;
   runs.reserve(static_cast<size_t>(n));
   for (int64_t c = 0; c < n; ++c) {
-    add_run(runs, arena + static_cast<int64_t>(slots[c]) * chunk_bytes, base + c * chunk_bytes,
+    add_run(runs, arena + static_cast<int64_t>(slots[c]) * slot_stride_bytes, base + c * chunk_bytes,
             static_cast<size_t>(chunk_bytes));
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // A temporary contiguous `src` may be freed on return: the allocator reuses it only for work
   // enqueued later on this stream, which runs after the copy.
-  enqueue_runs(runs, cudaMemcpyDeviceToHost, host_arena.is_pinned(), stream);
+  enqueue_runs(runs, cudaMemcpyDeviceToHost, arena_tensor.is_pinned(), stream);
+}
+
+void store_host_chunks_cuda(at::Tensor host_arena, const at::Tensor& chunks, const at::Tensor& slot_ids) {
+  TORCH_CHECK(chunks.is_cuda() && host_arena.is_cpu() && slot_ids.is_cpu(),
+              "store_host_chunks on CUDA takes chunks on the GPU and host_arena, slot_ids on the CPU, got ",
+              chunks.device(), ", ", host_arena.device(), ", ", slot_ids.device());
+  check_store(host_arena, chunks, slot_ids);
+  const int64_t chunk_bytes = host_arena.stride(0) * host_arena.element_size();
+  store_chunks_in_slots(host_arena, chunk_bytes, chunk_bytes, chunks, slot_ids);
 }
 
 // Layer `layer` of hidden-state slots -> out (device): one H2D run per slot, merged where slots
@@ -442,29 +449,15 @@ void onload_hidden_cuda(at::Tensor out, const at::Tensor& hidden_arena, const at
   enqueue_runs(runs, cudaMemcpyHostToDevice, hidden_arena.is_pinned(), at::cuda::getCurrentCUDAStream());
 }
 
-// Hidden-state chunks (device) -> host slots: one D2H run per slot.
+// Hidden-state chunks (device) -> host slots, each slot's [L, chunk_tokens, D] block.
 void store_hidden_chunks_cuda(at::Tensor hidden_arena, const at::Tensor& chunks, const at::Tensor& slot_ids) {
   TORCH_CHECK(chunks.is_cuda() && hidden_arena.is_cpu() && slot_ids.is_cpu(),
               "store_hidden_chunks on CUDA takes chunks on the GPU and hidden_arena, slot_ids on the CPU, got ",
               chunks.device(), ", ", hidden_arena.device(), ", ", slot_ids.device());
   check_store_hidden(hidden_arena, chunks, slot_ids);
-  const int64_t n = slot_ids.size(0);
-  if (n == 0) return;
-  const c10::cuda::CUDAGuard guard(chunks.device());
-  const auto src = chunks.contiguous();
   const int64_t es = hidden_arena.element_size();
-  const int64_t chunk_bytes = hidden_arena.size(1) * hidden_arena.stride(1) * es;
-  const int32_t* slots = slot_ids.data_ptr<int32_t>();
-  char* arena = static_cast<char*>(hidden_arena.data_ptr());
-  const char* base = static_cast<const char*>(src.data_ptr());
-  std::vector<CopyRun> runs;
-  runs.reserve(static_cast<size_t>(n));
-  for (int64_t c = 0; c < n; ++c) {
-    add_run(runs, arena + static_cast<int64_t>(slots[c]) * hidden_arena.stride(0) * es, base + c * chunk_bytes,
-            static_cast<size_t>(chunk_bytes));
-  }
-  // As in store_host_chunks_cuda: a temporary `src` is reused only by work enqueued later on this stream.
-  enqueue_runs(runs, cudaMemcpyDeviceToHost, hidden_arena.is_pinned(), at::cuda::getCurrentCUDAStream());
+  store_chunks_in_slots(hidden_arena, hidden_arena.stride(0) * es, hidden_arena.size(1) * hidden_arena.stride(1) * es,
+                        chunks, slot_ids);
 }
 
 }  // namespace
