@@ -228,3 +228,26 @@ def test_a_calibrated_planner_counts_layer_input_bytes_and_stays_correct(tiny_co
     mgr.evict_gpu([1, 2, 3])
     _check(engine, [book.request(u, 2) for u in (1, 2, 3)])
     engine.close()
+
+
+@pytest.mark.parametrize("host_format", ["kv", "hidden"])
+def test_the_planner_prices_a_users_hidden_chunks_from_their_slots(tiny_config, book, host_format):
+    """A link too slow for the prefix's K/V but fast enough for its layer inputs: the planner
+    recomputes the K/V prefix and onloads (part of) the hidden one; both answers are the no-cache
+    model's."""
+    from hstu.ops.kvcache.planner import CostModel
+
+    engine = _engine(tiny_config, num_pages=128, host_format=host_format)
+    mgr, kv = engine.cache, engine.cache.config
+    _check(engine, [book.request(1, 11)])  # 24 tokens: three chunks in the host tier
+    mgr.drain()
+    mgr.evict_gpu([1])
+    token_kv = kv.page_bytes // kv.page_size  # 256 B a token and layer; layer inputs: 128 B
+    mgr.cost_model = CostModel(
+        h2d_bytes_per_s=24 * token_kv / 0.040, bytes_per_token_layer=token_kv, per_row_s=1e-3, per_pair_s=0.0,
+        hidden_bytes_per_token_layer=kv.hidden_dim * kv.element_size if host_format == "hidden" else 0,
+    )
+    _check(engine, [book.request(1, 2)])
+    onloaded = mgr.stats.snapshot()["tokens_onloaded"]
+    assert (onloaded > 0) == (host_format == "hidden"), onloaded
+    engine.close()
