@@ -42,18 +42,31 @@ class HSTULayer(nn.Module):
 
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, D] -> k [T, H, d_qk], v [T, H, d_v]: project()'s keys and values alone, from the
-        layer's input. The host tier's hidden-state chunks are rebuilt into K/V this way: two
-        matmuls over the v and k rows of uvqk's weight, half of project()'s."""
+        layer's input. The host tier's hidden-state chunks are rebuilt into K/V this way: one
+        matmul over the v and k rows of uvqk's weight (half of project()'s), few kernels, since a
+        batch enqueues one rebuild per layer; k and v are views of its output."""
         H, dv, dqk = self.num_heads, self.d_v, self.d_qk
-        w, b = self.uvqk.weight, self.uvqk.bias
-        v_rows, k_rows = slice(H * dv, 2 * H * dv), slice(2 * H * dv + H * dqk, 2 * H * dv + 2 * H * dqk)
-        normed = self.input_norm(x)
-        v = F.linear(normed, w[v_rows], None if b is None else b[v_rows])
-        k = F.linear(normed, w[k_rows], None if b is None else b[k_rows])
+        w, b = self._kv_projection()
+        vk = F.linear(self.input_norm(x), w, b)
         if not self.meta_stu:
-            v, k = F.silu(v), F.silu(k)
+            vk = F.silu(vk, inplace=True)
         T = x.shape[0]
-        return k.reshape(T, H, dqk), v.reshape(T, H, dv)
+        return vk[:, H * dv :].reshape(T, H, dqk), vk[:, : H * dv].reshape(T, H, dv)
+
+    def _kv_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """uvqk's v and k rows (weight [H*(d_v + d_qk), D], bias), copied together once and again
+        whenever uvqk's parameters change (their version counters: load_state_dict copies in place)."""
+        w, b = self.uvqk.weight, self.uvqk.bias
+        key = (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
+        cached = getattr(self, "_kv_cache", None)
+        if cached is None or cached[0] != key:
+            H, dv, dqk = self.num_heads, self.d_v, self.d_qk
+            rows = torch.cat([torch.arange(H * dv, 2 * H * dv), torch.arange(2 * H * dv + H * dqk, 2 * H * dv + 2 * H * dqk)])
+            with torch.no_grad():
+                rows = rows.to(w.device)
+                cached = (key, w.index_select(0, rows), None if b is None else b.index_select(0, rows))
+            self._kv_cache = cached
+        return cached[1], cached[2]
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Residual output from attention [T, H, d_v] and gate u."""

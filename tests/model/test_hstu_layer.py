@@ -27,6 +27,20 @@ def test_project_kv_equals_the_projections_keys_and_values(variant):
         torch.testing.assert_close(v2, v, rtol=1e-5, atol=1e-6)
 
 
+def test_project_kv_follows_new_weights():
+    """load_state_dict copies into the parameters in place: the cached v/k rows follow."""
+    torch.manual_seed(1)
+    block = HSTUBlock(TINY)
+    x = torch.randn(4, TINY.embedding_dim)
+    block.kv_from_hidden(0, x)
+    other = HSTUBlock(TINY)
+    block.load_state_dict(other.state_dict())
+    _, _, k, v = other.layers[0].project(x)
+    k2, v2 = block.kv_from_hidden(0, x)
+    torch.testing.assert_close(k2, k, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v2, v, rtol=1e-5, atol=1e-6)
+
+
 def test_forward_paged_hands_out_each_layers_input():
     """layer_inputs receives layer i's input, so project_kv of it gives the K/V layer i appended."""
     block = HSTUBlock(TINY)
