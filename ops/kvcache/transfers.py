@@ -144,11 +144,14 @@ class TierTransfers:
         batch's inputs copy to its first onload copy on the H200, run AZ) and, with only the first
         layer enqueued here, a 0.13 ms gap in the copy engine before the second (run BA). An
         enqueue costs ~0.03 ms a layer at batch 1 and ~0.2 ms at batch 8, less than the layer's
-        copies it queues behind, so the layers' launches still run ahead of their pages."""
+        copies it queues behind, so the layers' launches still run ahead of their pages.
+        Hidden-state chunks' rebuilds (several kernels a layer, ~10x a copy's enqueue) are enqueued
+        by the worker instead, each after its layer's copies, so the model thread launches its
+        layers right after the copies are queued; the layer is ready once its rebuild is."""
         stream = self._onload_stream
         compute_done = after if after is not None else self._compute_event()
         error: BaseException | None = None
-        parts = None
+        parts, staged = None, []
         try:
             with torch.cuda.stream(stream):  # a no-op for None (CPU)
                 if stream is not None and compute_done is not None:
@@ -157,10 +160,25 @@ class TierTransfers:
                 for layer in range(self.config.num_layers):
                     if self.onload_fault is not None:
                         self.onload_fault(users, layer)
-                    handle.mark_ready(layer, self._onload_layer(parts, layer))
+                    rows = self._copy_layer(parts, layer)
+                    if rows is None:
+                        handle.mark_ready(layer, stream)
+                    else:
+                        staged.append((layer, rows, self._compute_event()))  # this layer's copies enqueued
         except BaseException as exc:  # settled on the worker, as a failed copy would be
             error = exc
-        self._onload_pool.submit(self._settle_onload, handle, users, parts, error)
+        self._onload_pool.submit(self._rebuild_and_settle, handle, users, parts, staged, error)
+
+    def _rebuild_and_settle(self, handle, users, parts, staged: list, error: BaseException | None) -> None:
+        """Onload worker: enqueue the staged layers' rebuilds (each after its copies' event), marking
+        each layer ready, then settle the onload."""
+        if error is None:
+            try:
+                for layer, rows, copied in staged:
+                    handle.mark_ready(layer, self._rebuild_layer(parts, layer, rows, copied))
+            except BaseException as exc:  # the layers after it never become ready: the handle fails
+                error = exc
+        self._settle_onload(handle, users, parts, error)
 
     def _by_format(self, slot_ids: torch.Tensor, page_ids: torch.Tensor) -> _OnloadParts:
         """Split an onload's chunks by the format their slots hold."""
@@ -175,26 +193,40 @@ class TierTransfers:
         )
 
     def _onload_layer(self, parts: _OnloadParts, layer: int) -> "torch.cuda.Stream | None":
-        """Enqueue one layer's onload, its copies on the current (onload) stream: K/V chunks into
-        their pages; hidden-state chunks to the device, then rebuilt into K/V (the layer's norm and
-        K/V projection) and written into theirs on the rebuild stream, after the copies. Returns the
-        stream whose work so far completes the layer (None off CUDA: done on return)."""
-        copies = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        """Enqueue one layer's whole onload (the prefetch worker's): _copy_layer then _rebuild_layer.
+        Returns the stream whose work so far completes the layer (None off CUDA: done on return)."""
+        rows = self._copy_layer(parts, layer)
+        if rows is None:
+            return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        return self._rebuild_layer(parts, layer, rows, self._compute_event())
+
+    def _copy_layer(self, parts: _OnloadParts, layer: int) -> torch.Tensor | None:
+        """Enqueue one layer's copies on the current (onload) stream: K/V chunks into their pages,
+        hidden-state chunks' rows into a new device tensor, returned (None: no hidden chunks)."""
         if parts.kv_slots.numel():
             onload_kvcache(self.kv_pages, self.host_arena, parts.kv_slots, parts.kv_pages, layer)
         n = parts.hidden_slots.numel()
         if n == 0:
-            return copies
+            return None
         if self.kv_rebuilder is None or self.hidden_arena is None:
             raise RuntimeError("hidden-state host chunks to onload but no K/V rebuilder was given (rebuild_kv_with)")
         c = self.config
         rows = torch.empty((n, c.chunk_tokens, c.hidden_dim), dtype=self.kv_pages.dtype, device=self.kv_pages.device)
         onload_hidden(rows, self.hidden_arena, parts.hidden_slots, layer)
+        return rows
+
+    def _rebuild_layer(
+        self, parts: _OnloadParts, layer: int, rows: torch.Tensor, copied: "torch.cuda.Event | None"
+    ) -> "torch.cuda.Stream | None":
+        """Enqueue, on the rebuild stream after `copied` (the layer's copies), the K/V of its
+        hidden-state chunks (the layer's norm and K/V projection of `rows`) into their pages.
+        Returns the rebuild stream (None off CUDA: done on return)."""
+        c, n = self.config, parts.hidden_slots.numel()
         rebuild = self._rebuild_stream
         if rebuild is not None:
-            rebuild.wait_stream(copies)  # this layer's copies (and the K/V chunks') landed
+            rebuild.wait_event(copied)  # this layer's copies (and the K/V chunks') landed
             rows.record_stream(rebuild)  # allocated on the copy stream, read on this one
-        with torch.cuda.stream(rebuild), torch.inference_mode():  # (the prefetch worker is not in inference mode)
+        with torch.cuda.stream(rebuild), torch.inference_mode():  # (workers are not in the engine's mode)
             k, v = self.kv_rebuilder(layer, rows.view(n * c.chunk_tokens, c.hidden_dim))
             page_shape = (n * c.pages_per_chunk, c.page_size, c.num_heads, c.head_dim)
             pages = self.kv_pages[layer]  # [P, 2, page_size, H, d]: K and V written in place, no stacked copy
