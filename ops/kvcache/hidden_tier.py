@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hstu.ops.kvcache.batch import BatchPlan
-from hstu.ops.kvcache.transfers import HiddenChunks
+from hstu.ops.kvcache.transfers import HiddenChunks, upload
 
 
 @dataclass
@@ -121,8 +121,7 @@ class _Index:
         return self.size - len(values), self.size
 
     def upload(self, device: torch.device) -> torch.Tensor:
-        values = np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.int64)
-        return torch.from_numpy(values).to(device, non_blocking=True)
+        return upload(np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.int64), device)
 
 
 def gather_hidden(

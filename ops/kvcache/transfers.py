@@ -32,6 +32,7 @@ import torch
 from hstu.model.identity import HistoryIdentity
 from hstu.ops._build import load_extension
 from hstu.ops.kv_ops import (
+    append_kvcache,
     gather_kvcache_all_layers,
     onload_hidden,
     onload_kvcache,
@@ -46,6 +47,16 @@ from hstu.ops.kvcache.stats import CacheStats
 logger = logging.getLogger(__name__)
 
 _CapacityError = load_extension().CacheCapacityError
+
+
+def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`values` on `device`, through pinned memory when it is a GPU: a copy from pageable memory may
+    wait for the stream's earlier work (the whole forward, when enqueued in finish) before it
+    returns, which serialised the host behind the GPU."""
+    tensor = torch.from_numpy(values)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -73,12 +84,13 @@ class OffloadJob:
 @dataclass
 class _OnloadParts:
     """An onload's chunks by host format: K/V slots and their pages, and hidden-state slots with
-    their pages (flat, int64, on the device: where the rebuilt K/V go)."""
+    each of their tokens' page and offset (on the device: where the rebuilt K/V go)."""
 
     kv_slots: torch.Tensor
     kv_pages: torch.Tensor
     hidden_slots: torch.Tensor
-    hidden_pages: torch.Tensor | None
+    hidden_token_pages: torch.Tensor | None  # int32 per token of the hidden chunks: its page ...
+    hidden_token_offsets: torch.Tensor | None  # ... and its offset in the page
 
 
 class TierTransfers:
@@ -144,14 +156,14 @@ class TierTransfers:
         batch's inputs copy to its first onload copy on the H200, run AZ) and, with only the first
         layer enqueued here, a 0.13 ms gap in the copy engine before the second (run BA). An
         enqueue costs ~0.03 ms a layer at batch 1 and ~0.2 ms at batch 8, less than the layer's
-        copies it queues behind, so the layers' launches still run ahead of their pages.
-        Hidden-state chunks' rebuilds (several kernels a layer, ~10x a copy's enqueue) are enqueued
-        by the worker instead, each after its layer's copies, so the model thread launches its
-        layers right after the copies are queued; the layer is ready once its rebuild is."""
+        copies it queues behind, so the layers' launches still run ahead of their pages. A
+        hidden-state chunk's rebuild (four kernels a layer) is enqueued here too, right after its
+        layer's copies: enqueued by the worker instead, it ran batch 1's pure onload 0.9 ms slower
+        on the H200 (thread hand-offs and the GIL between the worker and the model thread)."""
         stream = self._onload_stream
         compute_done = after if after is not None else self._compute_event()
         error: BaseException | None = None
-        parts, staged = None, []
+        parts = None
         try:
             with torch.cuda.stream(stream):  # a no-op for None (CPU)
                 if stream is not None and compute_done is not None:
@@ -160,40 +172,27 @@ class TierTransfers:
                 for layer in range(self.config.num_layers):
                     if self.onload_fault is not None:
                         self.onload_fault(users, layer)
-                    rows = self._copy_layer(parts, layer)
-                    if rows is None:
-                        handle.mark_ready(layer, stream)
-                    else:
-                        staged.append((layer, rows, self._compute_event()))  # this layer's copies enqueued
+                    handle.mark_ready(layer, self._onload_layer(parts, layer))
         except BaseException as exc:  # settled on the worker, as a failed copy would be
             error = exc
-        self._onload_pool.submit(self._rebuild_and_settle, handle, users, parts, staged, error)
-
-    def _rebuild_and_settle(self, handle, users, parts, staged: list, error: BaseException | None) -> None:
-        """Onload worker: enqueue the staged layers' rebuilds (each after its copies' event), marking
-        each layer ready, then settle the onload."""
-        if error is None:
-            try:
-                for layer, rows, copied in staged:
-                    handle.mark_ready(layer, self._rebuild_layer(parts, layer, rows, copied))
-            except BaseException as exc:  # the layers after it never become ready: the handle fails
-                error = exc
-        self._settle_onload(handle, users, parts, error)
+        self._onload_pool.submit(self._settle_onload, handle, users, parts, error)
 
     def _by_format(self, slot_ids: torch.Tensor, page_ids: torch.Tensor) -> _OnloadParts:
         """Split an onload's chunks by the format their slots hold."""
         hidden = self.slot_hidden[slot_ids.numpy()] if slot_ids.numel() else np.zeros(0, dtype=bool)
         if not hidden.any():
-            return _OnloadParts(slot_ids, page_ids, slot_ids[:0], None)
+            return _OnloadParts(slot_ids, page_ids, slot_ids[:0], None, None)
+        ps = self.config.page_size
+        pages = page_ids.numpy()[hidden].reshape(-1)
+        tokens = np.stack([np.repeat(pages, ps), np.tile(np.arange(ps, dtype=np.int32), len(pages))]).astype(np.int32)
+        on_device = upload(tokens, self.kv_pages.device)
         mask = torch.from_numpy(hidden)
-        pages = page_ids[mask].reshape(-1).to(torch.int64)
         return _OnloadParts(
-            slot_ids[~mask].contiguous(), page_ids[~mask].contiguous(), slot_ids[mask].contiguous(),
-            pages.to(self.kv_pages.device, non_blocking=True),
+            slot_ids[~mask].contiguous(), page_ids[~mask].contiguous(), slot_ids[mask].contiguous(), on_device[0], on_device[1]
         )
 
     def _onload_layer(self, parts: _OnloadParts, layer: int) -> "torch.cuda.Stream | None":
-        """Enqueue one layer's whole onload (the prefetch worker's): _copy_layer then _rebuild_layer.
+        """Enqueue one layer's onload: _copy_layer, then _rebuild_layer after the copies.
         Returns the stream whose work so far completes the layer (None off CUDA: done on return)."""
         rows = self._copy_layer(parts, layer)
         if rows is None:
@@ -228,10 +227,9 @@ class TierTransfers:
             rows.record_stream(rebuild)  # allocated on the copy stream, read on this one
         with torch.cuda.stream(rebuild), torch.inference_mode():  # (workers are not in the engine's mode)
             k, v = self.kv_rebuilder(layer, rows.view(n * c.chunk_tokens, c.hidden_dim))
-            page_shape = (n * c.pages_per_chunk, c.page_size, c.num_heads, c.head_dim)
-            pages = self.kv_pages[layer]  # [P, 2, page_size, H, d]: K and V written in place, no stacked copy
-            pages.select(1, 0).index_copy_(0, parts.hidden_pages, k.reshape(page_shape).to(pages.dtype))
-            pages.select(1, 1).index_copy_(0, parts.hidden_pages, v.reshape(page_shape).to(pages.dtype))
+            # one append kernel for K and V (views of the projection; index_copy_ into the strided
+            # page halves took 0.26 ms of kernels a batch-1 forward on the H200)
+            append_kvcache(self.kv_pages, k, v, parts.hidden_token_pages, parts.hidden_token_offsets, layer)
         return rebuild
 
     def _onloaded_bytes(self, parts: _OnloadParts) -> int:
