@@ -426,7 +426,7 @@ class RankingEngine:
             if logits is None:  # padded metadata only fits its graph bucket
                 raise RuntimeError(f"no CUDA graph replayed the batch of {plan.layout.num_rows} rows padded for one")
             if plan.hidden_chunks:  # host_format "hidden": finish() gathers their rows before the next replay
-                plan.layer_inputs = self.graphs.layer_inputs(plan.pad.rows)
+                plan.layer_inputs = self.graphs.layer_inputs()
         else:
             if plan.hidden_chunks:  # host_format "hidden": finish() offloads their history rows' inputs
                 plan.layer_inputs = []

@@ -141,12 +141,10 @@ class ForwardGraphs:
             raise ValueError(f"a PadSpec of {pad.rows} rows without a staging slot has no inputs region")
         return pad.inputs
 
-    def layer_inputs(self, rows: int) -> torch.Tensor | None:
-        """A view [L, rows, D] of the last replay's layer inputs (keep_layer_inputs), valid until
-        the next replay; None when the graphs keep none."""
-        if self._layer_inputs is None:
-            return None
-        return self._layer_inputs[:, :rows]
+    def layer_inputs(self) -> torch.Tensor | None:
+        """The static buffer [L, largest bucket, D] holding the last replay's layer inputs in its
+        first rows (keep_layer_inputs), valid until the next replay; None when the graphs keep none."""
+        return self._layer_inputs
 
     def capture_all(self) -> None:
         for rows in self.bucket_sizes:

@@ -62,7 +62,7 @@ def run_host_phases(engine: RankingEngine, requests: list[RankingRequest]) -> di
     t2 = time.perf_counter()
     cache.wait(plan)
     if plan.hidden_chunks and plan.pad is not None:  # host_format "hidden": what the replay hands finish
-        plan.layer_inputs = engine.graphs.layer_inputs(plan.pad.rows)
+        plan.layer_inputs = engine.graphs.layer_inputs()
     t3 = time.perf_counter()
     cache.finish(plan)
     logits = torch.zeros(plan.layout.num_candidate_rows, len(engine.task_names))  # the graph's output

@@ -74,7 +74,7 @@ class BatchPlan:
     front_pad: PadSpec | None = None
     # host_format "hidden": batch row -> the chunks [first, end) it computes whole (ops/kvcache/
     # hidden_tier.py), and the forward's layer inputs kept for them until finish(): a [rows, D]
-    # tensor a layer (eager), or a graph replay's static copy [L, rows, D].
+    # tensor a layer (eager), or the graphs' static copy [L, largest bucket, D] (its first rows).
     hidden_chunks: dict[int, tuple[int, int]] = field(default_factory=dict)
     layer_inputs: list[torch.Tensor] | torch.Tensor | None = None
     _future: Future | None = field(default=None, repr=False)

@@ -125,28 +125,32 @@ class _Index:
 
 
 def gather_hidden(
-    plan: BatchPlan, rows: list[int], chunk_tokens: int, tails: HiddenTails, digests: dict[int, bytes]
+    plan: BatchPlan, rows: list[int], chunk_tokens: int, tails: HiddenTails, digests: dict[int, bytes],
+    stored: dict[int, int],
 ) -> dict[int, HiddenChunks]:
-    """The hidden chunks of batch rows `rows` (those planned to keep their layer inputs), gathered
-    now on the current (compute) stream from the forward's layer inputs, before any later replay
-    overwrites a graph's copy of them; the users' tails extended, completed or kept. digests[b]:
-    the digest of row b's whole history."""
+    """The hidden chunks to offload of batch rows `rows` (those planned to keep their layer
+    inputs), gathered now on the current (compute) stream from the forward's layer inputs, before
+    any later replay overwrites a graph's copy of them; the users' tails extended, completed or
+    kept. digests[b]: the digest of row b's whole history; stored[b]: the host chunks row b's user
+    holds (offloaded rows only: only chunks past them are gathered)."""
     rows = [b for b in rows if b in plan.hidden_chunks]
     if not rows or plan.layer_inputs is None:
         return {}
     ct = chunk_tokens
     index = _Index()
-    lead_rows, full_rows, trail_rows = [], [], []  # X rows to gather, by use
+    lead_rows, trail_rows, chunk_rows = [], [], []  # layer-input rows to gather, by use
     lead_dst, trail_dst = [], []  # tail-buffer rows they are written to
-    full_pos, done_pos, done_slots = [], [], []  # where the chunks go in the batch's result
-    spans: dict[int, tuple[int, int, int]] = {}  # b -> (first position in result, first chunk, count)
-    n_chunks = 0
+    done_slots = []  # tail slots completed by this batch, read back as chunks
+    plans: dict[int, tuple[int, list[tuple[str, int]]]] = {}  # b -> (its first chunk, [(source, i)] in chunk order)
+    n_full = 0
     kept: list[tuple[int, _Tail]] = []
     for b in rows:
         u, n, cached = plan.user_ids[b], plan.history_lens[b], plan.cached_lens[b]
         base = int(plan.layout.q_offsets[b]) - cached  # the row of the user's token 0
         first, end = plan.hidden_chunks[b]
-        position, lead = n_chunks, 0
+        need = stored.get(b)  # None: nothing of this user is offloaded now
+        sources: list[tuple[str, int]] = []
+        start = max(first, need) if need is not None else end
         if cached % ct:  # the forward starts inside a chunk: extend its tail, if kept
             tail = tails.take(u, cached, plan.identities[b].prefix(cached))
             if tail is not None:
@@ -154,64 +158,67 @@ def gather_hidden(
                 lead_rows.append(np.arange(base + cached, base + stop, dtype=np.int64))
                 at = tail.slot * ct + tail.rows
                 lead_dst.append(np.arange(at, at + stop - cached, dtype=np.int64))
-                if stop == first * ct:  # completed: stored as hidden states; its slot free after
-                    done_pos.append(position)
-                    done_slots.append(tail.slot)
+                if stop == first * ct:  # completed: offloaded as hidden states if new; its slot free after
+                    if need is not None and need <= first - 1:
+                        sources.append(("done", len(done_slots)))
+                        done_slots.append(tail.slot)
+                        start = first - 1
                     tails.release(tail.slot)
-                    lead = 1
                 else:  # still partial: kept, longer
                     kept.append((u, _Tail(tail.slot, tail.chunk, tail.rows + stop - cached, digests[b])))
-        if end > first:
-            full_rows.append(np.arange(base + first * ct, base + end * ct, dtype=np.int64))
-            full_pos.extend(range(position + lead, position + lead + end - first))
-        count = lead + max(end - first, 0)
-        if count:
-            spans[b] = (position, first - lead, count)
-            n_chunks += count
+        for c in range(max(first, need if need is not None else end), end):
+            chunk_rows.append(base + c * ct)
+            sources.append(("full", n_full))
+            n_full += 1
+        if sources:
+            plans[b] = (start, sources)
         if n % ct and end >= first:  # a new partial last chunk, begun in this forward
             slot = tails.allocate()
             if slot is not None:
                 trail_rows.append(np.arange(base + end * ct, base + n, dtype=np.int64))
                 trail_dst.append(np.arange(slot * ct, slot * ct + n - end * ct, dtype=np.int64))
                 kept.append((u, _Tail(slot, end, n - end * ct, digests[b])))
-    # one upload: X rows (leads, full chunks, trails), then tail-buffer rows and result positions
     cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)  # noqa: E731
-    lead_x = index.add(cat(lead_rows))
-    full_x = index.add(cat(full_rows))
-    trail_x = index.add(cat(trail_rows))
-    lead_t, trail_t = index.add(cat(lead_dst)), index.add(cat(trail_dst))
-    full_p, done_p = index.add(np.asarray(full_pos, dtype=np.int64)), index.add(np.asarray(done_pos, dtype=np.int64))
-    done_s = index.add(np.asarray(done_slots, dtype=np.int64))
-    idx = index.upload(_device_of(plan.layer_inputs))
-
-    def part(span: tuple[int, int]) -> torch.Tensor:
-        return idx[span[0] : span[1]]
-
-    gathered = _gather_rows(plan.layer_inputs, idx[: trail_x[1]])  # [L, R, D]: every X row needed
-    L, _, D = gathered.shape
-    result = gathered.new_empty((n_chunks, L, ct, D)) if n_chunks else None
-    if lead_x[1] > lead_x[0]:
-        tails.rows_view().index_copy_(1, part(lead_t), gathered[:, lead_x[0] : lead_x[1]])
-    if done_slots:
-        done = tails.rows_view().view(L, tails.num_slots, ct, D).index_select(1, part(done_s))
-        result.index_copy_(0, part(done_p), done.transpose(0, 1))
-    if full_pos:
-        full = gathered[:, full_x[0] : full_x[1]].reshape(L, len(full_pos), ct, D)
-        result.index_copy_(0, part(full_p), full.transpose(0, 1))
-    if trail_dst:
-        tails.rows_view().index_copy_(1, part(trail_t), gathered[:, trail_x[0] : trail_x[1]])
+    inputs = plan.layer_inputs
+    stacked = isinstance(inputs, torch.Tensor)  # a graph's static copy [L, max rows, D], else a tensor a layer
+    L = inputs.shape[0] if stacked else len(inputs)
+    rows_per_layer = inputs.shape[1] if stacked else 0
+    first_rows = np.asarray(chunk_rows, dtype=np.int64)
+    if stacked:  # flat rows of [L * max rows, D] in (chunk, layer, token) order: one gather gives the chunks
+        per_chunk = (np.arange(L, dtype=np.int64)[:, None] * rows_per_layer + np.arange(ct, dtype=np.int64)).reshape(-1)
+        chunk_index = (first_rows[:, None] + per_chunk).reshape(-1)
+    else:
+        chunk_index = (first_rows[:, None] + np.arange(ct, dtype=np.int64)).reshape(-1)
+    spans = [index.add(a) for a in (cat(lead_rows), cat(trail_rows), chunk_index, cat(lead_dst), cat(trail_dst),
+                                    np.asarray(done_slots, dtype=np.int64))]
+    idx = index.upload(_device_of(inputs))
+    lead_x, trail_x, chunk_x, lead_t, trail_t, done_s = (idx[a:z] for a, z in spans)
+    if len(lead_x):
+        tails.rows_view().index_copy_(1, lead_t, _rows_by_layer(inputs, lead_x))
+    done = tails.rows_view().view(L, tails.num_slots, ct, -1).index_select(1, done_s) if done_slots else None
+    if n_full and stacked:
+        full = inputs.reshape(L * rows_per_layer, -1).index_select(0, chunk_x).view(n_full, L, ct, -1)
+        full_chunk = full.__getitem__
+    elif n_full:
+        full = _rows_by_layer(inputs, chunk_x).view(L, n_full, ct, -1)
+        full_chunk = lambda i: full[:, i]  # noqa: E731
+    if len(trail_x):
+        tails.rows_view().index_copy_(1, trail_t, _rows_by_layer(inputs, trail_x))
     for u, tail in kept:
         tails.put(u, tail)
-    return {b: HiddenChunks(result[p : p + k], c, c + k) for b, (p, c, k) in spans.items()}
+    out = {}
+    for b, (start, sources) in plans.items():
+        chunks = [done[:, i] if kind == "done" else full_chunk(i) for kind, i in sources]
+        out[b] = HiddenChunks(chunks, start, start + len(chunks))
+    return out
+
+
+def _rows_by_layer(inputs: list[torch.Tensor] | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[L, len(index), D]: rows `index` of every layer's input."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.index_select(1, index)
+    return torch.stack([x.index_select(0, index) for x in inputs])
 
 
 def _device_of(inputs: list[torch.Tensor] | torch.Tensor) -> torch.device:
     return inputs.device if isinstance(inputs, torch.Tensor) else inputs[0].device
-
-
-def _gather_rows(inputs: list[torch.Tensor] | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """[L, len(index), D]: rows `index` of every layer's input (a list of [rows, D] tensors, or one
-    [L, rows, D] tensor: a graph's static copy, gathered in one op)."""
-    if isinstance(inputs, torch.Tensor):
-        return inputs.index_select(1, index)
-    return torch.stack([x.index_select(0, index) for x in inputs])

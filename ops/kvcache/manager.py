@@ -465,13 +465,14 @@ class AsyncKVCacheManager:
                     self.invalidate(u)
                 self.stats.add(recomputes=len(failed))
             offload = admitted(plan, jobs, self.config, self.admission, self.host, self.stats)
+            stored = {b: len(self.host.lookup(u)[0]) for u, b in offload} if plan.hidden_chunks else {}
             done = [u for u, b in jobs if (u, b) not in offload] + list(plan.read_only)
             if done:
                 self.gpu.release(done)
         hidden = {}
         if plan.hidden_chunks:  # gathered now, on the compute stream, before any later forward
             kept = [b for b in plan.hidden_chunks if plan.user_ids[b] not in failed]
-            hidden = gather_hidden(plan, kept, self.config.chunk_tokens, self._tails, digests)
+            hidden = gather_hidden(plan, kept, self.config.chunk_tokens, self._tails, digests, stored)
         if offload:
             self.transfers.offload_async(
                 [OffloadJob(u, plan.history_lens[b], prepared.pages[b], plan.identities[b], hidden.get(b))

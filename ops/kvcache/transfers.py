@@ -62,10 +62,10 @@ def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
 @dataclass
 class HiddenChunks:
     """A user's chunks [first_chunk, end_chunk) as its batch computed them (host_format "hidden"):
-    chunks[c - first_chunk] is chunk c's layer inputs [L, chunk_tokens, D], gathered on the compute
-    stream right after the forward (hidden_tier.gather_hidden)."""
+    chunks[c - first_chunk] is chunk c's layer inputs [L, chunk_tokens, D] (a view), gathered on the
+    compute stream right after the forward (hidden_tier.gather_hidden)."""
 
-    chunks: torch.Tensor
+    chunks: list[torch.Tensor]
     first_chunk: int
     end_chunk: int
 
