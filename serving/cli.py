@@ -91,8 +91,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "Cake's order)")
     p.add_argument("--host-format", choices=["kv", "hidden"], default=None,
                    # ops/kvcache/config.py's HOST_FORMATS and HOST_FORMAT_HELP, spelled out (torch-free module)
-                   help="what the host tier holds of a chunk: its K/V pages (kv, the default), or, for chunks computed "
-                   "whole in one forward, each layer's input rows (hidden: half the bytes at D = H*d, rebuilt into K/V "
+                   help="what the host tier holds of a chunk: its K/V pages (kv, the default), or, for chunks whose layer "
+                   "inputs the forwards kept, each layer's input rows (hidden: half the bytes at D = H*d, rebuilt into K/V "
                    "on the GPU when onloaded)")
     p.add_argument(
         "--prepare-worker", action="store_true", default=None,

@@ -20,8 +20,8 @@ HOST_SPLIT_HELP = (
 # KVCacheConfig.host_format's values, and the help text of every command's --host-format flag.
 HOST_FORMATS = ("kv", "hidden")
 HOST_FORMAT_HELP = (
-    "what the host tier holds of a chunk: its K/V pages (kv, the default), or, for chunks computed whole "
-    "in one forward, each layer's input rows (hidden: half the bytes at D = H*d, rebuilt into K/V on the "
+    "what the host tier holds of a chunk: its K/V pages (kv, the default), or, for chunks whose layer inputs "
+    "the forwards kept, each layer's input rows (hidden: half the bytes at D = H*d, rebuilt into K/V on the "
     "GPU by the layer's norm and K/V projection when onloaded)"
 )
 
@@ -66,14 +66,14 @@ class KVCacheConfig:
     onloaded page, while tokens [q, n) are onloaded beside it; then the new tokens and candidates
     attend to both. Needs an even number of contextual tokens (q falls on an event boundary).
     host_format: what a host chunk holds. "kv": every layer's K/V pages (2*H*d values a token and
-    layer). "hidden": a chunk whose tokens were all computed in one forward, by an admitted user,
-    holds each layer's input rows instead (hidden_dim values a token and layer: half at the seed
-    shapes), and its onload rebuilds K/V on the GPU with the layer's norm and K/V projection
-    (HCache, EuroSys 2025: restore from hidden states, fewer bytes over the link); other chunks
-    (completed across forwards) stay "kv". The batch's layer inputs (eager tensors, or a graph
-    replay's static copy of them) are gathered for the offload right after its forward.
-    hidden_dim: the model's embedding
-    dim (for_model sets it); a hidden chunk uses the first L*chunk_tokens*hidden_dim elements of
+    layer). "hidden": a chunk of an admitted user whose every token's layer inputs were at hand
+    (computed whole by one forward, or completed from the tail its previous forward kept) holds
+    each layer's input rows instead (hidden_dim values a token and layer: half at the seed shapes),
+    and its onload rebuilds K/V on the GPU with the layer's norm and K/V projection (HCache,
+    EuroSys 2025: restore from hidden states, fewer bytes over the link); other chunks stay "kv".
+    The batch's layer inputs (eager tensors, or a graph replay's static copy of them) are gathered
+    for the offload right after its forward. hidden_dim: the model's embedding dim (for_model sets
+    it); a hidden chunk uses the first L*chunk_tokens*hidden_dim elements of
     its slot, so hidden_dim must be at most 2*H*d. hidden_tail_bytes: device memory for the layer
     inputs of each admitted user's partial last chunk (ops/kvcache/hidden_tier.py), so the forward
     that completes it stores it as hidden states too (least recently kept dropped beyond it: their

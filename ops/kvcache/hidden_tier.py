@@ -12,8 +12,8 @@ states instead of K/V. A tail is an optimisation: missing (never kept, evicted f
 another history), its chunk is stored as K/V from the pages.
 
 gather_hidden does a batch's work in a fixed number of ops whatever its users (one index upload,
-one gather of the rows it needs, two writes into the tail buffer, two into the chunks it returns),
-all on the compute stream in this order: the tail rows a forward extends are written, then the
+one gather of the chunks to offload, whose views it returns, two writes into the tail buffer and
+one read of the slots completed), all on the compute stream in this order: the tail rows a forward extends are written, then the
 completed slots are read, then new tails are written (possibly into slots just read), so every
 read of a slot precedes the next write to it. Model thread only (plan, finish).
 """
@@ -133,7 +133,6 @@ def gather_hidden(
     any later replay overwrites a graph's copy of them; the users' tails extended, completed or
     kept. digests[b]: the digest of row b's whole history; stored[b]: the host chunks row b's user
     holds (offloaded rows only: only chunks past them are gathered)."""
-    rows = [b for b in rows if b in plan.hidden_chunks]
     if not rows or plan.layer_inputs is None:
         return {}
     ct = chunk_tokens

@@ -80,9 +80,10 @@ def split_host_prefixes(
 
 def _hidden_flags(slots: list[int], slot_hidden: np.ndarray | None) -> tuple[bool, ...]:
     """Which of a user's host chunks hold hidden states (empty: none)."""
-    if slot_hidden is None or not slot_hidden.any():
+    if slot_hidden is None:
         return ()
-    return tuple(bool(h) for h in slot_hidden[slots])
+    flags = slot_hidden[slots]
+    return tuple(flags.tolist()) if flags.any() else ()
 
 
 def admitted(

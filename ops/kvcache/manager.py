@@ -64,12 +64,12 @@ from hstu.ops.kvcache.admission import FrequencyAdmission
 from hstu.ops.kvcache.batch import BatchPlan, PreparedBatch
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.handle import OnloadHandle
+from hstu.ops.kvcache.hidden_tier import HiddenTails, gather_hidden, keeps_layer_inputs
 from hstu.ops.kvcache.host_tier import Prefetcher, admitted, split_host_prefixes
 from hstu.ops.kvcache.layout import JaggedLayout
 from hstu.ops.kvcache.metadata import PadSpec, pack_layout
 from hstu.ops.kvcache.planner import CostModel, FixedSplit
 from hstu.ops.kvcache.stats import CacheStats
-from hstu.ops.kvcache.hidden_tier import HiddenTails, gather_hidden, keeps_layer_inputs
 from hstu.ops.kvcache.transfers import OffloadJob, TierTransfers
 
 logger = logging.getLogger(__name__)

@@ -8,10 +8,10 @@
   offload  a batch's newly full chunks: host slots reserved, all layers gathered in one op on the
            offload stream, copied into the slots, committed to the host index only after the copy
            completed (with the digest of the prefix they hold), then the users' GPU pins dropped.
-Under host_format "hidden" a chunk the batch computed whole (OffloadJob.hidden) is stored as its
-layers' input rows instead (store_hidden_chunks), and its onload copies those rows and rebuilds
-the layer's K/V from them on the onload stream (kv_rebuilder: the model's norm + K/V projection)
-before marking the layer ready; slot_hidden says which format each host slot holds.
+Under host_format "hidden" a chunk whose layer inputs the batch gathered (OffloadJob.hidden) is
+stored as those input rows instead (store_hidden_chunks), and its onload copies the rows and
+rebuilds the layer's K/V from them on the rebuild stream (kv_rebuilder: the model's norm + K/V
+projection) before marking the layer ready; slot_hidden says which format each host slot holds.
 Both fail open: a failed onload fails its handle (the engine recomputes those users), a failed
 offload drops the users' host copies. Index changes run under the manager's index lock, copies
 outside it.
@@ -192,50 +192,39 @@ class TierTransfers:
         )
 
     def _onload_layer(self, parts: _OnloadParts, layer: int) -> "torch.cuda.Stream | None":
-        """Enqueue one layer's onload: _copy_layer, then _rebuild_layer after the copies.
-        Returns the stream whose work so far completes the layer (None off CUDA: done on return)."""
-        rows = self._copy_layer(parts, layer)
-        if rows is None:
-            return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        return self._rebuild_layer(parts, layer, rows, self._compute_event())
-
-    def _copy_layer(self, parts: _OnloadParts, layer: int) -> torch.Tensor | None:
-        """Enqueue one layer's copies on the current (onload) stream: K/V chunks into their pages,
-        hidden-state chunks' rows into a new device tensor, returned (None: no hidden chunks)."""
+        """Enqueue one layer's onload: its copies on the current (onload) stream (K/V chunks into
+        their pages, hidden-state chunks' rows into a device tensor), then, on the rebuild stream
+        after them, the K/V of the hidden-state chunks (the layer's norm and K/V projection of those
+        rows) into their pages. Returns the stream whose work so far completes the layer (None off
+        CUDA: done on return)."""
+        copies = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if parts.kv_slots.numel():
             onload_kvcache(self.kv_pages, self.host_arena, parts.kv_slots, parts.kv_pages, layer)
         n = parts.hidden_slots.numel()
         if n == 0:
-            return None
+            return copies
         if self.kv_rebuilder is None or self.hidden_arena is None:
             raise RuntimeError("hidden-state host chunks to onload but no K/V rebuilder was given (rebuild_kv_with)")
         c = self.config
         rows = torch.empty((n, c.chunk_tokens, c.hidden_dim), dtype=self.kv_pages.dtype, device=self.kv_pages.device)
         onload_hidden(rows, self.hidden_arena, parts.hidden_slots, layer)
-        return rows
-
-    def _rebuild_layer(
-        self, parts: _OnloadParts, layer: int, rows: torch.Tensor, copied: "torch.cuda.Event | None"
-    ) -> "torch.cuda.Stream | None":
-        """Enqueue, on the rebuild stream after `copied` (the layer's copies), the K/V of its
-        hidden-state chunks (the layer's norm and K/V projection of `rows`) into their pages.
-        Returns the rebuild stream (None off CUDA: done on return)."""
-        c, n = self.config, parts.hidden_slots.numel()
         rebuild = self._rebuild_stream
         if rebuild is not None:
-            rebuild.wait_event(copied)  # this layer's copies (and the K/V chunks') landed
+            rebuild.wait_stream(copies)  # this layer's copies (and the K/V chunks') landed
             rows.record_stream(rebuild)  # allocated on the copy stream, read on this one
-        with torch.cuda.stream(rebuild), torch.inference_mode():  # (workers are not in the engine's mode)
+        with torch.cuda.stream(rebuild), torch.inference_mode():  # (the prefetch worker is not in the engine's mode)
             k, v = self.kv_rebuilder(layer, rows.view(n * c.chunk_tokens, c.hidden_dim))
             # one append kernel for K and V (views of the projection; index_copy_ into the strided
             # page halves took 0.26 ms of kernels a batch-1 forward on the H200)
             append_kvcache(self.kv_pages, k, v, parts.hidden_token_pages, parts.hidden_token_offsets, layer)
         return rebuild
 
-    def _onloaded_bytes(self, parts: _OnloadParts) -> int:
+    def _count_onload(self, parts: _OnloadParts) -> None:
+        """Count a completed onload's bytes (K/V pages and hidden-state chunks) and hidden chunks."""
         c = self.config
         kv = int(parts.kv_pages.numel()) * c.page_bytes * c.num_layers
-        return kv + int(parts.hidden_slots.numel()) * c.hidden_chunk_bytes
+        hidden = int(parts.hidden_slots.numel())
+        self.stats.add(bytes_onloaded=kv + hidden * c.hidden_chunk_bytes, hidden_chunks_onloaded=hidden)
 
     def _settle_onload(self, handle, users, parts: _OnloadParts | None, error: BaseException | None = None) -> None:
         """After onload_async enqueued the copies: wait for them, then drop the users' host pins and
@@ -248,7 +237,7 @@ class TierTransfers:
             if stream is not None:
                 stream.synchronize()
                 self._rebuild_stream.synchronize()
-            self.stats.add(bytes_onloaded=self._onloaded_bytes(parts), hidden_chunks_onloaded=int(parts.hidden_slots.numel()))
+            self._count_onload(parts)
         except BaseException as exc:  # fail-open: the batch recomputes these users
             error = exc
             logger.warning("onload of users %s failed: %s; they will be recomputed", users, exc)
@@ -289,7 +278,7 @@ class TierTransfers:
             if stream is not None:
                 stream.synchronize()
                 self._rebuild_stream.synchronize()
-            self.stats.add(bytes_onloaded=self._onloaded_bytes(parts), hidden_chunks_onloaded=int(parts.hidden_slots.numel()))
+            self._count_onload(parts)
             with self._index_lock:
                 self.gpu.commit(user, length, digest)
         except BaseException as exc:  # fail-open: the user's next request onloads or recomputes
