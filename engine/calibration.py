@@ -34,6 +34,7 @@ import numpy as np
 
 from hstu.model.batch import RankingRequest
 from hstu.ops.device_sync import sync
+from hstu.ops.kvcache.host_tier import prefilled_host_user
 from hstu.ops.kvcache.planner import (
     CostModel, FixedSplit, UserShape, front_tokens, layer_work, padded_rows, predict, predict_front,
 )
@@ -174,7 +175,7 @@ def measure_onload(engine, cost: CostModel, max_users: int = 8, repeats: int = 3
             if i:
                 onload.append(t_host)
                 resident.append(t_gpu)
-        predicted_host = predict([_host_shape(engine, host_tokens, n, candidates)] * b, [host_tokens] * b, cost,
+        predicted_host = predict([prefilled_host_user(kv, host_tokens, n, candidates)] * b, [host_tokens] * b, cost,
                                  kv.num_layers, engine.graph_buckets, kv.chunk_tokens)[0]
         predicted_gpu = predict([UserShape(0, gpu_tokens, n, candidates)] * b, [0] * b, cost, kv.num_layers,
                                 engine.graph_buckets)[0]
@@ -203,7 +204,7 @@ def measure_front(engine, cost: CostModel, max_users: int = 8, repeats: int = 3,
         return cost
     users, events, candidates, prefix_events, n, _, host_tokens = prefix
     split = FixedSplit(fraction)
-    shapes = [_host_shape(engine, host_tokens, n, candidates)] * users
+    shapes = [prefilled_host_user(kv, host_tokens, n, candidates)] * users
     onload = split.choose(shapes, kv.num_layers, kv.chunk_tokens).onload_tokens
     reused = host_tokens - front_tokens(host_tokens, onload[0], kv.chunk_tokens)
     rng = np.random.default_rng(2)
@@ -222,14 +223,6 @@ def measure_front(engine, cost: CostModel, max_users: int = 8, repeats: int = 3,
         cache.cost_model = previous
     predicted = predict_front(shapes, onload, cost, kv.num_layers, kv.chunk_tokens, engine.graph_buckets)[0]
     return dataclasses.replace(cost, front_s=max(0.0, statistics.median(times) - predicted))
-
-
-def _host_shape(engine, host_tokens: int, n: int, candidates: int) -> UserShape:
-    """A calibration user whose prefix of host_tokens is in the host tier: prefilled in one forward
-    and admitted, so under host_format "hidden" every chunk of it holds hidden states."""
-    kv = engine.cache.config
-    hidden = (True,) * (host_tokens // kv.chunk_tokens) if kv.host_format == "hidden" else ()
-    return UserShape(host_tokens, 0, n, candidates, hidden)
 
 
 def _time_batch(

@@ -13,7 +13,8 @@ from hstu.engine.engine import default_graph_buckets
 from hstu.model.batch import RankingRequest
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
-from hstu.ops.kvcache.planner import FixedSplit, UserShape, predict, predict_front
+from hstu.ops.kvcache.host_tier import prefilled_host_user
+from hstu.ops.kvcache.planner import FixedSplit, predict, predict_front
 from hstu.scripts.bench_shapes import BenchShape, make_requests
 from hstu.scripts.compare import compare_logits
 from hstu.scripts.timing import Timer, summarize
@@ -265,9 +266,7 @@ def split_sweep(e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: i
     times, reference = timer.measure(rank(e2e.uncached), e2e.fresh_full(full, state), warmup, repeats)
     uncached_ms = summarize(times)["median_ms"]
     out: dict[str, Any] = {"uncached_ms": uncached_ms, "splits": []}
-    # prefilled in one forward: under host_format "hidden" every chunk holds hidden states
-    hidden = (True,) * (cached // chunk) if mgr.config.host_format == "hidden" else ()
-    users = [UserShape(cached, 0, shape.history_tokens, shape.num_candidates, hidden)] * batch
+    users = [prefilled_host_user(mgr.config, cached, shape.history_tokens, shape.num_candidates)] * batch
     L = e2e.model_config.num_layers
     front = mgr.config.host_split == "compute_front"
     for f in SPLIT_FRACTIONS:

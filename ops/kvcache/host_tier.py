@@ -78,6 +78,14 @@ def split_host_prefixes(
     return unpin
 
 
+def prefilled_host_user(config: KVCacheConfig, host_tokens: int, history_tokens: int, candidates: int) -> UserShape:
+    """The planner's shape of a user whose host prefix of host_tokens was computed in one forward
+    and offloaded (an admitted user: a benchmark's or the calibration's), so under host_format
+    "hidden" every chunk of it holds hidden states."""
+    hidden = (True,) * (host_tokens // config.chunk_tokens) if config.host_format == "hidden" else ()
+    return UserShape(host_tokens, 0, history_tokens, candidates, hidden)
+
+
 def _hidden_flags(slots: list[int], slot_hidden: np.ndarray | None) -> tuple[bool, ...]:
     """Which of a user's host chunks hold hidden states (empty: none)."""
     if slot_hidden is None:
