@@ -123,8 +123,9 @@ REFERENCE=0 SERVE_ARGS=--engine-process stage rest_engine 240 bash scripts/gpu_r
 # two and three HTTP front ends before the one engine process (issue 18: the front end's loop was the limit)
 REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 2" stage rest_front2 200 bash scripts/gpu_rest.sh "$OUT/rest_front2"
 REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 3 --parse-processes 2" stage rest_front3 200 bash scripts/gpu_rest.sh "$OUT/rest_front3"
-# two front ends and the engine process launching on its loop's thread (model_on_loop; compare with rest_front2)
-REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 2 --model-on-loop" stage rest_loop2 200 bash scripts/gpu_rest.sh "$OUT/rest_loop2"
+# two front ends and the engine process launching on a model thread of its own (before model_on_loop became its
+# default; compare with rest_front2)
+REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--front-ends 2 --no-model-on-loop" stage rest_thread2 200 bash scripts/gpu_rest.sh "$OUT/rest_thread2"
 # issue 18 on this machine's host CPU: the engine process's own work per request (forward stubbed), thread vs loop
 stage engine_process 120 python3 -m hstu.scripts.bench_engine_process --out "$OUT/engine_process.json"
 # issue 12: the model thread's host phases without the forward (compare with "profile"'s, which include launches)

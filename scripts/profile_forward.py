@@ -229,6 +229,7 @@ def device_profile(engine, shape, batch, n, device, rerank=False, cold=False, tr
 
     busy, wall = 0.0, 0.0
     by_kernel: dict[str, float] = {}
+    by_runtime: dict[str, list[float]] = {}  # CUDA runtime/driver calls on the host: [ms, calls]
     timeline: dict = {}
     for requests in _forwards(engine, shape, batch, n, device, rerank, cold):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -240,6 +241,11 @@ def device_profile(engine, shape, batch, n, device, rerank=False, cold=False, tr
         for e in events:
             by_kernel[e.name] = by_kernel.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
         busy += kernel_busy_us(events) / 1e3
+        for e in prof.events():
+            if e.device_type != torch.autograd.DeviceType.CUDA and e.name.startswith("cu"):
+                total = by_runtime.setdefault(e.name, [0.0, 0])
+                total[0] += (e.time_range.end - e.time_range.start) / 1e3
+                total[1] += 1
         timeline = stream_timeline(events)
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
@@ -255,6 +261,12 @@ def device_profile(engine, shape, batch, n, device, rerank=False, cold=False, tr
         "wall_ms_per_forward": wall / n * 1e3,
         "gpu_busy_share": busy / wall / 1e3,
         "top_kernels": [{"kernel": name[:120], "ms_per_forward": ms / n} for name, ms in top],
+        # host time inside CUDA calls (launches, syncs, allocations, event waits): where a model
+        # thread's time goes that no Python function owns
+        "top_runtime_calls": [
+            {"call": name, "ms_per_forward": ms / n, "calls_per_forward": calls / n}
+            for name, (ms, calls) in sorted(by_runtime.items(), key=lambda kv: kv[1][0], reverse=True)[:8]
+        ],
     }
 
 
@@ -329,6 +341,12 @@ def format_table(doc: dict, batches: list[int]) -> str:
         if kernels:
             rows = [["kernel", "device ms per forward"]] + [[k["kernel"][:80], f"{k['ms_per_forward']:.3f}"] for k in kernels]
             parts.append(f"batch {batch}, top kernels:\n" + report.format_table(rows))
+        calls = doc[str(batch)]["device"].get("top_runtime_calls")
+        if calls:
+            rows = [["CUDA call (host)", "ms per forward", "calls per forward"]] + [
+                [c["call"][:60], f"{c['ms_per_forward']:.3f}", f"{c['calls_per_forward']:.1f}"] for c in calls
+            ]
+            parts.append(f"batch {batch}, host time in CUDA calls:\n" + report.format_table(rows))
     return "\n\n".join(parts)
 
 

@@ -99,9 +99,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="run each batch's prepare job (pages, metadata) on a worker thread, not on the model thread (an experiment)",
     )
     p.add_argument(
-        "--model-on-loop", action="store_true", default=None,
+        "--model-on-loop", action=argparse.BooleanOptionalAction, default=None,
         help="with the engine process: launch batches on its event loop's thread, not a model thread of its own "
-        "(no GIL hand-offs between them; an experiment)",
+        "(no GIL hand-offs between them; default: on with the engine process)",
     )
     p.add_argument(
         "--engine-process", action=argparse.BooleanOptionalAction, default=None,

@@ -109,13 +109,14 @@ class ServerSettings:
     # KVCacheConfig.prepare_worker: each batch's prepare job on a worker thread (an experiment knob)
     prepare_worker: bool = False
     # The engine process launches each batch on its event loop's thread instead of a model thread
-    # of its own (Batcher inline). Why: on the H200, with two front ends feeding it, the engine
-    # process's model thread took 3.75-4.85 ms a batch against 1.75 ms in process (RESULTS.md, run
-    # BE): its loop, pipe readers and senders took the GIL from it between torch calls. On the loop's
-    # thread the launch and the loop's own work no longer pass the GIL to each other, and the loop
-    # reads the pipes itself (no reader threads). Needs
-    # engine_process (in one process it would stall HTTP during every launch); not yet measured.
-    model_on_loop: bool = False
+    # of its own (Batcher inline; None: on whenever engine_process is). Why: on the H200, with two
+    # front ends feeding it, the engine process's model thread took 3.75-4.85 ms a batch against
+    # 1.75 ms in process (RESULTS.md, run BE): its loop, pipe readers and senders took the GIL from
+    # it between torch calls. On the loop's thread the launch and the loop's own work no longer pass
+    # the GIL to each other, and the loop reads the pipes itself (no reader threads): 1,217
+    # requests/s against 733-762 with a model thread, same call (run CD). Needs engine_process (in
+    # one process it would stall HTTP during every launch).
+    model_on_loop: bool | None = None
     # KVCacheConfig.host_split: which end of a host-tier prefix the planner onloads (load_front measured)
     host_split: str = "load_front"
     # KVCacheConfig.host_format: host chunks as K/V pages or, computed whole, as layer inputs (hidden)
@@ -127,6 +128,8 @@ class ServerSettings:
             object.__setattr__(self, "planner", cuda)
         if self.engine_process is None:
             object.__setattr__(self, "engine_process", cuda)
+        if self.model_on_loop is None:
+            object.__setattr__(self, "model_on_loop", bool(self.engine_process))
         if self.parse_processes is None:
             object.__setattr__(self, "parse_processes", _CUDA_PARSE_PROCESSES if cuda else 0)
         if self.front_ends < 1:

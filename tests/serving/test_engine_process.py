@@ -200,11 +200,13 @@ def test_the_loop_reads_a_pipe_itself_in_order_until_its_end():
     assert got == [("ready", "abc"), ("bad",), ("done", 5), ("done", 6), None]
 
 
-def test_model_on_loop_needs_the_engine_process_and_comes_from_its_flag():
+def test_model_on_loop_needs_the_engine_process_and_is_on_with_it_by_default():
     from hstu.serving.cli import settings_from_args
     from tests.serving.test_cli import parse
 
     with pytest.raises(ValueError, match="model_on_loop runs batches on the engine process's event loop"):
         ServerSettings(model_on_loop=True, engine_process=False)
     assert settings_from_args(parse(["serve", "--engine-process", "--model-on-loop"]), env={}).model_on_loop
-    assert not settings_from_args(parse(["serve", "--engine-process"]), env={}).model_on_loop
+    assert settings_from_args(parse(["serve", "--engine-process"]), env={}).model_on_loop
+    assert not settings_from_args(parse(["serve", "--engine-process", "--no-model-on-loop"]), env={}).model_on_loop
+    assert not settings_from_args(parse(["serve", "--no-engine-process"]), env={}).model_on_loop
