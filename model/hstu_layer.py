@@ -42,31 +42,20 @@ class HSTULayer(nn.Module):
 
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, D] -> k [T, H, d_qk], v [T, H, d_v]: project()'s keys and values alone, from the
-        layer's input. The host tier's hidden-state chunks are rebuilt into K/V this way: one
-        matmul over the v and k rows of uvqk's weight (half of project()'s), few kernels, since a
-        batch enqueues one rebuild per layer; k and v are views of its output."""
+        layer's input (half of its matmul). The host tier's hidden-state chunks are rebuilt into
+        K/V this way. Two matmuls over views of uvqk's v and k rows, not one over a copy of them:
+        the rebuild is captured in CUDA graphs (ops/kvcache/rebuild_graphs.py) that must read the
+        live weights, which load_state_dict updates in place."""
         H, dv, dqk = self.num_heads, self.d_v, self.d_qk
-        w, b = self._kv_projection()
-        vk = F.linear(self.input_norm(x), w, b)
-        if not self.meta_stu:
-            vk = F.silu(vk, inplace=True)
-        T = x.shape[0]
-        return vk[:, H * dv :].reshape(T, H, dqk), vk[:, : H * dv].reshape(T, H, dv)
-
-    def _kv_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """uvqk's v and k rows (weight [H*(d_v + d_qk), D], bias), copied together once and again
-        whenever uvqk's parameters change (their version counters: load_state_dict copies in place)."""
+        h = self.input_norm(x)
         w, b = self.uvqk.weight, self.uvqk.bias
-        key = (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
-        cached = getattr(self, "_kv_cache", None)
-        if cached is None or cached[0] != key:
-            H, dv, dqk = self.num_heads, self.d_v, self.d_qk
-            rows = torch.cat([torch.arange(H * dv, 2 * H * dv), torch.arange(2 * H * dv + H * dqk, 2 * H * dv + 2 * H * dqk)])
-            with torch.no_grad():
-                rows = rows.to(w.device)
-                cached = (key, w.index_select(0, rows), None if b is None else b.index_select(0, rows))
-            self._kv_cache = cached
-        return cached[1], cached[2]
+        v_rows, k_rows = slice(H * dv, 2 * H * dv), slice(2 * H * dv + H * dqk, 2 * H * dv + 2 * H * dqk)
+        v = F.linear(h, w[v_rows], None if b is None else b[v_rows])
+        k = F.linear(h, w[k_rows], None if b is None else b[k_rows])
+        if not self.meta_stu:
+            v, k = F.silu(v, inplace=True), F.silu(k, inplace=True)
+        T = x.shape[0]
+        return k.view(T, H, dqk), v.view(T, H, dv)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Residual output from attention [T, H, d_v] and gate u."""

@@ -42,6 +42,7 @@ from hstu.ops.kv_ops import (
 from hstu.ops.kvcache.admission import ByteBudget
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.handle import OnloadHandle
+from hstu.ops.kvcache.rebuild_graphs import RebuildGraphs
 from hstu.ops.kvcache.stats import CacheStats
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,9 @@ class _OnloadParts:
     hidden_slots: torch.Tensor
     hidden_token_pages: torch.Tensor | None  # int32 per token of the hidden chunks: its page ...
     hidden_token_offsets: torch.Tensor | None  # ... and its offset in the page
+    # the rebuild graphs' bucket when they rebuild the hidden chunks (the token index is then
+    # theirs, written once per onload; the two tensors above are None)
+    graph_bucket: int | None = None
 
 
 class TierTransfers:
@@ -120,6 +124,10 @@ class TierTransfers:
         self.hidden_arena: torch.Tensor | None = None
         self.slot_hidden = np.zeros(host_arena.shape[0], dtype=bool)
         self.kv_rebuilder: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.rebuild_graphs: RebuildGraphs | None = None  # capture_rebuilds (CUDA graphs of the rebuild)
+        # One onload's enqueue at a time (the model thread's and the prefetch worker's): the rebuild
+        # graphs' static buffers are written per onload.
+        self._enqueue_lock = threading.Lock()
         if config.host_format == "hidden" and host_arena.shape[0] > 0:
             c = config
             self.hidden_arena = host_arena.view(host_arena.shape[0], -1)[
@@ -137,6 +145,18 @@ class TierTransfers:
         self._offload_stream = torch.cuda.Stream(device) if cuda else None
         self._offloads: dict[int, Future] = {}
         self._offloads_lock = threading.Lock()
+
+    def capture_rebuilds(self, max_chunks: int, scratch_page: int, capture: bool = True) -> None:
+        """host_format "hidden": rebuild onloads of up to max_chunks hidden chunks through
+        RebuildGraphs (CUDA graphs when capture; else the same static buffers, eagerly)."""
+        if self.kv_rebuilder is None or self.hidden_arena is None:
+            raise RuntimeError("rebuild graphs need the hidden host format and a K/V rebuilder (rebuild_kv_with)")
+        c = self.config
+        with self._enqueue_lock:
+            self.rebuild_graphs = RebuildGraphs(
+                self.kv_rebuilder, self.kv_pages, c.num_layers, c.chunk_tokens, c.hidden_dim, max_chunks,
+                scratch_page, self._rebuild_stream, capture,
+            )
 
     # ----------------------------------------------------------------- onload
     def onload_async(
@@ -165,7 +185,7 @@ class TierTransfers:
         error: BaseException | None = None
         parts = None
         try:
-            with torch.cuda.stream(stream):  # a no-op for None (CPU)
+            with self._enqueue_lock, torch.cuda.stream(stream):  # a no-op for None (CPU)
                 if stream is not None and compute_done is not None:
                     stream.wait_event(compute_done)
                 parts = self._by_format(slot_ids, page_ids)
@@ -178,18 +198,30 @@ class TierTransfers:
         self._onload_pool.submit(self._settle_onload, handle, users, parts, error)
 
     def _by_format(self, slot_ids: torch.Tensor, page_ids: torch.Tensor) -> _OnloadParts:
-        """Split an onload's chunks by the format their slots hold."""
+        """Split an onload's chunks by the format their slots hold. Hidden chunks that a rebuild
+        graph bucket holds get their token index written into the graphs' buffer, on the rebuild
+        stream, and the copy (current) stream waits for the rebuilds enqueued before (they may
+        still read the rows these copies overwrite)."""
         hidden = self.slot_hidden[slot_ids.numpy()] if slot_ids.numel() else np.zeros(0, dtype=bool)
         if not hidden.any():
             return _OnloadParts(slot_ids, page_ids, slot_ids[:0], None, None)
         ps = self.config.page_size
         pages = page_ids.numpy()[hidden].reshape(-1)
-        tokens = np.stack([np.repeat(pages, ps), np.tile(np.arange(ps, dtype=np.int32), len(pages))]).astype(np.int32)
-        on_device = upload(tokens, self.kv_pages.device)
+        token_pages = np.repeat(pages, ps).astype(np.int32)
+        token_offsets = np.tile(np.arange(ps, dtype=np.int32), len(pages))
         mask = torch.from_numpy(hidden)
-        return _OnloadParts(
-            slot_ids[~mask].contiguous(), page_ids[~mask].contiguous(), slot_ids[mask].contiguous(), on_device[0], on_device[1]
-        )
+        kv_slots, kv_pages, hidden_slots = slot_ids[~mask].contiguous(), page_ids[~mask].contiguous(), slot_ids[mask].contiguous()
+        graphs = self.rebuild_graphs
+        bucket = graphs.bucket(int(hidden.sum())) if graphs is not None else None
+        if bucket is None:
+            on_device = upload(np.stack([token_pages, token_offsets]), self.kv_pages.device)
+            return _OnloadParts(kv_slots, kv_pages, hidden_slots, on_device[0], on_device[1])
+        rebuild = self._rebuild_stream
+        if rebuild is not None:
+            torch.cuda.current_stream(self.device).wait_stream(rebuild)
+        with torch.cuda.stream(rebuild):
+            graphs.set_tokens(token_pages, token_offsets, bucket)
+        return _OnloadParts(kv_slots, kv_pages, hidden_slots, None, None, bucket)
 
     def _onload_layer(self, parts: _OnloadParts, layer: int) -> "torch.cuda.Stream | None":
         """Enqueue one layer's onload: its copies on the current (onload) stream (K/V chunks into
@@ -206,9 +238,16 @@ class TierTransfers:
         if self.kv_rebuilder is None or self.hidden_arena is None:
             raise RuntimeError("hidden-state host chunks to onload but no K/V rebuilder was given (rebuild_kv_with)")
         c = self.config
+        rebuild = self._rebuild_stream
+        if parts.graph_bucket is not None:  # into the graphs' static rows, rebuilt by one replay
+            onload_hidden(self.rebuild_graphs.rows_for(layer, n), self.hidden_arena, parts.hidden_slots, layer)
+            if rebuild is not None:
+                rebuild.wait_stream(copies)
+            with torch.cuda.stream(rebuild):
+                self.rebuild_graphs.replay(layer, parts.graph_bucket)
+            return rebuild
         rows = torch.empty((n, c.chunk_tokens, c.hidden_dim), dtype=self.kv_pages.dtype, device=self.kv_pages.device)
         onload_hidden(rows, self.hidden_arena, parts.hidden_slots, layer)
-        rebuild = self._rebuild_stream
         if rebuild is not None:
             rebuild.wait_stream(copies)  # this layer's copies (and the K/V chunks') landed
             rows.record_stream(rebuild)  # allocated on the copy stream, read on this one
@@ -269,7 +308,7 @@ class TierTransfers:
     def _prefetch(self, user, slot_ids, page_ids, length, digest, compute_done) -> None:
         stream = self._onload_stream
         try:
-            with torch.cuda.stream(stream):
+            with self._enqueue_lock, torch.cuda.stream(stream):
                 if stream is not None:
                     stream.wait_event(compute_done)
                 parts = self._by_format(slot_ids, page_ids)

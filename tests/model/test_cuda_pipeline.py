@@ -173,4 +173,29 @@ def test_pipelined_batches_with_eviction_and_prefetch_match_no_cache(cuda_graphs
         logits = torch.cat([o.logits for o in outputs]).cuda()
         assert rel_err(logits, engine.forward_no_cache(reqs)) < 1e-5
     assert stats["gpu_evictions"] > 0 and stats["host_hits"] > 0, stats
+    if cuda_graphs and host_format == "hidden":  # the onloads' rebuilds replayed their CUDA graphs
+        assert engine.cache.transfers.rebuild_graphs.replays > 0
+    engine.close()
+
+
+def test_captured_rebuilds_follow_weights_loaded_after_capture():
+    """The rebuild graphs read the live uvqk weights (views): after load_state_dict (in place) an
+    onloaded hidden chunk is rebuilt with the new weights, so answers still equal the no-cache model's."""
+    cfg = cuda_pipeline_model("float32")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=160, chunk_tokens=32, host_capacity_bytes=64 << 20,
+                                 host_format="hidden")
+    engine = RankingEngine(InferenceRankingGR(cfg, device="cuda"), AsyncKVCacheManager(kv, device="cuda"))
+    engine.enable_cuda_graphs(max_batch=2, buckets=(256,))
+    engine.model.load_state_dict(InferenceRankingGR(cfg, device="cuda").state_dict())  # other weights, same tensors
+    book = HistoryBook(cfg, seed=9)
+    first = [book.request(u, 40, 16) for u in (0, 1)]  # 82 tokens each: two hidden chunks
+    engine.rank(first)
+    engine.cache.drain()
+    engine.cache.evict_gpu([0, 1])
+    batch = [book.request(u, 3, 16) for u in (0, 1)]
+    out = engine.rank(batch)
+    assert rel_err(torch.cat([o.logits for o in out]).cuda(), engine.forward_no_cache(batch)) < 1e-5
+    stats = engine.cache.stats.snapshot()
+    assert stats["hidden_chunks_onloaded"] == 4 and engine.cache.transfers.rebuild_graphs.replays == cfg.num_layers
     engine.close()

@@ -28,7 +28,8 @@ def test_project_kv_equals_the_projections_keys_and_values(variant):
 
 
 def test_project_kv_follows_new_weights():
-    """load_state_dict copies into the parameters in place: the cached v/k rows follow."""
+    """load_state_dict copies into the parameters in place: project_kv reads views of them (the
+    rebuild graphs capture those views), so it follows."""
     torch.manual_seed(1)
     block = HSTUBlock(TINY)
     x = torch.randn(4, TINY.embedding_dim)

@@ -6,6 +6,7 @@ at hidden_dim values a token and layer, and chunks a batch did not compute whole
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.ops.kvcache.planner import FixedSplit
+from hstu.ops.kvcache.rebuild_graphs import RebuildGraphs, chunk_buckets
 
 
 def _engine(config, onload_fault=None, **kv) -> RankingEngine:
@@ -203,6 +205,7 @@ def test_graph_buckets_keep_layer_inputs_for_the_hidden_chunks(tiny_config, book
     mgr.evict_gpu([1, 2, 3])
     _check(engine, [book.request(u, 1) for u in (1, 2, 3)])
     assert mgr.stats.snapshot()["hidden_chunks_onloaded"] == 10
+    assert mgr.transfers.rebuild_graphs.replays == tiny_config.num_layers  # one onload, rebuilt by its bucket
     engine.close()
 
 
@@ -250,4 +253,45 @@ def test_the_planner_prices_a_users_hidden_chunks_from_their_slots(tiny_config, 
     _check(engine, [book.request(1, 2)])
     onloaded = mgr.stats.snapshot()["tokens_onloaded"]
     assert (onloaded > 0) == (host_format == "hidden"), onloaded
+    engine.close()
+
+
+def test_rebuild_buckets_are_powers_of_two_up_to_the_most_chunks():
+    assert chunk_buckets(1) == (1,)
+    assert chunk_buckets(8) == (1, 2, 4, 8)
+    assert chunk_buckets(20) == (1, 2, 4, 8, 16, 20)
+
+
+def test_rebuild_token_index_pads_the_bucket_with_the_scratch_page(tiny_config):
+    graphs = RebuildGraphs(lambda layer, x: (x, x), torch.zeros(2, 9, 2, 4, 1, 1), num_layers=2, chunk_tokens=4,
+                           hidden_dim=1, max_chunks=4, scratch_page=8, stream=None, capture=False)
+    assert graphs.bucket(3) == 4 and graphs.bucket(5) is None
+    graphs.set_tokens(np.array([5] * 4 + [6] * 4, dtype=np.int32), np.tile(np.arange(4, dtype=np.int32), 2), bucket=4)
+    assert graphs.token_index[0].tolist() == [5] * 4 + [6] * 4 + [8] * 8
+    assert graphs.token_index[1].tolist() == [0, 1, 2, 3] * 2 + [0] * 8
+
+
+@pytest.mark.parametrize("max_chunks", [2, 16], ids=["some onloads too large for the graphs", "all in the graphs"])
+def test_rebuilds_through_the_graph_buffers_match_the_no_cache_model(tiny_config, book, max_chunks):
+    """The rebuild graphs' static path (uncaptured on CPU): rows copied into the bucket's buffer,
+    padded rows appended to nowhere (the scratch page, skipped), onloads past the largest bucket
+    rebuilt eagerly; with evictions, prefetches and several users a batch, every answer equals the
+    no-cache model's."""
+    engine = _engine(tiny_config, num_pages=96)
+    mgr = engine.cache
+    mgr.capture_rebuild_graphs(max_chunks, capture=False)
+    users = list(range(12))
+    for step, batch in enumerate(
+        book.random_batches(seed=5, rounds=30, num_users=12, max_users=4, new_events=(1, 6), candidates=(1, 5))
+    ):
+        _check(engine, batch)
+        if step % 4 == 1:  # every user back to the host tier only; some prefetched again
+            mgr.drain()
+            mgr.evict_gpu(users)
+            if step % 8 == 5:
+                engine.prefetch(users[:3])
+    mgr.drain()
+    stats = mgr.stats.snapshot()
+    assert stats["hidden_chunks_onloaded"] > 0 and stats["prefetch_hits"] > 0 and stats["onload_failures"] == 0
+    assert mgr.transfers.rebuild_graphs.replays > 0
     engine.close()
