@@ -172,11 +172,17 @@ class AsyncKVCacheManager:
         onloaded. Until it is given, every chunk is offloaded as K/V."""
         self.transfers.kv_rebuilder = kv_from_hidden
 
-    def capture_rebuild_graphs(self, max_chunks: int, capture: bool = True) -> None:
+    def capture_rebuild_graphs(self, max_chunks: int, capture: bool = True) -> bool:
         """host_format "hidden": rebuild onloaded hidden chunks (up to max_chunks an onload) by CUDA
         graph replays, one a layer, instead of a dozen eager torch calls a layer on the model thread
-        (ops/kvcache/rebuild_graphs.py); capture=False: the same static buffers, eagerly."""
-        self.transfers.capture_rebuilds(max_chunks, self.scratch_page, capture)
+        (ops/kvcache/rebuild_graphs.py); capture=False: the same static buffers, eagerly. Returns
+        False, capturing nothing, when no hidden chunk can be onloaded (another format, no host
+        tier, no K/V rebuilder)."""
+        t = self.transfers
+        if self.config.host_format != "hidden" or t.hidden_arena is None or t.kv_rebuilder is None:
+            return False
+        t.capture_rebuilds(max_chunks, self.scratch_page, capture)
+        return True
 
     def _hidden_chunks(self, plan: BatchPlan) -> dict[int, tuple[int, int]]:
         """host_format "hidden": the batch rows whose layer inputs the forward keeps (hidden_tier.py)."""

@@ -295,3 +295,14 @@ def test_rebuilds_through_the_graph_buffers_match_the_no_cache_model(tiny_config
     assert stats["hidden_chunks_onloaded"] > 0 and stats["prefetch_hits"] > 0 and stats["onload_failures"] == 0
     assert mgr.transfers.rebuild_graphs.replays > 0
     engine.close()
+
+
+def test_graphs_without_a_host_tier_capture_no_rebuild(tiny_config, book):
+    """The replay's uncached pass: host_format "hidden" but no host tier, so no hidden chunk is ever
+    onloaded and enable_cuda_graphs captures no rebuild (it used to raise, on the H200, run CG)."""
+    engine = _engine(tiny_config, num_pages=256, host_capacity_bytes=0)
+    engine.enable_cuda_graphs(max_batch=2, buckets=(64,), capture=False)
+    assert engine.cache.transfers.rebuild_graphs is None
+    assert not engine.cache.capture_rebuild_graphs(4, capture=False)
+    _check(engine, [book.request(1, 12), book.request(2, 3)])
+    engine.close()
