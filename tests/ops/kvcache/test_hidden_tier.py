@@ -306,3 +306,31 @@ def test_graphs_without_a_host_tier_capture_no_rebuild(tiny_config, book):
     assert not engine.cache.capture_rebuild_graphs(4, capture=False)
     _check(engine, [book.request(1, 12), book.request(2, 3)])
     engine.close()
+
+
+def test_an_onload_failing_after_some_graph_rebuilds_recomputes_and_the_next_onload_is_right(tiny_config, book):
+    """A fault at layer 1 after layer 0's rebuild went through the graph buffers: the batch
+    recomputes the user; the user's next onload (fault gone) rewrites the token index and rows and
+    answers like the no-cache model."""
+    faults = {"on": True}
+
+    def fail_second_layer(users, layer):
+        if faults["on"] and layer == 1:
+            raise RuntimeError("injected onload failure")
+
+    engine = _engine(tiny_config, onload_fault=fail_second_layer)
+    mgr = engine.cache
+    mgr.capture_rebuild_graphs(8, capture=False)
+    _check(engine, [book.request(1, 12), book.request(2, 15)])
+    mgr.drain()
+    mgr.evict_gpu([1, 2])
+    out = _check(engine, [book.request(1, 2)])
+    assert out[0].cached_tokens == 0 and mgr.stats.snapshot()["onload_failures"] == 1
+    faults["on"] = False
+    mgr.drain()
+    mgr.evict_gpu([1])
+    out = _check(engine, [book.request(1, 1), book.request(2, 1)])
+    assert [o.cached_tokens for o in out] == [24, 32]
+    mgr.drain()
+    assert mgr.host.pin_count(1) == 0 and mgr.gpu.pin_count(2) == 0
+    engine.close()
