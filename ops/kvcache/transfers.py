@@ -142,6 +142,7 @@ class TierTransfers:
         # layer's copies, so the onload stream's copies of the next layers go on meanwhile (on one
         # stream each copy would wait for the rebuild before it, leaving the link idle).
         self._rebuild_stream = torch.cuda.Stream(device) if cuda else None
+        self._copied = [torch.cuda.Event() for _ in range(config.num_layers)] if cuda else []  # _rebuild_waits_for_copies
         self._offload_stream = torch.cuda.Stream(device) if cuda else None
         self._offloads: dict[int, Future] = {}
         self._offloads_lock = threading.Lock()
@@ -202,15 +203,16 @@ class TierTransfers:
         graph bucket holds get their token index written into the graphs' buffer, on the rebuild
         stream, and the copy (current) stream waits for the rebuilds enqueued before (they may
         still read the rows these copies overwrite)."""
-        hidden = self.slot_hidden[slot_ids.numpy()] if slot_ids.numel() else np.zeros(0, dtype=bool)
+        slots, rows = slot_ids.numpy(), page_ids.numpy()
+        hidden = self.slot_hidden[slots] if slots.size else np.zeros(0, dtype=bool)
         if not hidden.any():
             return _OnloadParts(slot_ids, page_ids, slot_ids[:0], None, None)
         ps = self.config.page_size
-        pages = page_ids.numpy()[hidden].reshape(-1)
+        pages = rows[hidden].reshape(-1)
         token_pages = np.repeat(pages, ps).astype(np.int32)
         token_offsets = np.tile(np.arange(ps, dtype=np.int32), len(pages))
-        mask = torch.from_numpy(hidden)
-        kv_slots, kv_pages, hidden_slots = slot_ids[~mask].contiguous(), page_ids[~mask].contiguous(), slot_ids[mask].contiguous()
+        kv = ~hidden  # split in numpy (torch's boolean indexing took twice as long on the host)
+        kv_slots, kv_pages, hidden_slots = (torch.from_numpy(a) for a in (slots[kv], rows[kv], slots[hidden]))
         graphs = self.rebuild_graphs
         bucket = graphs.bucket(int(hidden.sum())) if graphs is not None else None
         if bucket is None:
@@ -242,14 +244,14 @@ class TierTransfers:
         if parts.graph_bucket is not None:  # into the graphs' static rows, rebuilt by one replay
             onload_hidden(self.rebuild_graphs.rows_for(layer, n), self.hidden_arena, parts.hidden_slots, layer)
             if rebuild is not None:
-                rebuild.wait_stream(copies)
+                self._rebuild_waits_for_copies(layer, copies)
             with torch.cuda.stream(rebuild):
                 self.rebuild_graphs.replay(layer, parts.graph_bucket)
             return rebuild
         rows = torch.empty((n, c.chunk_tokens, c.hidden_dim), dtype=self.kv_pages.dtype, device=self.kv_pages.device)
         onload_hidden(rows, self.hidden_arena, parts.hidden_slots, layer)
         if rebuild is not None:
-            rebuild.wait_stream(copies)  # this layer's copies (and the K/V chunks') landed
+            self._rebuild_waits_for_copies(layer, copies)  # this layer's copies (and the K/V chunks') landed
             rows.record_stream(rebuild)  # allocated on the copy stream, read on this one
         with torch.cuda.stream(rebuild), torch.inference_mode():  # (the prefetch worker is not in the engine's mode)
             k, v = self.kv_rebuilder(layer, rows.view(n * c.chunk_tokens, c.hidden_dim))
@@ -257,6 +259,14 @@ class TierTransfers:
             # page halves took 0.26 ms of kernels a batch-1 forward on the H200)
             append_kvcache(self.kv_pages, k, v, parts.hidden_token_pages, parts.hidden_token_offsets, layer)
         return rebuild
+
+    def _rebuild_waits_for_copies(self, layer: int, copies: "torch.cuda.Stream") -> None:
+        """The rebuild stream waits for the copies enqueued so far, through one event per layer
+        made once (wait_stream makes and destroys an event a call). Recording it again later is
+        safe: a wait takes the record current at its call. The caller holds _enqueue_lock."""
+        event = self._copied[layer]
+        event.record(copies)
+        self._rebuild_stream.wait_event(event)
 
     def _count_onload(self, parts: _OnloadParts) -> None:
         """Count a completed onload's bytes (K/V pages and hidden-state chunks) and hidden chunks."""
