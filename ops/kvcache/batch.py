@@ -30,7 +30,9 @@ class PreparedBatch:
     # candidates), packed like `metadata`; None when no user recomputes a front.
     front_metadata: KVCacheMetadata | PackedMetadata | None = None
     # Enqueues the host->GPU copies (TierTransfers.onload_async); None once started (or nothing to onload).
-    _start_onload: Callable[..., None] | None = field(default=None, repr=False)
+    _start_onload: Callable[..., Callable[[int], None]] | None = field(default=None, repr=False)
+    # What it returned: enqueues the hidden-state chunks' rebuilds of the layers up to the one given.
+    _through: Callable[[int], None] | None = field(default=None, repr=False)
 
     def start_onload(self, after: "torch.cuda.Event | None" = None) -> None:
         """Enqueue the copies, once, from the model thread after the batch's own
@@ -42,13 +44,22 @@ class PreparedBatch:
         TierTransfers.onload_async)."""
         start, self._start_onload = self._start_onload, None
         if start is not None:
-            start(after=after)
+            self._through = start(after=after)
 
     def ready(self, layer: int) -> None:
         """Block hook: order the compute stream after layer's onload (raises on timeout); the
-        first call starts the onload."""
+        first call starts the onload, and each enqueues the rebuilds up to its layer."""
         self.start_onload()
+        if self._through is not None:
+            self._through(layer)
         self.handle.wait(layer)
+
+    def enqueue_onload(self) -> None:
+        """Start the onload and enqueue every layer's part of it, so that it settles (finish and
+        abort, before waiting for it: a forward that never asked for some layer)."""
+        self.start_onload()
+        if self._through is not None:
+            self._through(self.handle.num_layers - 1)
 
 
 @dataclass

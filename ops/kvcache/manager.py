@@ -445,7 +445,7 @@ class AsyncKVCacheManager:
         stream, host commit once the copy completed, then unpin), and return the users whose
         onload failed, which the caller must recompute."""
         prepared = self.wait(plan)
-        prepared.start_onload()  # (a forward that never asked for a layer: the copies still run)
+        prepared.enqueue_onload()  # (a forward that never asked for a layer: the copies still run)
         handle = prepared.handle
         handle.wait_done()
         failed = sorted(prepared.onload_users) if handle.failed else []
@@ -508,7 +508,7 @@ class AsyncKVCacheManager:
         except BaseException:  # prepare failed: it released its own pins
             return
         try:
-            prepared.start_onload()  # its worker drops the host pins; the pages stay reserved until it is done
+            prepared.enqueue_onload()  # its worker drops the host pins; the pages stay reserved until it is done
             prepared.handle.wait_done()
         finally:
             with self._index_lock:

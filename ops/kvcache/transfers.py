@@ -19,11 +19,12 @@ outside it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -95,6 +96,21 @@ class _OnloadParts:
     # the rebuild graphs' bucket when they rebuild the hidden chunks (the token index is then
     # theirs, written once per onload; the two tensors above are None)
     graph_bucket: int | None = None
+    # without the graphs: each layer's copied rows until its rebuild is enqueued
+    rows: dict[int, torch.Tensor | None] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _PendingOnload:
+    """A batch's onload from its copies' enqueue until the worker settles it: the layers whose
+    rebuilds are enqueued (next_layer), its first error, and whether it went to the worker."""
+
+    handle: OnloadHandle
+    users: list[int]
+    parts: _OnloadParts | None = None
+    next_layer: int = 0
+    error: BaseException | None = None
+    settling: bool = False
 
 
 class TierTransfers:
@@ -142,7 +158,10 @@ class TierTransfers:
         # layer's copies, so the onload stream's copies of the next layers go on meanwhile (on one
         # stream each copy would wait for the rebuild before it, leaving the link idle).
         self._rebuild_stream = torch.cuda.Stream(device) if cuda else None
-        self._copied = [torch.cuda.Event() for _ in range(config.num_layers)] if cuda else []  # _rebuild_waits_for_copies
+        # one event a layer, recorded after the layer's copies and waited for by its rebuild (made
+        # once: wait_stream makes and destroys one a call). Under _enqueue_lock; a record made later
+        # (another onload's) covers the earlier copies too, the same stream.
+        self._copied = [torch.cuda.Event() for _ in range(config.num_layers)] if cuda else []
         self._offload_stream = torch.cuda.Stream(device) if cuda else None
         self._offloads: dict[int, Future] = {}
         self._offloads_lock = threading.Lock()
@@ -163,7 +182,7 @@ class TierTransfers:
     def onload_async(
         self, handle: OnloadHandle, users: list[int], slot_ids: torch.Tensor, page_ids: torch.Tensor,
         after: "torch.cuda.Event | None" = None,
-    ) -> None:
+    ) -> Callable[[int], None]:
         """Start copying host slots `slot_ids` into page rows `page_ids` [n, pages_per_chunk], after
         the work enqueued so far on the caller's (compute) stream, or after `after` (an event the
         caller recorded on it earlier): the reserved pages may have been read by a batch launched
@@ -177,32 +196,66 @@ class TierTransfers:
         batch's inputs copy to its first onload copy on the H200, run AZ) and, with only the first
         layer enqueued here, a 0.13 ms gap in the copy engine before the second (run BA). An
         enqueue costs ~0.03 ms a layer at batch 1 and ~0.2 ms at batch 8, less than the layer's
-        copies it queues behind, so the layers' launches still run ahead of their pages. A
-        hidden-state chunk's rebuild (four kernels a layer) is enqueued here too, right after its
-        layer's copies: enqueued by the worker instead, it ran batch 1's pure onload 0.9 ms slower
-        on the H200 (thread hand-offs and the GIL between the worker and the model thread)."""
+        copies it queues behind, so the layers' launches still run ahead of their pages.
+
+        Returns through(layer): enqueue the hidden-state chunks' K/V rebuilds of every layer up to
+        `layer` (the model thread calls it just before running that layer) and mark those layers
+        ready; the onload settles once the last layer's is enqueued. K/V-only onloads are ready and
+        settling on return (through does nothing). Why rebuilds wait for their layer: enqueued with
+        the copies, all eight layers' (a graph replay or a dozen eager calls each, with their waits)
+        came before the batch's first layer on the host: 2-3 ms a batch-1 forward on the H200 (runs
+        CD, CE) while the GPU idled; enqueued on the onload worker instead, batch 1's pure onload
+        ran 0.9 ms slower (run CB: thread hand-offs, the GIL)."""
         stream = self._onload_stream
         compute_done = after if after is not None else self._compute_event()
-        error: BaseException | None = None
-        parts = None
+        pending = _PendingOnload(handle, users)
         try:
             with self._enqueue_lock, torch.cuda.stream(stream):  # a no-op for None (CPU)
                 if stream is not None and compute_done is not None:
                     stream.wait_event(compute_done)
-                parts = self._by_format(slot_ids, page_ids)
+                parts = pending.parts = self._by_format(slot_ids, page_ids, graphs=True)
+                lazy = parts.hidden_slots.numel() > 0
                 for layer in range(self.config.num_layers):
                     if self.onload_fault is not None:
                         self.onload_fault(users, layer)
-                    handle.mark_ready(layer, self._onload_layer(parts, layer))
+                    copies = self._copy_layer(parts, layer)
+                    if not lazy:
+                        handle.mark_ready(layer, copies)
+                    elif copies is not None:
+                        self._copied[layer].record(copies)
+            if not lazy:
+                pending.next_layer = self.config.num_layers
         except BaseException as exc:  # settled on the worker, as a failed copy would be
-            error = exc
-        self._onload_pool.submit(self._settle_onload, handle, users, parts, error)
+            pending.error = exc
+        self._settle_if_enqueued(pending)
+        return functools.partial(self._rebuild_through, pending)
 
-    def _by_format(self, slot_ids: torch.Tensor, page_ids: torch.Tensor) -> _OnloadParts:
-        """Split an onload's chunks by the format their slots hold. Hidden chunks that a rebuild
-        graph bucket holds get their token index written into the graphs' buffer, on the rebuild
-        stream, and the copy (current) stream waits for the rebuilds enqueued before (they may
-        still read the rows these copies overwrite)."""
+    def _rebuild_through(self, pending: "_PendingOnload", layer: int) -> None:
+        """onload_async's through(layer): the rebuilds of layers up to `layer` not yet enqueued."""
+        if pending.settling or pending.next_layer > layer:
+            return
+        try:
+            with self._enqueue_lock:
+                while pending.next_layer <= layer:
+                    i = pending.next_layer
+                    pending.handle.mark_ready(i, self._rebuild_layer(pending.parts, i))
+                    pending.next_layer += 1
+        except BaseException as exc:
+            pending.error = exc
+        self._settle_if_enqueued(pending)
+
+    def _settle_if_enqueued(self, pending: "_PendingOnload") -> None:
+        """Hand the onload to the worker once every layer is enqueued, or at its first error."""
+        if not pending.settling and (pending.error is not None or pending.next_layer >= self.config.num_layers):
+            pending.settling = True
+            self._onload_pool.submit(self._settle_onload, pending.handle, pending.users, pending.parts, pending.error)
+
+    def _by_format(self, slot_ids: torch.Tensor, page_ids: torch.Tensor, graphs: bool = False) -> _OnloadParts:
+        """Split an onload's chunks by the format their slots hold. With `graphs` (a batch's onload
+        on the model thread, the graph buffers' only user), hidden chunks that a rebuild graph bucket
+        holds get their token index written into the graphs' buffer, on the rebuild stream, and the
+        copy (current) stream waits for the rebuilds enqueued before (they may still read the rows
+        these copies overwrite)."""
         slots, rows = slot_ids.numpy(), page_ids.numpy()
         hidden = self.slot_hidden[slots] if slots.size else np.zeros(0, dtype=bool)
         if not hidden.any():
@@ -213,8 +266,8 @@ class TierTransfers:
         token_offsets = np.tile(np.arange(ps, dtype=np.int32), len(pages))
         kv = ~hidden  # split in numpy (torch's boolean indexing took twice as long on the host)
         kv_slots, kv_pages, hidden_slots = (torch.from_numpy(a) for a in (slots[kv], rows[kv], slots[hidden]))
-        graphs = self.rebuild_graphs
-        bucket = graphs.bucket(int(hidden.sum())) if graphs is not None else None
+        rebuild_graphs = self.rebuild_graphs if graphs else None
+        bucket = rebuild_graphs.bucket(int(hidden.sum())) if rebuild_graphs is not None else None
         if bucket is None:
             on_device = upload(np.stack([token_pages, token_offsets]), self.kv_pages.device)
             return _OnloadParts(kv_slots, kv_pages, hidden_slots, on_device[0], on_device[1])
@@ -222,15 +275,13 @@ class TierTransfers:
         if rebuild is not None:
             torch.cuda.current_stream(self.device).wait_stream(rebuild)
         with torch.cuda.stream(rebuild):
-            graphs.set_tokens(token_pages, token_offsets, bucket)
+            rebuild_graphs.set_tokens(token_pages, token_offsets, bucket)
         return _OnloadParts(kv_slots, kv_pages, hidden_slots, None, None, bucket)
 
-    def _onload_layer(self, parts: _OnloadParts, layer: int) -> "torch.cuda.Stream | None":
-        """Enqueue one layer's onload: its copies on the current (onload) stream (K/V chunks into
-        their pages, hidden-state chunks' rows into a device tensor), then, on the rebuild stream
-        after them, the K/V of the hidden-state chunks (the layer's norm and K/V projection of those
-        rows) into their pages. Returns the stream whose work so far completes the layer (None off
-        CUDA: done on return)."""
+    def _copy_layer(self, parts: _OnloadParts, layer: int) -> "torch.cuda.Stream | None":
+        """Enqueue one layer's copies on the current (onload) stream: K/V chunks into their pages,
+        hidden-state chunks' rows into the rebuild graphs' static rows or a tensor of their own
+        (parts.rows). Returns the copy stream (None off CUDA: done on return)."""
         copies = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if parts.kv_slots.numel():
             onload_kvcache(self.kv_pages, self.host_arena, parts.kv_slots, parts.kv_pages, layer)
@@ -239,34 +290,36 @@ class TierTransfers:
             return copies
         if self.kv_rebuilder is None or self.hidden_arena is None:
             raise RuntimeError("hidden-state host chunks to onload but no K/V rebuilder was given (rebuild_kv_with)")
-        c = self.config
-        rebuild = self._rebuild_stream
-        if parts.graph_bucket is not None:  # into the graphs' static rows, rebuilt by one replay
+        if parts.graph_bucket is not None:
             onload_hidden(self.rebuild_graphs.rows_for(layer, n), self.hidden_arena, parts.hidden_slots, layer)
-            if rebuild is not None:
-                self._rebuild_waits_for_copies(layer, copies)
+            return copies
+        c = self.config
+        rows = torch.empty((n, c.chunk_tokens, c.hidden_dim), dtype=self.kv_pages.dtype, device=self.kv_pages.device)
+        onload_hidden(rows, self.hidden_arena, parts.hidden_slots, layer)
+        parts.rows[layer] = rows
+        return copies
+
+    def _rebuild_layer(self, parts: _OnloadParts, layer: int) -> "torch.cuda.Stream | None":
+        """Enqueue one layer's K/V rebuild of the hidden-state chunks (the layer's norm and K/V
+        projection of their rows, into their pages) on the rebuild stream, after the layer's copies
+        (the event _copy_layer's caller recorded). Returns the rebuild stream (None off CUDA)."""
+        rebuild = self._rebuild_stream
+        if rebuild is not None:
+            rebuild.wait_event(self._copied[layer])
+        if parts.graph_bucket is not None:  # the graphs' static rows, rebuilt by one replay
             with torch.cuda.stream(rebuild):
                 self.rebuild_graphs.replay(layer, parts.graph_bucket)
             return rebuild
-        rows = torch.empty((n, c.chunk_tokens, c.hidden_dim), dtype=self.kv_pages.dtype, device=self.kv_pages.device)
-        onload_hidden(rows, self.hidden_arena, parts.hidden_slots, layer)
+        c = self.config
+        rows, parts.rows[layer] = parts.rows[layer], None
         if rebuild is not None:
-            self._rebuild_waits_for_copies(layer, copies)  # this layer's copies (and the K/V chunks') landed
             rows.record_stream(rebuild)  # allocated on the copy stream, read on this one
         with torch.cuda.stream(rebuild), torch.inference_mode():  # (the prefetch worker is not in the engine's mode)
-            k, v = self.kv_rebuilder(layer, rows.view(n * c.chunk_tokens, c.hidden_dim))
+            k, v = self.kv_rebuilder(layer, rows.view(-1, c.hidden_dim))
             # one append kernel for K and V (views of the projection; index_copy_ into the strided
             # page halves took 0.26 ms of kernels a batch-1 forward on the H200)
             append_kvcache(self.kv_pages, k, v, parts.hidden_token_pages, parts.hidden_token_offsets, layer)
         return rebuild
-
-    def _rebuild_waits_for_copies(self, layer: int, copies: "torch.cuda.Stream") -> None:
-        """The rebuild stream waits for the copies enqueued so far, through one event per layer
-        made once (wait_stream makes and destroys an event a call). Recording it again later is
-        safe: a wait takes the record current at its call. The caller holds _enqueue_lock."""
-        event = self._copied[layer]
-        event.record(copies)
-        self._rebuild_stream.wait_event(event)
 
     def _count_onload(self, parts: _OnloadParts) -> None:
         """Count a completed onload's bytes (K/V pages and hidden-state chunks) and hidden chunks."""
@@ -323,7 +376,11 @@ class TierTransfers:
                     stream.wait_event(compute_done)
                 parts = self._by_format(slot_ids, page_ids)
                 for layer in range(self.config.num_layers):
-                    self._onload_layer(parts, layer)
+                    copies = self._copy_layer(parts, layer)
+                    if parts.hidden_slots.numel():
+                        if copies is not None:
+                            self._copied[layer].record(copies)
+                        self._rebuild_layer(parts, layer)
             if stream is not None:
                 stream.synchronize()
                 self._rebuild_stream.synchronize()

@@ -308,29 +308,70 @@ def test_graphs_without_a_host_tier_capture_no_rebuild(tiny_config, book):
     engine.close()
 
 
-def test_an_onload_failing_after_some_graph_rebuilds_recomputes_and_the_next_onload_is_right(tiny_config, book):
-    """A fault at layer 1 after layer 0's rebuild went through the graph buffers: the batch
-    recomputes the user; the user's next onload (fault gone) rewrites the token index and rows and
-    answers like the no-cache model."""
-    faults = {"on": True}
-
-    def fail_second_layer(users, layer):
-        if faults["on"] and layer == 1:
-            raise RuntimeError("injected onload failure")
-
-    engine = _engine(tiny_config, onload_fault=fail_second_layer)
+def test_a_rebuild_failing_after_others_went_through_the_graph_buffers_recomputes_and_the_next_onload_is_right(
+    tiny_config, book, monkeypatch
+):
+    """Layer 1's rebuild fails after layer 0's replayed: the batch recomputes the user; the user's
+    next onload rewrites the token index and rows and answers like the no-cache model."""
+    engine = _engine(tiny_config)
     mgr = engine.cache
     mgr.capture_rebuild_graphs(8, capture=False)
+    graphs = mgr.transfers.rebuild_graphs
+    replay = graphs.replay
+    failures = []
+
+    def failing_once(layer, bucket):
+        if layer == 1 and not failures:
+            failures.append(layer)
+            raise RuntimeError("injected rebuild failure")
+        replay(layer, bucket)
+
+    monkeypatch.setattr(graphs, "replay", failing_once)
     _check(engine, [book.request(1, 12), book.request(2, 15)])
     mgr.drain()
     mgr.evict_gpu([1, 2])
     out = _check(engine, [book.request(1, 2)])
-    assert out[0].cached_tokens == 0 and mgr.stats.snapshot()["onload_failures"] == 1
-    faults["on"] = False
+    assert failures and out[0].cached_tokens == 0 and mgr.stats.snapshot()["onload_failures"] == 1
     mgr.drain()
     mgr.evict_gpu([1])
     out = _check(engine, [book.request(1, 1), book.request(2, 1)])
     assert [o.cached_tokens for o in out] == [24, 32]
     mgr.drain()
     assert mgr.host.pin_count(1) == 0 and mgr.gpu.pin_count(2) == 0
+    engine.close()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager rebuilds", "graph rebuilds"])
+def test_each_layers_rebuild_is_enqueued_just_before_the_layer(tiny_config, book, graphs):
+    """Copies of every layer first, then layer i's rebuild right before layer i runs (not all
+    rebuilds before the first layer: their enqueue held the GPU idle, run CD)."""
+    engine = _engine(tiny_config)
+    mgr = engine.cache
+    if graphs:
+        mgr.capture_rebuild_graphs(8, capture=False)
+    _check(engine, [book.request(1, 12)])
+    mgr.drain()
+    mgr.evict_gpu([1])
+    order = []
+    rebuild = mgr.transfers.kv_rebuilder
+    layer_fns = []
+    for i in range(tiny_config.num_layers):
+        def run(x, kv, meta, i=i):
+            order.append(("layer", i))
+            return engine.model.block.paged_layer(i, x, kv, meta)
+        layer_fns.append(run)
+
+    def recording(layer, x):
+        order.append(("rebuild", layer))
+        return rebuild(layer, x)
+
+    if graphs:
+        mgr.transfers.rebuild_graphs.rebuild = recording
+    else:
+        mgr.transfers.kv_rebuilder = recording
+    engine.layer_fns = layer_fns
+    (out,) = _check(engine, [book.request(1, 2)])
+    assert out.cached_tokens == 24
+    expected = [entry for i in range(tiny_config.num_layers) for entry in (("rebuild", i), ("layer", i))]
+    assert order[: 2 * tiny_config.num_layers] == expected
     engine.close()
