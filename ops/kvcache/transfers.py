@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,6 +50,9 @@ from hstu.ops.kvcache.stats import CacheStats
 logger = logging.getLogger(__name__)
 
 _CapacityError = load_extension().CacheCapacityError
+# HSTU_REBUILD_AHEAD=1: an onload enqueues every layer's rebuild with its copies instead of each as
+# the model thread reaches the layer (an experiment knob for same-call comparisons)
+_REBUILD_AHEAD = os.environ.get("HSTU_REBUILD_AHEAD", "0") == "1"
 
 
 def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -227,8 +231,11 @@ class TierTransfers:
                 pending.next_layer = self.config.num_layers
         except BaseException as exc:  # settled on the worker, as a failed copy would be
             pending.error = exc
+        through = functools.partial(self._rebuild_through, pending)
+        if _REBUILD_AHEAD and pending.error is None:  # every rebuild now, as before (same-call comparisons)
+            through(self.config.num_layers - 1)
         self._settle_if_enqueued(pending)
-        return functools.partial(self._rebuild_through, pending)
+        return through
 
     def _rebuild_through(self, pending: "_PendingOnload", layer: int) -> None:
         """onload_async's through(layer): the rebuilds of layers up to `layer` not yet enqueued."""
