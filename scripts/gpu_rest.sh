@@ -8,7 +8,8 @@
 #   bash scripts/gpu_rest.sh OUT_DIR      (called by gpu_pipeline.sh's "rest" stage)
 # REFERENCE=0 skips the in-process replay and SERVER_REPLAY=0 the replay over HTTP (for a second
 # server variant measured in the same call); SERVE_ARGS adds `hstu serve` flags (a variant);
-# SENT_REPEATS=k repeats the sent run k times; LOADS picks the load runs (default "answered sent fit"); REQUESTS=n sets the seed workload's length for the in-process
+# SENT_REPEATS=k repeats the sent run k times; LOADS picks the load runs (default "answered sent fit"; "inproc": the
+# sent load in process first, through the same serve settings' runtime: loadgen --in-process); REQUESTS=n sets the seed workload's length for the in-process
 # replay and the answered and sent runs alike (default 200: a sent run then lasts ~0.15 s on the H200, and
 # sent runs in one call spread by 15-60%; 2000 measures over ~1.5 s); PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
 # during one more, longer load run (collapsed stacks per thread, busy samples only, in OUT_DIR/pyspy.txt;
@@ -27,9 +28,15 @@ if [ "${REFERENCE:-1}" = 1 ]; then
 fi
 python3 -c "import json; from hstu.scripts.bench import BenchShape; print(json.dumps(BenchShape().model_config().to_dict()))" \
   > "$out/seed_model.json"
-python3 -m hstu.cli serve --device cuda --cuda-graphs --config "$out/seed_model.json" --port "$port" \
-  --page-size 32 --chunk-tokens 128 --num-pages 8192 --host-cache-mb 4096 --max-batch-size 8 \
-  ${SERVE_ARGS:-} > "$out/serve.log" 2>&1 &
+serve_flags="--device cuda --cuda-graphs --config $out/seed_model.json --page-size 32 --chunk-tokens 128 \
+  --num-pages 8192 --host-cache-mb 4096 --max-batch-size 8 ${SERVE_ARGS:-}"
+loads=" ${LOADS:-answered sent fit} "
+if [[ $loads == *" inproc "* ]]; then  # the sent load through the same serve settings' runtime in process (no HTTP):
+  # the like-for-like reference of the server's sent runs (requests/s, p50, mean batch under the same arrivals)
+  python3 -m hstu.cli loadgen --in-process "$serve_flags" --workload replay --order sent --rate 3000 --requests "$requests" \
+    --users 64 --first-user 900000 --out "$out/loadgen_inproc" || rc=1
+fi
+python3 -m hstu.cli serve $serve_flags --port "$port" > "$out/serve.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
 for _ in $(seq 240); do
@@ -54,7 +61,6 @@ replay_load() {  # replay_load ORDER FIRST_USER NAME: the seed workload's 200 re
   python3 -m hstu.cli loadgen --server "$url" --workload replay --order "$1" --rate 3000 --requests "$requests" --users 64 \
     --connections 128 --processes 4 --first-user "$2" $([ "$1" = sent ] && echo --verify) --out "$out/$3" || rc=1
 }
-loads=" ${LOADS:-answered sent fit} "
 [[ $loads == *" answered "* ]] && replay_load answered 200000 loadgen_answered
 [[ $loads == *" sent "* ]] && replay_load sent 300000 loadgen_sent
 # SENT_REPEATS=k: k more sent runs against the same server, each with users of its own (sent runs in one

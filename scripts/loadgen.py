@@ -13,6 +13,9 @@ in each server phase (read and parse, the pipes to and from an engine process, t
 queue, rank, respond: from /metrics, this run's counter deltas), a short
 table last and JSON under --out; --verify checks every answer against the no-cache model of the
 server's config, built here (as `hstu replay --server --verify`). Loopback servers only.
+--in-process 'SERVE FLAGS' runs the same requests, arrivals and order through a serving runtime in
+this process built from those `hstu serve` flags (its batcher and engine, no HTTP, parsing or
+pipes): the server's like-for-like reference for requests/s, p50 and mean batch under one load.
 """
 
 from __future__ import annotations
@@ -80,15 +83,12 @@ class _Connection:
         return int(status_line.split(b" ", 2)[1]), payload
 
 
-async def _drive(
-    url: str, bodies: list[tuple[int, bytes]], due: list[float], connections: int, timeout_s: float, order: str
-) -> dict:
-    parsed = urlparse(url)
-    pool: asyncio.Queue = asyncio.Queue()
-    for _ in range(connections):
-        pool.put_nowait(_Connection(parsed.hostname, parsed.port or 80))
-    latencies, statuses, answers = [None] * len(bodies), {}, {}
-    sent = [asyncio.Event() for _ in bodies]
+async def _schedule(users: list[int], due: list[float], order: str, send) -> dict:
+    """Request i at due[i] seconds from the start, after the same user's previous request was
+    answered or sent (`order`); `send(i, sent)` makes it, sets the asyncio.Event `sent` once it is
+    out, and returns (status, answer or None)."""
+    latencies, statuses, answers = [None] * len(users), {}, {}
+    sent = [asyncio.Event() for _ in users]
     start = time.perf_counter()
 
     async def one(i: int, before: int | None) -> None:
@@ -97,27 +97,45 @@ async def _drive(
             await asyncio.sleep(delay)
         if before is not None:
             await (tasks[before] if order == "answered" else sent[before].wait())
-        conn = await pool.get()
         t0 = time.perf_counter()
-        try:
-            status, payload = await asyncio.wait_for(conn.post("/v1/rank", bodies[i][1], sent[i]), timeout_s)
-            if status == 200:
-                answers[i] = payload
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
-            status = f"error:{type(exc).__name__}"
-            conn = _Connection(parsed.hostname, parsed.port or 80)
+        status, answer = await send(i, sent[i])
         sent[i].set()
         latencies[i] = (time.perf_counter() - t0) * 1e3
         statuses[status] = statuses.get(status, 0) + 1
-        pool.put_nowait(conn)
+        if answer is not None:
+            answers[i] = answer
 
     last_of_user: dict[int, int] = {}
     tasks: list[asyncio.Future] = []
-    for i, (user, _) in enumerate(bodies):
+    for i, user in enumerate(users):
         tasks.append(asyncio.ensure_future(one(i, last_of_user.get(user))))
         last_of_user[user] = i
     await asyncio.gather(*tasks)
     return {"wall_s": time.perf_counter() - start, "latencies_ms": latencies, "statuses": statuses, "answers": answers}
+
+
+async def _drive(
+    url: str, bodies: list[tuple[int, bytes]], due: list[float], connections: int, timeout_s: float, order: str
+) -> dict:
+    parsed = urlparse(url)
+    pool: asyncio.Queue = asyncio.Queue()
+    for _ in range(connections):
+        pool.put_nowait(_Connection(parsed.hostname, parsed.port or 80))
+
+    async def send(i: int, sent: asyncio.Event) -> tuple[Any, bytes | None]:
+        conn = await pool.get()
+        answer = None
+        try:
+            status, payload = await asyncio.wait_for(conn.post("/v1/rank", bodies[i][1], sent), timeout_s)
+            if status == 200:
+                answer = payload
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+            status = f"error:{type(exc).__name__}"
+            conn = _Connection(parsed.hostname, parsed.port or 80)
+        pool.put_nowait(conn)
+        return status, answer
+
+    return await _schedule([user for user, _ in bodies], due, order, send)
 
 
 def _client(args: tuple) -> dict:
@@ -138,12 +156,17 @@ _PHASE_HISTOGRAMS = {
 
 
 def _server_counters(url: str) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
-    """From the server's /metrics, every replica's samples added up: the batch counters (batches,
-    requests batched, model seconds), and each phase's seconds and count (_PHASE_HISTOGRAMS)."""
+    """_counters of the server's /metrics."""
     import httpx
+
+    return _counters(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
+def _counters(text: str) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+    """From a Prometheus exposition, every replica's samples added up: the batch counters (batches,
+    requests batched, model seconds), and each phase's seconds and count (_PHASE_HISTOGRAMS)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", timeout=10).text
     batch = dict.fromkeys(_BATCH_SAMPLES, 0.0)
     phases: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(text):
@@ -168,6 +191,12 @@ def _phase_means_ms(before: dict[tuple[str, str], float], after: dict[tuple[str,
     return means
 
 
+def _due(n: int, rate: float, seed: int) -> list[float]:
+    """Poisson arrival times (seconds from the start) of n requests at `rate` (0: all at once)."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n) if rate > 0 else np.zeros(n)
+    return np.cumsum(gaps).tolist()
+
+
 def run(
     url: str,
     requests: list,
@@ -181,17 +210,60 @@ def run(
 ) -> dict:
     """Send every request open-loop at `rate`; the report (see the module docstring)."""
     bodies = [(r.user_id, encode(r, form)) for r in requests]
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(bodies)) if rate > 0 else np.zeros(len(bodies))
-    due = np.cumsum(gaps).tolist()
+    due = _due(len(bodies), rate, seed)
     shares = [[i for i, (u, _) in enumerate(bodies) if u % processes == p] for p in range(processes)]
     jobs = [(url, [bodies[i] for i in s], [due[i] for i in s], max(1, connections // processes), timeout_s, order) for s in shares]
-    before, phases_before = _server_counters(url)
+    before = _server_counters(url)
     if processes == 1:
         results = [_client(jobs[0])]
     else:
         with multiprocessing.get_context("spawn").Pool(processes) as pool:
             results = pool.map(_client, jobs)
-    after, phases_after = _server_counters(url)
+    after = _server_counters(url)
+    doc = _report(results, shares, before, after, rate, order)
+    doc.update(form=form, connections=connections, processes=processes)
+    return doc
+
+
+def run_in_process(settings, requests: list, rate: float, timeout_s: float, seed: int, order: str = "answered") -> dict:
+    """The same requests, arrivals and order, submitted to a serving runtime in this process
+    (`settings`: the server's, its engine in this process): the server's batcher and engine
+    without HTTP, parsing or pipes, for a like-for-like reference (issue 18: requests/s, p50, mean
+    batch of the server against its own core under the same load). Answers are RankOutputs."""
+    return asyncio.run(_in_process(settings, requests, _due(len(requests), rate, seed), timeout_s, order, rate))
+
+
+async def _in_process(settings, requests: list, due: list[float], timeout_s: float, order: str, rate: float) -> dict:
+    from hstu.serving.errors import RankError
+    from hstu.serving.runtime import ServingRuntime
+
+    runtime = ServingRuntime.standalone(settings)
+    await runtime.start()
+    try:
+        if not runtime.ready:
+            raise RuntimeError(f"the in-process runtime did not start: {runtime.detail}")
+
+        async def send(i: int, sent: asyncio.Event) -> tuple[Any, Any]:
+            sent.set()  # submit() queues it before its first await: the user's next one queues after it
+            try:
+                return 200, await runtime.submit(requests[i], time.monotonic() + timeout_s)
+            except RankError as exc:
+                return exc.status, None
+
+        before = _counters((await runtime.exposition()).decode())
+        result = await _schedule([r.user_id for r in requests], due, order, send)
+        after = _counters((await runtime.exposition()).decode())
+    finally:
+        await runtime.close()
+    doc = _report([result], [list(range(len(requests)))], before, after, rate, order)
+    doc.update(form="in-process", connections=None, processes=1)
+    return doc
+
+
+def _report(results: list[dict], shares: list[list[int]], before, after, rate: float, order: str) -> dict:
+    """The run's figures from each client's result (their requests' indices in `shares`) and the
+    server's counters before and after."""
+    (batch_before, phases_before), (batch_after, phases_after) = before, after
     latencies = np.asarray([x for r in results for x in r["latencies_ms"]], dtype=np.float64)
     statuses: dict[str, int] = {}
     for r in results:
@@ -199,13 +271,13 @@ def run(
             statuses[str(k)] = statuses.get(str(k), 0) + v
     wall = max(r["wall_s"] for r in results)
     answers = {share[i]: payload for share, r in zip(shares, results) for i, payload in r["answers"].items()}
-    batches, batched, model_s = (after[k] - before[k] for k in _BATCH_SAMPLES)
+    batches, batched, model_s = (batch_after[k] - batch_before[k] for k in _BATCH_SAMPLES)
+    n = len(latencies)
     return {
-        "requests": len(bodies),
-        "form": form,
+        "requests": n,
         "order": order,
         "offered_rate": rate,
-        "achieved_rate": len(bodies) / wall if wall > 0 else float("nan"),
+        "achieved_rate": n / wall if wall > 0 else float("nan"),
         "ok_rate": statuses.get("200", 0) / wall if wall > 0 else float("nan"),
         "latency_p50_ms": float(np.percentile(latencies, 50)),
         "latency_p99_ms": float(np.percentile(latencies, 99)),
@@ -214,11 +286,24 @@ def run(
         "mean_batch_model_ms": 1e3 * model_s / batches if batches else float("nan"),
         "model_busy_share": model_s / wall if wall > 0 else float("nan"),
         "phase_mean_ms": _phase_means_ms(phases_before, phases_after),
-        "connections": connections,
-        "processes": processes,
         "wall_s": wall,
-        "answers": answers,  # request index -> 200 body (bytes); main() checks them with --verify, then drops them
+        "answers": answers,  # request index -> 200 body (bytes; RankOutput in process); main() checks them with --verify
     }
+
+
+def in_process_settings(flags: str):
+    """ServerSettings of `hstu serve FLAGS` (no config file or environment), with the engine in
+    this process and one front end: what an in-process run measures is the batcher and the engine."""
+    import dataclasses
+    import shlex
+
+    from hstu.serving.cli import add_parser as add_serve_parser
+    from hstu.serving.cli import settings_from_args
+
+    parser = argparse.ArgumentParser(prog="hstu")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    settings = settings_from_args(parser.parse_args(["serve", *shlex.split(flags)]), env={})
+    return dataclasses.replace(settings, engine_process=False, model_on_loop=False, front_ends=1, parse_processes=0)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -226,9 +311,22 @@ def main(args: argparse.Namespace) -> int:
     from hstu.scripts.replay_server import check_loopback, fetch_server_model
     from hstu.scripts.workload import Workload, WorkloadConfig
 
-    check_loopback(args.server)
-    meta = fetch_server_model(args.server)
-    model = HSTUConfig(**meta["config"])
+    in_process = getattr(args, "in_process", None)
+    if (args.server is None) == (in_process is None):
+        raise SystemExit("hstu loadgen: give either --server URL or --in-process 'SERVE FLAGS'")
+    if in_process is not None:
+        if args.verify:
+            raise SystemExit("hstu loadgen: --verify checks a server's answers; it needs --server")
+        settings = in_process_settings(in_process)
+        model = settings.resolve_model_config()
+        from hstu.serving.schemas import RequestLimits
+
+        max_candidates = RequestLimits.for_model(model, settings.max_candidates, settings.max_body_bytes).max_candidates
+    else:
+        check_loopback(args.server)
+        meta = fetch_server_model(args.server)
+        model = HSTUConfig(**meta["config"])
+        max_candidates = meta["limits"]["max_candidates"]
     limit = min(4096, model.max_seq_len - 1) - model.num_contextual  # history tokens past the contextual ones
     even = lambda n: max(2, n // 2 * 2)  # noqa: E731
     if args.workload == "replay":  # the requests `hstu replay` sends (its default workload)
@@ -241,7 +339,7 @@ def main(args: argparse.Namespace) -> int:
             first_user=args.first_user,
             new_tokens=(2, even(min(256, limit // 8))),
             initial_tokens=(8, even(min(2048, limit // 2))),
-            candidates=(16, min(256, meta["limits"]["max_candidates"])),
+            candidates=(16, min(256, max_candidates)),
         )
     requests = list(Workload(work, model))
     reference = None
@@ -252,8 +350,11 @@ def main(args: argparse.Namespace) -> int:
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         reference = server_reference(meta, args.server, torch.device(device))
-    doc = run(args.server, requests, args.rate, args.connections, args.processes, args.form, args.timeout_s, args.seed,
-              args.order)
+    if in_process is not None:
+        doc = run_in_process(settings, requests, args.rate, args.timeout_s, args.seed, args.order)
+    else:
+        doc = run(args.server, requests, args.rate, args.connections, args.processes, args.form, args.timeout_s,
+                  args.seed, args.order)
     answers = doc.pop("answers")
     if reference is not None:
         from hstu.client import rank_result
@@ -280,7 +381,11 @@ def main(args: argparse.Namespace) -> int:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("loadgen", help="open-loop load against a running server", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--server", required=True, help="base URL of a loopback server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--server", default=None, help="base URL of a loopback server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--in-process", default=None, metavar="'SERVE FLAGS'",
+                   help="instead of a server: a serving runtime in this process built from these `hstu serve` flags "
+                   "(its engine here: no HTTP, parsing or pipes), the same requests and arrivals; the server's "
+                   "like-for-like reference")
     p.add_argument("--rate", type=float, default=1000.0, help="offered requests/s (0: all at once)")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--users", type=int, default=64)

@@ -48,3 +48,38 @@ def test_loadgen_verify_counts_every_wrong_answer_and_exits_non_zero(tmp_path, m
         assert loadgen.main(args) == 1
     doc = json.loads((tmp_path / "loadgen.json").read_text())
     assert doc["verify_mismatches"] == doc["verified"] == 20
+
+
+def test_in_process_runs_the_same_arrivals_through_a_runtime_here_with_its_batch_and_phase_figures(tmp_path):
+    """--in-process: the server's batcher and engine in this process (no HTTP, parsing or pipes),
+    the like-for-like reference of a server run (issue 18)."""
+    from tests.configs import TINY
+
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY.to_dict()))
+    flags = f"--config {config} --page-size 8 --num-pages 64 --chunk-tokens 16 --max-batch-size 8 --max-candidates 64"
+    settings = loadgen.in_process_settings(flags + " --engine-process --front-ends 2")
+    assert not settings.engine_process and settings.front_ends == 1 and settings.max_batch_size == 8
+    for order in ("sent", "answered"):
+        args = argparse.Namespace(
+            server=None, in_process=flags, rate=300.0, requests=40, users=8, connections=8, processes=1, form="columns",
+            timeout_s=20.0, seed=3, first_user=0, out=tmp_path / order, order=order, workload="fit", verify=False,
+            device="cpu",
+        )
+        assert loadgen.main(args) == 0
+        doc = json.loads((tmp_path / order / "loadgen.json").read_text())
+        assert doc["statuses"] == {"200": 40} and doc["form"] == "in-process" and doc["order"] == order
+        assert doc["achieved_rate"] > 0 and doc["latency_p99_ms"] >= doc["latency_p50_ms"] > 0
+        assert doc["mean_batch_size"] >= 1 and "engine_queue" in doc["phase_mean_ms"]
+        assert "read_parse" not in doc["phase_mean_ms"], "no HTTP in process"
+
+
+def test_loadgen_takes_a_server_or_in_process_flags_and_verifies_servers_only(tmp_path):
+    import pytest
+
+    base = dict(rate=0.0, requests=2, users=1, connections=1, processes=1, form="columns", timeout_s=5.0, seed=0,
+                first_user=0, out=tmp_path, order="sent", workload="fit", device="cpu")
+    with pytest.raises(SystemExit, match="either --server"):
+        loadgen.main(argparse.Namespace(server=None, in_process=None, verify=False, **base))
+    with pytest.raises(SystemExit, match="needs --server"):
+        loadgen.main(argparse.Namespace(server=None, in_process="--device cpu", verify=True, **base))
