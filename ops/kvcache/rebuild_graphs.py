@@ -13,10 +13,11 @@ Layout (static, allocated once):
 Graph (l, b) rebuilds rows[l, :b * ct] and appends them into kv_pages[l]; b is the smallest bucket
 (powers of two up to max_chunks) holding the onload's chunks. Larger onloads rebuild eagerly.
 
-Ordering (the caller, TierTransfers, keeps it): one onload's enqueue at a time (a lock: the
-prefetch worker and the model thread share the static buffers); before writing rows, the copy
-stream waits for the rebuild stream (an earlier onload's graphs may still read them); token_index
-is written on the rebuild stream, so an earlier onload's replays read their own. Memory: rows plus
+Ordering (the caller, TierTransfers, keeps it): only batch onloads use the buffers, enqueued on
+the model thread one after another (prefetches rebuild eagerly, into tensors of their own); before
+writing rows, the copy stream waits for the rebuild stream (an earlier onload's graphs may still
+read them); token_index is written on the rebuild stream, so an earlier onload's replays read
+their own. Memory: rows plus
 one graph pool the size of the largest bucket's intermediates (at the seed shapes, batch 8 of 4k
 histories: 512 MB + ~200 MB).
 """
