@@ -145,8 +145,8 @@ class TierTransfers:
         self.slot_hidden = np.zeros(host_arena.shape[0], dtype=bool)
         self.kv_rebuilder: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
         self.rebuild_graphs: RebuildGraphs | None = None  # capture_rebuilds (CUDA graphs of the rebuild)
-        # One onload's enqueue at a time (the model thread's and the prefetch worker's): the rebuild
-        # graphs' static buffers are written per onload.
+        # Enqueue steps of the model thread's onloads (copies; each layer's rebuild) and the prefetch
+        # worker's one at a time: they share the per-layer copy events (_copied) and the streams.
         self._enqueue_lock = threading.Lock()
         if config.host_format == "hidden" and host_arena.shape[0] > 0:
             c = config
