@@ -128,18 +128,25 @@ inline void check_onload(const at::Tensor& kv_cache, const at::Tensor& host_aren
   check_range_cpu(slot_ids, "slot_ids", host_arena.size(0));
 }
 
+// chunks [n, <arena's slot shape>] stored into slots slot_ids [n] of `arena` (named `name`): the
+// checks check_store and check_store_hidden share once their arena's layout is checked.
+inline void check_chunks_into_slots(const at::Tensor& arena, const char* name, const at::Tensor& chunks,
+                                    const at::Tensor& slot_ids) {
+  TORCH_CHECK(chunks.dim() == arena.dim() && chunks.sizes().slice(1) == arena.sizes().slice(1),
+              "chunks must be [n, ", dims(arena.sizes().slice(1)), "], got ", dims(chunks.sizes()));
+  TORCH_CHECK(chunks.scalar_type() == arena.scalar_type(), "chunks dtype ", chunks.scalar_type(), " must equal ",
+              name, " dtype ", arena.scalar_type());
+  check_index(slot_ids, "slot_ids", 1);
+  TORCH_CHECK(slot_ids.size(0) == chunks.size(0), "slot_ids needs ", num(chunks.size(0)), " entries, got ",
+              num(slot_ids.size(0)));
+  check_range_cpu(slot_ids, "slot_ids", arena.size(0));
+}
+
 inline void check_store(const at::Tensor& host_arena, const at::Tensor& chunks, const at::Tensor& slot_ids) {
   TORCH_CHECK(host_arena.dim() == 7 && host_arena.is_contiguous(),
               "host_arena must be a contiguous [S, L, pages_per_chunk, 2, page_size, H, d], got ",
               dims(host_arena.sizes()));
-  TORCH_CHECK(chunks.dim() == 7 && chunks.sizes().slice(1) == host_arena.sizes().slice(1),
-              "chunks must be [n, ", dims(host_arena.sizes().slice(1)), "], got ", dims(chunks.sizes()));
-  TORCH_CHECK(chunks.scalar_type() == host_arena.scalar_type(), "chunks dtype ", chunks.scalar_type(),
-              " must equal host_arena dtype ", host_arena.scalar_type());
-  check_index(slot_ids, "slot_ids", 1);
-  TORCH_CHECK(slot_ids.size(0) == chunks.size(0), "slot_ids needs ", num(chunks.size(0)), " entries, got ",
-              num(slot_ids.size(0)));
-  check_range_cpu(slot_ids, "slot_ids", host_arena.size(0));
+  check_chunks_into_slots(host_arena, "host_arena", chunks, slot_ids);
 }
 
 // hidden_arena [S, L, chunk_tokens, D]: the host tier's hidden-state chunks (each layer's input
@@ -179,14 +186,7 @@ inline void check_onload_hidden(const at::Tensor& out, const at::Tensor& hidden_
 // store_hidden_chunks: hidden_arena[slot_ids[c]] <- chunks[c], chunks [n, L, chunk_tokens, D].
 inline void check_store_hidden(const at::Tensor& hidden_arena, const at::Tensor& chunks, const at::Tensor& slot_ids) {
   check_hidden_arena(hidden_arena);
-  TORCH_CHECK(chunks.dim() == 4 && chunks.sizes().slice(1) == hidden_arena.sizes().slice(1),
-              "chunks must be [n, ", dims(hidden_arena.sizes().slice(1)), "], got ", dims(chunks.sizes()));
-  TORCH_CHECK(chunks.scalar_type() == hidden_arena.scalar_type(), "chunks dtype ", chunks.scalar_type(),
-              " must equal hidden_arena dtype ", hidden_arena.scalar_type());
-  check_index(slot_ids, "slot_ids", 1);
-  TORCH_CHECK(slot_ids.size(0) == chunks.size(0), "slot_ids needs ", num(chunks.size(0)), " entries, got ",
-              num(slot_ids.size(0)));
-  check_range_cpu(slot_ids, "slot_ids", hidden_arena.size(0));
+  check_chunks_into_slots(hidden_arena, "hidden_arena", chunks, slot_ids);
 }
 
 // Per-token (page, offset) of a jagged batch given as a CSR page list (CPU int32 tensors), checked:
