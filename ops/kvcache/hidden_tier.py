@@ -90,10 +90,9 @@ class HiddenTails:
 
     def rows_view(self) -> torch.Tensor:
         """The buffer as [L, slots * chunk_tokens, D] rows (made at first use)."""
-        if self.buffer is None:
-            L, ct, D = self.shape
-            self.buffer = torch.zeros((L, self.num_slots, ct, D), dtype=self.dtype, device=self.device)
         L, ct, D = self.shape
+        if self.buffer is None:
+            self.buffer = torch.zeros((L, self.num_slots, ct, D), dtype=self.dtype, device=self.device)
         return self.buffer.view(L, self.num_slots * ct, D)
 
 
@@ -149,7 +148,8 @@ def gather_hidden(
         first, end = plan.hidden_chunks[b]
         need = stored.get(b)  # None: nothing of this user is offloaded now
         sources: list[tuple[str, int]] = []
-        start = max(first, need) if need is not None else end
+        full_from = max(first, need) if need is not None else end  # the whole chunks offloaded from here
+        start = full_from
         if cached % ct:  # the forward starts inside a chunk: extend its tail, if kept
             tail = tails.take(u, cached, plan.identities[b].prefix(cached))
             if tail is not None:
@@ -165,7 +165,7 @@ def gather_hidden(
                     tails.release(tail.slot)
                 else:  # still partial: kept, longer
                     kept.append((u, _Tail(tail.slot, tail.chunk, tail.rows + stop - cached, digests[b])))
-        for c in range(max(first, need if need is not None else end), end):
+        for c in range(full_from, end):
             chunk_rows.append(base + c * ct)
             sources.append(("full", n_full))
             n_full += 1

@@ -56,7 +56,6 @@ class RebuildGraphs:
         hidden_dim: int,
         max_chunks: int,
         scratch_page: int,
-        stream: "torch.cuda.Stream | None",
         capture: bool = True,
     ) -> None:
         if max_chunks <= 0:
@@ -64,7 +63,6 @@ class RebuildGraphs:
         self.rebuild, self.kv_pages = rebuild, kv_pages
         self.chunk_tokens, self.scratch_page = chunk_tokens, scratch_page
         self.buckets = chunk_buckets(max_chunks)
-        self.stream = stream
         T = max_chunks * chunk_tokens
         device = kv_pages.device
         self.rows = torch.zeros((num_layers, T, hidden_dim), dtype=kv_pages.dtype, device=device)
@@ -75,10 +73,6 @@ class RebuildGraphs:
         self._row_views: dict[int, list[torch.Tensor]] = {}  # chunk count -> rows_for's view per layer
         if capture:
             self._capture(num_layers)
-
-    @property
-    def max_chunks(self) -> int:
-        return self.buckets[-1]
 
     def bucket(self, chunks: int) -> int | None:
         """The smallest bucket holding `chunks` chunks; None when none does (rebuild eagerly)."""

@@ -179,7 +179,7 @@ class TierTransfers:
         with self._enqueue_lock:
             self.rebuild_graphs = RebuildGraphs(
                 self.kv_rebuilder, self.kv_pages, c.num_layers, c.chunk_tokens, c.hidden_dim, max_chunks,
-                scratch_page, self._rebuild_stream, capture,
+                scratch_page, capture,
             )
 
     # ----------------------------------------------------------------- onload
@@ -225,8 +225,6 @@ class TierTransfers:
                     copies = self._copy_layer(parts, layer)
                     if not lazy:
                         handle.mark_ready(layer, copies)
-                    elif copies is not None:
-                        self._copied[layer].record(copies)
             if not lazy:
                 pending.next_layer = self.config.num_layers
         except BaseException as exc:  # settled on the worker, as a failed copy would be
@@ -288,7 +286,8 @@ class TierTransfers:
     def _copy_layer(self, parts: _OnloadParts, layer: int) -> "torch.cuda.Stream | None":
         """Enqueue one layer's copies on the current (onload) stream: K/V chunks into their pages,
         hidden-state chunks' rows into the rebuild graphs' static rows or a tensor of their own
-        (parts.rows). Returns the copy stream (None off CUDA: done on return)."""
+        (parts.rows), then the layer's copy event (_copied), which its rebuild waits for. Returns the
+        copy stream (None off CUDA: done on return)."""
         copies = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if parts.kv_slots.numel():
             onload_kvcache(self.kv_pages, self.host_arena, parts.kv_slots, parts.kv_pages, layer)
@@ -299,17 +298,19 @@ class TierTransfers:
             raise RuntimeError("hidden-state host chunks to onload but no K/V rebuilder was given (rebuild_kv_with)")
         if parts.graph_bucket is not None:
             onload_hidden(self.rebuild_graphs.rows_for(layer, n), self.hidden_arena, parts.hidden_slots, layer)
-            return copies
-        c = self.config
-        rows = torch.empty((n, c.chunk_tokens, c.hidden_dim), dtype=self.kv_pages.dtype, device=self.kv_pages.device)
-        onload_hidden(rows, self.hidden_arena, parts.hidden_slots, layer)
-        parts.rows[layer] = rows
+        else:
+            c = self.config
+            rows = torch.empty((n, c.chunk_tokens, c.hidden_dim), dtype=self.kv_pages.dtype, device=self.kv_pages.device)
+            onload_hidden(rows, self.hidden_arena, parts.hidden_slots, layer)
+            parts.rows[layer] = rows
+        if copies is not None:
+            self._copied[layer].record(copies)
         return copies
 
     def _rebuild_layer(self, parts: _OnloadParts, layer: int) -> "torch.cuda.Stream | None":
         """Enqueue one layer's K/V rebuild of the hidden-state chunks (the layer's norm and K/V
         projection of their rows, into their pages) on the rebuild stream, after the layer's copies
-        (the event _copy_layer's caller recorded). Returns the rebuild stream (None off CUDA)."""
+        (the event _copy_layer recorded). Returns the rebuild stream (None off CUDA)."""
         rebuild = self._rebuild_stream
         if rebuild is not None:
             rebuild.wait_event(self._copied[layer])
@@ -383,10 +384,8 @@ class TierTransfers:
                     stream.wait_event(compute_done)
                 parts = self._by_format(slot_ids, page_ids)
                 for layer in range(self.config.num_layers):
-                    copies = self._copy_layer(parts, layer)
+                    self._copy_layer(parts, layer)
                     if parts.hidden_slots.numel():
-                        if copies is not None:
-                            self._copied[layer].record(copies)
                         self._rebuild_layer(parts, layer)
             if stream is not None:
                 stream.synchronize()
