@@ -333,7 +333,7 @@ class RankingEngine:
         layer_fns = self._compiled_layers(dynamic=False) if compile else None
         self.graphs = ForwardGraphs(
             self.model, self.cache.kv_pages, self.cache.scratch_page, max_batch, buckets, layer_fns, capture,
-            keep_layer_inputs=self.cache.config.host_format == "hidden",
+            keep_layer_inputs=self.cache.keeps_hidden,
         )
         # Every layer is one code object (paged_layer) compiled once per (layer, bucket): lift
         # Dynamo's per-code recompile limit for the captures, else the later ones run uncompiled.

@@ -77,8 +77,8 @@ class BenchShape:
         )
 
     def cache_config(self, model: HSTUConfig, host_batches: int) -> KVCacheConfig:
-        """Pages for two largest batches; a host tier for `host_batches` of them (0: no host tier, and
-        host chunks of K/V: an uncached pass keeps no layer inputs for a host tier it does not use)."""
+        """Pages for two largest batches; a host tier for `host_batches` of them (0: no host tier, so
+        no layer inputs kept under host_format "hidden": AsyncKVCacheManager.keeps_hidden)."""
         B = max(self.batch_sizes)
         base = KVCacheConfig.for_model(
             model,
@@ -91,7 +91,7 @@ class BenchShape:
         )
         chunks = host_batches * B * (self.history_tokens // self.chunk_tokens)
         return dataclasses.replace(base, host_capacity_bytes=chunks * base.chunk_bytes, prepare_worker=self.prepare_worker,
-                                   host_split=self.host_split, host_format=self.host_format if host_batches else "kv")
+                                   host_split=self.host_split, host_format=self.host_format)
 
 
 TINY_SHAPE = BenchShape(

@@ -178,18 +178,23 @@ class AsyncKVCacheManager:
         (ops/kvcache/rebuild_graphs.py); capture=False: the same static buffers, eagerly. Returns
         False, capturing nothing, when no hidden chunk can be onloaded (another format, no host
         tier, no K/V rebuilder)."""
-        t = self.transfers
-        if self.config.host_format != "hidden" or t.hidden_arena is None or t.kv_rebuilder is None:
+        if not self.keeps_hidden:
             return False
-        t.capture_rebuilds(max_chunks, self.scratch_page, capture)
+        self.transfers.capture_rebuilds(max_chunks, self.scratch_page, capture)
         return True
+
+    @property
+    def keeps_hidden(self) -> bool:
+        """host_format "hidden" in effect: a host tier to hold hidden-state chunks and a K/V rebuilder
+        to onload them (without either, forwards keep no layer inputs and every chunk is K/V)."""
+        t = self.transfers
+        return self.config.host_format == "hidden" and t.hidden_arena is not None and t.kv_rebuilder is not None
 
     def _hidden_chunks(self, plan: BatchPlan) -> dict[int, tuple[int, int]]:
         """host_format "hidden": the batch rows whose layer inputs the forward keeps (hidden_tier.py)."""
-        c = self.config
-        if c.host_format != "hidden" or self.transfers.kv_rebuilder is None or self.transfers.hidden_arena is None:
+        if not self.keeps_hidden:
             return {}
-        return keeps_layer_inputs(plan, c.chunk_tokens, self.admission.admits)
+        return keeps_layer_inputs(plan, self.config.chunk_tokens, self.admission.admits)
 
     def _lookup(self, user_ids: list[int], history_lens: list[int], identities: list[HistoryIdentity]) -> BatchPlan:
         self._check_open()

@@ -264,7 +264,7 @@ def test_rebuild_buckets_are_powers_of_two_up_to_the_most_chunks():
 
 def test_rebuild_token_index_pads_the_bucket_with_the_scratch_page(tiny_config):
     graphs = RebuildGraphs(lambda layer, x: (x, x), torch.zeros(2, 9, 2, 4, 1, 1), num_layers=2, chunk_tokens=4,
-                           hidden_dim=1, max_chunks=4, scratch_page=8, stream=None, capture=False)
+                           hidden_dim=1, max_chunks=4, scratch_page=8, capture=False)
     assert graphs.bucket(3) == 4 and graphs.bucket(5) is None
     graphs.set_tokens(np.array([5] * 4 + [6] * 4, dtype=np.int32), np.tile(np.arange(4, dtype=np.int32), 2), bucket=4)
     assert graphs.token_index[0].tolist() == [5] * 4 + [6] * 4 + [8] * 8
@@ -302,8 +302,8 @@ def test_graphs_without_a_host_tier_capture_no_rebuild(tiny_config, book):
     onloaded and enable_cuda_graphs captures no rebuild (it used to raise, on the H200, run CG)."""
     engine = _engine(tiny_config, num_pages=256, host_capacity_bytes=0)
     engine.enable_cuda_graphs(max_batch=2, buckets=(64,), capture=False)
-    assert engine.cache.transfers.rebuild_graphs is None
-    assert not engine.cache.capture_rebuild_graphs(4, capture=False)
+    assert engine.cache.transfers.rebuild_graphs is None and engine.graphs.layer_inputs() is None
+    assert not engine.cache.keeps_hidden and not engine.cache.capture_rebuild_graphs(4, capture=False)
     _check(engine, [book.request(1, 12), book.request(2, 3)])
     engine.close()
 
