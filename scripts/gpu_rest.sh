@@ -11,7 +11,9 @@
 # SENT_REPEATS=k repeats the sent run k times; LOADS picks the load runs (default "answered sent fit"; "inproc": the
 # sent load in process first, through the same serve settings' runtime: loadgen --in-process); REQUESTS=n sets the seed workload's length for the in-process
 # replay and the answered and sent runs alike (default 200: a sent run then lasts ~0.15 s on the H200, and
-# sent runs in one call spread by 15-60%; 2000 measures over ~1.5 s); PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
+# sent runs in one call spread by 15-60%; 2000 measures over ~1.5 s); "paced" in LOADS adds a sent run at
+# PACED_RATE requests/s (default 800, below what the server serves: its p50 is then a request's latency, not the
+# queue's), in process too when LOADS has "inproc"; PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
 # during one more, longer load run (collapsed stacks per thread, busy samples only, in OUT_DIR/pyspy.txt;
 # PYSPY_IDLE=1: idle samples too, to see where threads wait; PYSPY_GIL=1: only samples holding the GIL), with
 # the GPU's utilisation every 100 ms beside it (OUT_DIR/gpu_util.csv). The server's /metrics at the end: metrics_end.txt.
@@ -35,6 +37,10 @@ if [[ $loads == *" inproc "* ]]; then  # the sent load through the same serve se
   # the like-for-like reference of the server's sent runs (requests/s, p50, mean batch under the same arrivals)
   python3 -m hstu.cli loadgen --in-process "$serve_flags" --workload replay --order sent --rate 3000 --requests "$requests" \
     --users 64 --first-user 900000 --out "$out/loadgen_inproc" || rc=1
+  if [[ $loads == *" paced "* ]]; then
+    python3 -m hstu.cli loadgen --in-process "$serve_flags" --workload replay --order sent --rate "${PACED_RATE:-800}" \
+      --requests "$requests" --users 64 --first-user 950000 --out "$out/loadgen_inproc_paced" || rc=1
+  fi
 fi
 python3 -m hstu.cli serve $serve_flags --port "$port" > "$out/serve.log" 2>&1 &
 server=$!
@@ -55,14 +61,15 @@ if [ "${SERVER_REPLAY:-1}" = 1 ]; then
     first=$((first + 100000))
   done
 fi
-replay_load() {  # replay_load ORDER FIRST_USER NAME: the seed workload's 200 requests, a user's next one
+replay_load() {  # replay_load ORDER FIRST_USER NAME [RATE]: the seed workload's 200 requests, a user's next one
   # waiting for the previous answer (answered) or send (sent, every answer verified); 32 connections in
   # each of 4 processes: more than the users in flight
-  python3 -m hstu.cli loadgen --server "$url" --workload replay --order "$1" --rate 3000 --requests "$requests" --users 64 \
+  python3 -m hstu.cli loadgen --server "$url" --workload replay --order "$1" --rate "${4:-3000}" --requests "$requests" --users 64 \
     --connections 128 --processes 4 --first-user "$2" $([ "$1" = sent ] && echo --verify) --out "$out/$3" || rc=1
 }
 [[ $loads == *" answered "* ]] && replay_load answered 200000 loadgen_answered
 [[ $loads == *" sent "* ]] && replay_load sent 300000 loadgen_sent
+[[ $loads == *" paced "* ]] && replay_load sent 350000 loadgen_paced "${PACED_RATE:-800}"
 # SENT_REPEATS=k: k more sent runs against the same server, each with users of its own (sent runs in one
 # call spread by 15-30%; compare medians)
 for k in $(seq "${SENT_REPEATS:-0}"); do
