@@ -18,8 +18,11 @@ see RankOutput.__reduce__):
   engine -> front   ("ready", fingerprint) | ("failed", detail) | ("done", id, outcome, sent at)
 ("sent at": time.monotonic(), one clock for the processes of a host; each side reports how long its
 messages took to reach the other's loop: hstu_request_phase_seconds, pipe_to_engine / _from_engine.)
-Each side reads in a thread (blocking reads never hold up a loop) and sends from one thread, so
-a full pipe never blocks an event loop. The engine's metrics come back with /metrics, labelled
+A message goes out from the sending loop's thread itself when that cannot block (small, the
+pipe idle and writable), else from a sender thread, so a full pipe never blocks an event loop
+(_Sender); a front end's loop, and an engine's that launches batches (model_on_loop), read their
+pipes themselves, others in a reader thread. Why: every hand-off to a thread waits for the GIL,
+up to the switch interval (5 ms) while the loop runs Python. The engine's metrics come back with /metrics, labelled
 replica="engine" (as Ray replicas' are). A dead engine process answers every waiting and later
 request 503 and the front end turns not ready.
 
@@ -37,11 +40,15 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import queue
+import select
 import signal
+import socket
 import threading
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -80,41 +87,153 @@ def front_end_label(index: int) -> str:
 _MANY = "_many"
 _MAX_MANY = 256
 
+# HSTU_PIPE_THREADS=1: every message through the sender thread and the front end's pipe read by a
+# reader thread, as before direct writes (an experiment knob for same-call comparisons).
+_PIPE_THREADS = os.environ.get("HSTU_PIPE_THREADS", "0") == "1"
+_WANTED_SNDBUF = 4 << 20  # asked of the kernel for a pipe's socket; it grants at most net.core.wmem_max (doubled)
+
+
+def _direct_limit(conn) -> int:
+    """The largest message a thread may write into `conn` itself without ever blocking (0: none).
+
+    A multiprocessing pipe is a Unix stream socket pair. Linux reports such a socket writable only
+    while at most a quarter of its send buffer is in use, and a write blocks only once the buffer
+    is full, so a message of at most a quarter of it, written while the socket polls writable,
+    goes out whole at once. A blocked write is what must never happen on an event loop: the two
+    processes' loops, each blocked writing to the other, would never read again."""
+    if _PIPE_THREADS or not hasattr(conn, "fileno"):
+        return 0
+    fd = conn.fileno()
+    blocking = os.get_blocking(fd)  # a socket object may change the flag, which its dup shares
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+                return 0
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _WANTED_SNDBUF)
+            except OSError:
+                pass
+            return sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 4
+    except OSError:
+        return 0
+    finally:
+        os.set_blocking(fd, blocking)
+
 
 class _Sender:
-    """One thread that pickles and writes messages in order (a full pipe blocks it, not a loop);
-    the messages queued meanwhile go out together (_MANY)."""
+    """Writes messages to a pipe in order, never blocking its callers (event loops).
+
+    A message goes out at once from the calling thread when nothing queued before it is still
+    unwritten, it pickles to at most the pipe's direct limit (_direct_limit) and the socket is
+    writable: no other thread is woken and no GIL changes hands before it leaves (each hand-off
+    waits up to the switch interval, 5 ms, while the caller's loop runs Python). Otherwise a
+    thread writes it (a full pipe then blocks that thread, not a loop), together with what
+    queued meanwhile (_MANY)."""
 
     def __init__(self, conn: Connection, name: str) -> None:
         self._conn, self._queue = conn, queue.SimpleQueue()
+        self._direct_limit = _direct_limit(conn)
+        self._poll = select.poll()  # (select.select fails for descriptors past 1023)
+        if self._direct_limit:
+            self._poll.register(conn.fileno(), select.POLLOUT)
+        self._state = threading.Lock()
+        self._unwritten = 0  # messages queued for the thread and not yet written
+        self._writing = False  # a write in progress (a caller's or the thread's)
+        self._written = threading.Condition(self._state)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def send(self, message: tuple) -> None:
+        if self._direct_limit:
+            with self._state:
+                direct = self._unwritten == 0 and not self._writing
+                if direct:
+                    self._writing = True
+            if direct:
+                try:
+                    written = self._write_now(message)
+                    if written is True:
+                        return
+                    with self._state:  # not written: queued behind nothing, still in order
+                        self._unwritten += 1
+                    self._queue.put(written)
+                    return
+                finally:
+                    with self._state:
+                        self._writing = False
+                        self._written.notify_all()
+        with self._state:
+            self._unwritten += 1
         self._queue.put(message)
+
+    def _write_now(self, message: tuple) -> "bool | _Pickled":
+        """Write `message` from this thread if that cannot block: True if written, else what the
+        thread should write (the message pickled already, when it is over the direct limit)."""
+        data = ForkingPickler.dumps(message)
+        if len(data) > self._direct_limit:
+            return _Pickled(data)
+        events = self._poll.poll(0)
+        if not events or events[0][1] != select.POLLOUT:  # full, or gone (POLLHUP, POLLERR): the thread tells
+            return _Pickled(data)
+        try:
+            self._conn.send_bytes(data)
+        except (OSError, ValueError):  # the other side is gone; its reader reports that
+            pass
+        return True
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
 
     def _run(self) -> None:
-        while (message := self._queue.get()) is not None:
-            messages, closing = [message], False
-            while len(messages) < _MAX_MANY:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    closing = True
-                    break
-                messages.append(more)
+        held = None  # a message taken from the queue that goes out in the next write
+        while (message := held if held is not None else self._queue.get()) is not None:
+            held, closing = None, False
+            if isinstance(message, _Pickled):  # pickled by a caller already: written on its own
+                writes = [message.data]
+            else:
+                messages = [message]
+                while len(messages) < _MAX_MANY:
+                    try:
+                        more = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        closing = True
+                        break
+                    if isinstance(more, _Pickled):
+                        held = more
+                        break
+                    messages.append(more)
+                writes = [ForkingPickler.dumps(messages[0] if len(messages) == 1 else (_MANY, messages))]
+                count = len(messages)
+            if isinstance(message, _Pickled):
+                count = 1
+            with self._state:
+                while self._writing:
+                    self._written.wait()
+                self._writing = True
             try:
-                self._conn.send(messages[0] if len(messages) == 1 else (_MANY, messages))
-            except (OSError, EOFError):  # the other side is gone; its reader reports that
+                for data in writes:
+                    self._conn.send_bytes(data)
+            except (OSError, EOFError, ValueError):  # the other side is gone; its reader reports that
                 return
+            finally:
+                with self._state:
+                    self._writing = False
+                    self._unwritten -= count
+                    self._written.notify_all()
             if closing:
                 return
+
+
+class _Pickled:
+    """A message a caller pickled already (too large, or the pipe busy, to write at once)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
 
 
 def _deliver(messages: list, handle, name: str) -> None:
@@ -165,6 +284,9 @@ def _read_on_loop(conn: Connection, loop: asyncio.AbstractEventLoop, handle, nam
                 return
 
     loop.add_reader(fd, readable)
+    # uvloop's add_reader (uvicorn's loop in a front end) makes the descriptor non-blocking, and
+    # recv() of a message not yet whole would then raise BlockingIOError, read as the pipe's end
+    os.set_blocking(fd, True)
 
 
 # ------------------------------------------------------------------ the engine process
@@ -272,7 +394,9 @@ class _EngineClient(Runtime):
         loop = asyncio.get_running_loop()
         self._started = loop.create_future()
         self._sender = _Sender(conn, "hstu-front-sender")
-        _read_into(conn, loop, self._on_message, "hstu-front-reader")
+        # read on the loop itself (no reader thread, whose every message waits for the loop's GIL)
+        read = _read_into if _PIPE_THREADS else _read_on_loop
+        read(conn, loop, self._on_message, "hstu-front-reader")
         first = await self._started
         if first[0] != "ready":
             detail = first[1] if first[0] == "failed" else "the engine process exited while starting"

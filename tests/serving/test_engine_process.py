@@ -117,6 +117,7 @@ def test_the_sender_writes_what_queued_meanwhile_in_one_message_and_the_reader_d
     """Under load each write costs the sending thread a turn at its process's GIL: messages that
     queued while one was written go out together, and the reading side hands them to its loop one
     by one, in order, then None at EOF."""
+    import pickle
     import threading
     from multiprocessing import Pipe
 
@@ -128,11 +129,11 @@ def test_the_sender_writes_what_queued_meanwhile_in_one_message_and_the_reader_d
         def __init__(self) -> None:
             self.sent, self.writing, self.release = [], threading.Event(), threading.Event()
 
-        def send(self, obj) -> None:
+        def send_bytes(self, data: bytes) -> None:
             if not self.sent:
                 self.writing.set()
                 self.release.wait(5)
-            self.sent.append(obj)
+            self.sent.append(pickle.loads(data))
 
     conn = HeldConn()
     sender = _Sender(conn, "test-sender")
@@ -210,3 +211,131 @@ def test_model_on_loop_needs_the_engine_process_and_is_on_with_it_by_default():
     assert settings_from_args(parse(["serve", "--engine-process"]), env={}).model_on_loop
     assert not settings_from_args(parse(["serve", "--engine-process", "--no-model-on-loop"]), env={}).model_on_loop
     assert not settings_from_args(parse(["serve", "--no-engine-process"]), env={}).model_on_loop
+
+
+def _read_all(conn, count: int) -> list:
+    """`count` messages from `conn`, each _MANY write unpacked."""
+    from hstu.serving.engine_process import _MANY
+
+    got = []
+    while len(got) < count:
+        assert conn.poll(5), f"only {len(got)} of {count} messages arrived"
+        message = conn.recv()
+        got.extend(message[1] if message[0] == _MANY else [message])
+    return got
+
+
+def test_a_small_message_into_an_idle_pipe_is_written_by_the_caller_before_send_returns():
+    """No hand-off to the sender thread (and its wait for the GIL) when the write cannot block."""
+    from multiprocessing import Pipe
+
+    from hstu.serving.engine_process import _Sender
+
+    ours, theirs = Pipe()
+    sender = _Sender(ours, "test-sender")
+    try:
+        assert sender._direct_limit > 0
+        sender.send(("done", 1, "outcome", 0.0))
+        assert theirs.poll(0), "written before send() returned"
+        assert theirs.recv() == ("done", 1, "outcome", 0.0)
+    finally:
+        sender.close()
+
+
+def test_direct_and_queued_writes_keep_the_order_messages_were_sent_in():
+    """Messages over the direct limit go through the thread; the small ones sent after them wait
+    behind them, so the reader sees every message in order."""
+    from multiprocessing import Pipe
+
+    from hstu.serving.engine_process import _Sender
+
+    ours, theirs = Pipe()
+    sender = _Sender(ours, "test-sender")
+    sender._direct_limit = 1000
+    big = b"x" * 5000
+    sent = []
+    try:
+        for i in range(60):
+            message = ("rank", i, big) if i % 7 == 0 else ("rank", i)
+            sender.send(message)
+            sent.append(message)
+        assert _read_all(theirs, len(sent)) == sent
+    finally:
+        sender.close()
+
+
+def test_a_sender_never_blocks_its_caller_on_a_pipe_nobody_reads():
+    """An event loop calls send(): with the other side not reading, the direct writes stop once
+    the socket stops polling writable and the thread takes (and blocks on) the rest."""
+    import time
+    from multiprocessing import Pipe
+
+    from hstu.serving.engine_process import _Sender
+
+    ours, theirs = Pipe()
+    sender = _Sender(ours, "test-sender")
+    payload = b"y" * (sender._direct_limit // 2)
+    sent = [("rank", i, payload) for i in range(200)]  # many times the socket's buffer
+    try:
+        t0 = time.monotonic()
+        for message in sent:
+            sender.send(message)
+        assert time.monotonic() - t0 < 2.0
+        assert _read_all(theirs, len(sent)) == sent
+    finally:
+        sender.close()
+
+
+def test_the_direct_limit_is_none_without_a_socket_or_under_the_thread_knob(monkeypatch):
+    from multiprocessing import Pipe
+
+    import hstu.serving.engine_process as engine_process
+
+    class NoSocket:
+        def send_bytes(self, data: bytes) -> None:
+            pass
+
+    assert engine_process._direct_limit(NoSocket()) == 0
+    ours, theirs = Pipe()
+    assert engine_process._direct_limit(ours) > 0
+    monkeypatch.setattr(engine_process, "_PIPE_THREADS", True)
+    assert engine_process._direct_limit(ours) == 0
+
+
+def test_the_loop_reads_a_message_written_in_parts_even_on_a_descriptor_left_non_blocking():
+    """uvloop's add_reader (a front end's loop under uvicorn) makes the pipe's descriptor
+    non-blocking; a message still arriving must then be waited for, not taken for the pipe's end."""
+    import os
+    import pickle
+    import struct
+    import threading
+    import time
+    from multiprocessing import Pipe
+
+    from hstu.serving.engine_process import _read_on_loop
+
+    ours, theirs = Pipe()
+    os.set_blocking(theirs.fileno(), False)  # as uvloop leaves it
+    payload = pickle.dumps(("done", 7, b"z" * 100_000))
+    frame = struct.pack("!i", len(payload)) + payload
+    loop = asyncio.new_event_loop()
+    got, finished = [], asyncio.Event()
+
+    def handle(message) -> None:
+        got.append(message)
+        finished.set()
+
+    def write_in_two_parts() -> None:
+        os.write(ours.fileno(), frame[:1000])
+        time.sleep(0.2)
+        os.write(ours.fileno(), frame[1000:])
+
+    try:
+        _read_on_loop(theirs, loop, handle, "test-reader")
+        writer = threading.Thread(target=write_in_two_parts)
+        writer.start()
+        loop.run_until_complete(asyncio.wait_for(finished.wait(), 5))
+        writer.join()
+    finally:
+        loop.close()
+    assert got == [("done", 7, b"z" * 100_000)]
