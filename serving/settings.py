@@ -96,8 +96,10 @@ class ServerSettings:
     engine_process: bool | None = None
     parse_processes: int | None = None
     # HTTP front-end processes sharing the port, each forwarding to the one engine process
-    # (serving/front_ends.py), for a server whose front-end event loop is the limit. 1 by default:
-    # at the seed workload on the H200, 2-3 ran 0.65-0.88x as fast (RESULTS.md, eleventh session).
+    # (serving/front_ends.py), for a server whose front-end event loop is the limit. 1 by default
+    # (the eleventh session's H200 ran 2-3 at 0.65-0.88x, its engine then on a model thread); with
+    # the engine launching on its loop, the GPU runs measure 2 and 4 (RESULTS.md, runs CD-CI: four
+    # answered a paced load at 0.58x of two's p50, same call), not yet 1 against them.
     front_ends: int = 1
     history_store_bytes: int = 256 << 20  # histories kept for incremental requests (0: none, every request sends all)
     # The GIL's switch interval of the process running the engine (sys.setswitchinterval; None:
