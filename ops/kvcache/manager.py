@@ -451,18 +451,20 @@ class AsyncKVCacheManager:
         onload failed, which the caller must recompute."""
         prepared = self.wait(plan)
         prepared.enqueue_onload()  # (a forward that never asked for a layer: the copies still run)
+        # Hashed here, after the launch, while the GPU runs the batch (before the wait for the
+        # onload, which ends about when the batch's kernels do), and outside the index lock (a GPU
+        # hit adopted its prefix's digests at lookup and hashes only its new blocks). A user whose
+        # onload fails is hashed for nothing: rare, and its digest is then not used.
+        digests = {
+            b: ident.prefix(n)
+            for b, (u, n, ident) in enumerate(zip(plan.user_ids, plan.history_lens, plan.identities))
+            if u not in plan.read_only
+        }
         handle = prepared.handle
         handle.wait_done()
         failed = sorted(prepared.onload_users) if handle.failed else []
         jobs: list[tuple[int, int]] = []
         cached = computed = candidates = 0
-        # Hashed here, after the launch, while the GPU runs the batch, and outside the index lock
-        # (a GPU hit adopted its prefix's digests at lookup and hashes only its new blocks).
-        digests = {
-            b: ident.prefix(n)
-            for b, (u, n, ident) in enumerate(zip(plan.user_ids, plan.history_lens, plan.identities))
-            if u not in failed and u not in plan.read_only
-        }
         with self._index_lock:
             for b, u in enumerate(plan.user_ids):
                 if u in failed:
