@@ -22,8 +22,8 @@ A message goes out from the sending loop's thread itself when that cannot block 
 pipe idle and writable), else from a sender thread, so a full pipe never blocks an event loop
 (_Sender); a front end's loop, and an engine's that launches batches (model_on_loop), read their
 pipes themselves, others in a reader thread. Why: every hand-off to a thread waits for the GIL,
-up to the switch interval (5 ms) while the loop runs Python. The engine's metrics come back with /metrics, labelled
-replica="engine" (as Ray replicas' are). A dead engine process answers every waiting and later
+up to the switch interval (5 ms) while the loop runs Python. The engine's metrics come back
+with /metrics, labelled replica="engine" (as Ray replicas' are). A dead engine process answers every waiting and later
 request 503 and the front end turns not ready.
 
 Several front ends (`--front-ends N`, serving/front_ends.py): the first one (EngineProcessRuntime)
@@ -190,7 +190,7 @@ class _Sender:
         while (message := held if held is not None else self._queue.get()) is not None:
             held, closing = None, False
             if isinstance(message, _Pickled):  # pickled by a caller already: written on its own
-                writes = [message.data]
+                data, count = message.data, 1
             else:
                 messages = [message]
                 while len(messages) < _MAX_MANY:
@@ -205,17 +205,14 @@ class _Sender:
                         held = more
                         break
                     messages.append(more)
-                writes = [ForkingPickler.dumps(messages[0] if len(messages) == 1 else (_MANY, messages))]
+                data = ForkingPickler.dumps(messages[0] if len(messages) == 1 else (_MANY, messages))
                 count = len(messages)
-            if isinstance(message, _Pickled):
-                count = 1
             with self._state:
                 while self._writing:
                     self._written.wait()
                 self._writing = True
             try:
-                for data in writes:
-                    self._conn.send_bytes(data)
+                self._conn.send_bytes(data)
             except (OSError, EOFError, ValueError):  # the other side is gone; its reader reports that
                 return
             finally:
