@@ -13,7 +13,9 @@
 # replay and the answered and sent runs alike (default 200: a sent run then lasts ~0.15 s on the H200, and
 # sent runs in one call spread by 15-60%; 2000 measures over ~1.5 s); "paced" in LOADS adds a sent run at
 # PACED_RATE requests/s (default 800, below what the server serves: its p50 is then a request's latency, not the
-# queue's), in process too when LOADS has "inproc"; PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
+# queue's), in process too when LOADS has "inproc"; SENT_RATE (default 3000), LOADGEN_PROCESSES (default 4, 32
+# connections each) and USERS (default 64) set the answered and sent loads' offered rate, client processes and users
+# (scripts/gpu_scale.sh raises them for two replicas); PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
 # during one more, longer load run (collapsed stacks per thread, busy samples only, in OUT_DIR/pyspy.txt;
 # PYSPY_IDLE=1: idle samples too, to see where threads wait; PYSPY_GIL=1: only samples holding the GIL), with
 # the GPU's utilisation every 100 ms beside it (OUT_DIR/gpu_util.csv). The server's /metrics at the end: metrics_end.txt.
@@ -64,8 +66,10 @@ fi
 replay_load() {  # replay_load ORDER FIRST_USER NAME [RATE]: the seed workload's 200 requests, a user's next one
   # waiting for the previous answer (answered) or send (sent, every answer verified); 32 connections in
   # each of 4 processes: more than the users in flight
-  python3 -m hstu.cli loadgen --server "$url" --workload replay --order "$1" --rate "${4:-3000}" --requests "$requests" --users 64 \
-    --connections 128 --processes 4 --first-user "$2" $([ "$1" = sent ] && echo --verify) --out "$out/$3" || rc=1
+  local procs=${LOADGEN_PROCESSES:-4}
+  python3 -m hstu.cli loadgen --server "$url" --workload replay --order "$1" --rate "${4:-${SENT_RATE:-3000}}" \
+    --requests "$requests" --users "${USERS:-64}" --connections $((32 * procs)) --processes "$procs" --first-user "$2" \
+    $([ "$1" = sent ] && echo --verify) --out "$out/$3" || rc=1
 }
 [[ $loads == *" answered "* ]] && replay_load answered 200000 loadgen_answered
 [[ $loads == *" sent "* ]] && replay_load sent 300000 loadgen_sent
