@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -27,6 +28,23 @@ from tests.configs import SERVING_TINY
 TINY = SERVING_TINY
 TASKS = ("click", "like", "share")
 TIMELINE_EVENTS = 126  # the most a TINY history can hold: (256 - 1 - 2) // 2
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a server started next)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tiny_serve_argv(tmp_path, port: int, *flags: str) -> list[str]:
+    """`hstu serve` on the CPU at TINY's shapes (its config written under tmp_path) on 127.0.0.1:port,
+    512 pages of 8 tokens, 16-token host chunks, TASKS, then `flags`."""
+    config = tmp_path / "model.json"
+    config.write_text(json.dumps(TINY.to_dict()))
+    return [sys.executable, "-m", "hstu.cli", "serve", "--device", "cpu", "--config", str(config), "--host", "127.0.0.1",
+            "--port", str(port), "--num-pages", "512", "--page-size", "8", "--chunk-tokens", "16",
+            "--task-names", ",".join(TASKS), *flags]
 
 
 def tiny_settings(**overrides) -> ServerSettings:

@@ -8,13 +8,10 @@ dies, the engine exits too (and so does a further front end: test_front_end_exit
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -25,7 +22,7 @@ import pytest
 from hstu.scripts.loadtest import wait_until_ready
 from hstu.serving.settings import ServerSettings
 
-from .conftest import TINY, Timeline, matches_reference
+from .conftest import Timeline, free_port, matches_reference, tiny_serve_argv
 
 START_S = 240.0  # three processes import torch on a shared 2-core machine
 
@@ -34,7 +31,7 @@ START_S = 240.0  # three processes import torch on a shared 2-core machine
 def _front_ends(tmp_path) -> Iterator[tuple[subprocess.Popen, str, int, int]]:
     """A ready two-front-end server: (its process, base URL, further front end's pid, engine's pid);
     killed with its process group afterwards if still running."""
-    port = _free_port()
+    port = free_port()
     server = _serve(tmp_path, port)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -47,18 +44,8 @@ def _front_ends(tmp_path) -> Iterator[tuple[subprocess.Popen, str, int, int]]:
             pass
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _serve(tmp_path, port: int) -> subprocess.Popen:
-    config = tmp_path / "model.json"
-    config.write_text(json.dumps(TINY.to_dict()))
-    argv = [sys.executable, "-m", "hstu.cli", "serve", "--device", "cpu", "--config", str(config), "--host", "127.0.0.1",
-            "--port", str(port), "--num-pages", "512", "--page-size", "8", "--chunk-tokens", "16",
-            "--task-names", "click,like,share", "--engine-process", "--front-ends", "2"]
+    argv = tiny_serve_argv(tmp_path, port, "--engine-process", "--front-ends", "2")
     log = open(tmp_path / "serve.log", "w")
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 

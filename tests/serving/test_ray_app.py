@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-import socket
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from hstu.serving.settings import ServerSettings  # noqa: E402
 from hstu.serving.user_ring import UserRing  # noqa: E402
 from tests.serving.conftest import (  # noqa: E402
     Timeline,
+    free_port,
     matches_reference,
     post_per_user_in_order,
     tiny_settings,
@@ -49,12 +49,6 @@ CLIENT_TIMEOUT_S = 180.0  # past the deadline: a late answer is the server's 504
 SERVE_CONFIG = Path(__file__).parents[2] / "deploy" / "ray-serve.yaml"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # Serve's router asks a replica its queue length before sending it a request, within 0.1 s doubling
 # up to 1 s, and retries for as long as no replica answers. On a 2-core CI machine a replica busy
 # recomputing the users of a killed one missed every probe for over a minute (fresh-clone CI,
@@ -70,7 +64,7 @@ def cluster() -> str:
         for name, value in _PROBE_DEADLINES.items():
             env.setenv(name, value)
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         try:
             yield f"http://127.0.0.1:{port}"

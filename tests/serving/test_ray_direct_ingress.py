@@ -7,11 +7,9 @@ child process. And the port sharing itself."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -21,32 +19,21 @@ pytest.importorskip("ray.serve")
 
 from hstu.scripts.loadtest import wait_until_ready  # noqa: E402
 from hstu.serving.ray_app import reuse_port_socket  # noqa: E402
-from tests.serving.conftest import TINY, Timeline  # noqa: E402
+from tests.serving.conftest import Timeline, free_port, tiny_serve_argv  # noqa: E402
 from tests.serving.test_ray_app import assert_all_match, post_all  # noqa: E402
 
 
 _ALL_LISTENING = "through the ingress replicas directly"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _serve(tmp_path, port: int) -> subprocess.Popen:
-    config = tmp_path / "model.json"
-    config.write_text(json.dumps(TINY.to_dict()))
-    argv = [sys.executable, "-m", "hstu.cli", "serve", "--device", "cpu", "--config", str(config), "--host", "127.0.0.1",
-            "--port", str(port), "--num-pages", "512", "--page-size", "8", "--chunk-tokens", "16",
-            "--task-names", "click,like,share", "--replicas", "1", "--front-ends", "2", "--direct-ingress",
-            "--engine-process"]
+    argv = tiny_serve_argv(tmp_path, port, "--replicas", "1", "--front-ends", "2", "--direct-ingress", "--engine-process")
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.mark.timeout(300)
 def test_direct_ingress_and_engine_process_replica_match_the_no_cache_model(tmp_path, reference):
-    port = _free_port()
+    port = free_port()
     server = _serve(tmp_path, port)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(server.stdout), daemon=True)

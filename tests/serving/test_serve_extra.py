@@ -4,7 +4,6 @@ packages cannot be imported, it answers help, readiness and one rank call over l
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -13,6 +12,7 @@ import pytest
 
 from hstu.scripts.loadtest import wait_until_ready
 from tests.configs import SERVING_TINY
+from tests.serving.conftest import free_port
 
 # Packages of the bench/test/client/ray extras; the serve process must run without any of them.
 _NOT_IN_SERVE = ("tqdm", "matplotlib", "httpx", "pytest", "ray")
@@ -35,12 +35,6 @@ def _hstu_without_other_extras(argv: list[str], **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_help_needs_only_the_serve_extra():
     done = _hstu_without_other_extras(["serve", "--help"])
     out, _ = done.communicate(timeout=120)
@@ -59,7 +53,7 @@ def test_serve_replicas_without_the_ray_extra_exits_2_naming_it():
 def test_serve_ranks_with_only_the_serve_extra(tmp_path):
     config = tmp_path / "model.json"
     config.write_text(json.dumps(SERVING_TINY.to_dict()))
-    port = _free_port()
+    port = free_port()
     server = _hstu_without_other_extras(
         ["serve", "--host", "127.0.0.1", "--port", str(port), "--config", str(config), "--num-pages", "64", "--page-size", "4",
          "--chunk-tokens", "8"]
