@@ -21,8 +21,12 @@ from typing import Any, Mapping
 
 ENV_PREFIX = "HSTU_"
 MODEL_SECTION = "model"
-# Variables of the extension build (ops/_build.py), not settings.
-RESERVED_ENV = ("HSTU_BUILD", "HSTU_FORCE_CPU", "HSTU_CUDA_ARCH")
+# Variables that are not settings: the extension build's (ops/_build.py) and the experiment knobs
+# that modules read themselves for same-call A/B runs (the server must start under them).
+RESERVED_ENV = (
+    "HSTU_BUILD", "HSTU_FORCE_CPU", "HSTU_CUDA_ARCH",
+    "HSTU_PIPE_THREADS", "HSTU_REBUILD_AHEAD", "HSTU_REBUILD_GRAPHS", "HSTU_ATTENTION_SILU", "HSTU_ONLOAD_IMPL",
+)
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
