@@ -26,48 +26,37 @@ LOAD = "loadgen_sent"  # the sent load of gpu_rest.sh: every answer verified
 _RESULTS = ("gpu_hit", "host_hit", "miss")
 
 
-def replica_hit_rates(metrics_text: str) -> dict[str, dict[str, float]]:
-    """{ranking replica: {lookups, gpu, host, any}} from a /metrics text: each replica's cache
-    lookups by result and the share that hit each tier."""
+def server_figures(metrics_text: str) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """From one /metrics text, in one pass: {ranking replica: {lookups, gpu, host, any}} (each
+    replica's cache lookups and the share that hit each tier) and {decision: routed requests} of
+    the ingress that answered the scrape (empty without a router)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from hstu.serving.metrics import REPLICA_LABEL
 
     counts: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name != "hstu_cache_lookups_total" or sample.labels.get("result") not in _RESULTS:
-                continue
-            replica = sample.labels.get(REPLICA_LABEL, "")
-            counts.setdefault(replica, dict.fromkeys(_RESULTS, 0.0))[sample.labels["result"]] += sample.value
-    out = {}
-    for replica, c in sorted(counts.items()):
-        lookups = sum(c.values())
-        rate = (lambda hits: hits / lookups if lookups else 0.0)
-        out[replica] = {
-            "lookups": lookups, "gpu": rate(c["gpu_hit"]), "host": rate(c["host_hit"]),
-            "any": rate(c["gpu_hit"] + c["host_hit"]),
-        }
-    return out
-
-
-def router_decisions(metrics_text: str) -> dict[str, float]:
-    """{decision: routed requests} of the ingress that answered the scrape (empty without a router)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     decisions: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
-            if sample.name == "hstu_router_decisions_total" and "decision" in sample.labels:
-                decisions[sample.labels["decision"]] = decisions.get(sample.labels["decision"], 0.0) + sample.value
-    return decisions
+            labels = sample.labels
+            if sample.name == "hstu_cache_lookups_total" and labels.get("result") in _RESULTS:
+                replica = labels.get(REPLICA_LABEL, "")
+                counts.setdefault(replica, dict.fromkeys(_RESULTS, 0.0))[labels["result"]] += sample.value
+            elif sample.name == "hstu_router_decisions_total" and "decision" in labels:
+                decisions[labels["decision"]] = decisions.get(labels["decision"], 0.0) + sample.value
+    replicas = {}
+    for replica, c in sorted(counts.items()):
+        lookups = sum(c.values())
+        share = [hits / lookups if lookups else 0.0 for hits in (c["gpu_hit"], c["host_hit"], c["gpu_hit"] + c["host_hit"])]
+        replicas[replica] = {"lookups": lookups, **dict(zip(("gpu", "host", "any"), share))}
+    return replicas, decisions
 
 
 def run_summary(run: Path) -> dict[str, Any]:
     """One run's figures: its sent load's and its server's, as the report shows them."""
     load = json.loads((run / LOAD / "loadgen.json").read_text())
     metrics = (run / "metrics_end.txt").read_text() if (run / "metrics_end.txt").exists() else ""
-    decisions = router_decisions(metrics)
+    replicas, decisions = server_figures(metrics)
     routed = sum(decisions.values())
     return {
         "run": run.name,
@@ -79,7 +68,7 @@ def run_summary(run: Path) -> dict[str, Any]:
         "statuses": load["statuses"],
         "verified": load.get("verified"),
         "verify_mismatches": load.get("verify_mismatches"),
-        "replicas": replica_hit_rates(metrics),
+        "replicas": replicas,
         "router_decisions": decisions,
         "affinity_share": decisions.get("affinity", 0.0) / routed if routed else None,
     }

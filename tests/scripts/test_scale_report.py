@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from hstu.scripts.scale_report import main, replica_hit_rates, router_decisions, scale_report
+from hstu.scripts.scale_report import main, scale_report, server_figures
 from hstu.serving.metrics import CacheCollector, merged_exposition
 from hstu.serving.router_stats import RouterCollector, RouterStats
 
@@ -58,11 +58,11 @@ def _run(tmp_path, name: str, rate: float, metrics: str, mismatches: int = 0):
 
 def test_hit_rates_per_replica_and_the_affinity_share_come_from_the_merged_metrics():
     text = _ingress_text({"rank#a": (60, 10, 30), "rank#b": (45, 0, 5)}, affinity=90, fallback=10)
-    rates = replica_hit_rates(text)
+    rates, decisions = server_figures(text)
     assert set(rates) == {"rank#a", "rank#b"}
     assert rates["rank#a"]["lookups"] == 100 and abs(rates["rank#a"]["gpu"] - 0.6) < 1e-9
     assert abs(rates["rank#a"]["any"] - 0.7) < 1e-9 and abs(rates["rank#b"]["any"] - 0.9) < 1e-9
-    assert router_decisions(text) == {"affinity": 90.0, "least_loaded": 0.0, "next_on_ring": 10.0}
+    assert decisions == {"affinity": 90.0, "least_loaded": 0.0, "next_on_ring": 10.0}
 
 
 def test_the_report_gives_the_scaling_ratio_and_fails_on_a_mismatch(tmp_path, capsys):
