@@ -2,9 +2,13 @@
 
 The onload marks layer i ready after enqueueing its copies (recording a CUDA event on the onload
 stream; the model thread enqueues them, TierTransfers.onload_async); the compute thread's wait(i)
-blocks until then and, on CUDA, makes the current stream wait on that event - so layer i waits only for its own pages and the host never syncs on
-the copy. A handle belongs to one batch and is never reset: a new batch gets a new handle, so a
-late onload cannot signal the wrong batch.
+blocks until then and, on CUDA, makes the current stream wait on that event - so layer i waits
+only for its own pages and the host never syncs on the copy. Once every layer is enqueued without
+error the handle is `enqueued`: finish() commits the batch then, without waiting for the copies to
+land (the device runs everything that reads the pages after them, in stream order). The onload
+worker then waits for this batch's last event (not the streams: later onloads' copies may be queued
+there) and marks it done. A handle belongs to one batch and is never reset: a new batch gets a new
+handle, so a late onload cannot signal the wrong batch.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ class OnloadHandle:
         self.timeout_s = timeout_s
         self._ready = [threading.Event() for _ in range(num_layers)]
         self._events = [torch.cuda.Event() for _ in range(num_layers)] if device.type == "cuda" else None
+        self._enqueued = threading.Event()  # every layer enqueued, or failed
         self._done = threading.Event()
         self.error: BaseException | None = None
 
@@ -33,6 +38,7 @@ class OnloadHandle:
             handle = cls(num_layers, torch.device("cpu"))
             for layer in range(num_layers):
                 handle._ready[layer].set()
+            handle._enqueued.set()
             handle._done.set()
             handle = _COMPLETED.setdefault(num_layers, handle)
         return handle
@@ -43,6 +49,18 @@ class OnloadHandle:
             self._events[layer].record(stream)
         self._ready[layer].set()
 
+    def mark_enqueued(self) -> None:
+        """Model thread: every layer's copies (and rebuilds) are enqueued without error."""
+        self._enqueued.set()
+
+    def synchronize(self) -> None:
+        """Worker side: block until this batch's copies and rebuilds completed on the device: its last
+        layer's event, recorded after them (each layer's follows the layer's copies on the copy stream
+        or its rebuild on the rebuild stream, which waited for them). No-op off CUDA."""
+        events = self._events
+        if events is not None:
+            events[-1].synchronize()
+
     def mark_done(self) -> None:
         self._done.set()
 
@@ -52,6 +70,7 @@ class OnloadHandle:
         self._events = None
         for flag in self._ready:
             flag.set()
+        self._enqueued.set()
         self._done.set()
 
     def wait(self, layer: int) -> None:
@@ -61,6 +80,13 @@ class OnloadHandle:
         events = self._events
         if events is not None:
             torch.cuda.current_stream().wait_event(events[layer])
+
+    def wait_enqueued(self) -> bool:
+        """Block until every layer is enqueued (True) or the onload failed (False: done, its copies
+        settled; the caller recomputes the users)."""
+        if not self._enqueued.wait(self.timeout_s):
+            raise TimeoutError(f"onload was not enqueued within {self.timeout_s:.0f}s")
+        return self.error is None
 
     def wait_done(self) -> None:
         """Block until the worker finished with this handle (copies enqueued and host pins released)."""

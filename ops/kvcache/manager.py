@@ -14,8 +14,9 @@ Interface (the engine, engine/engine.py, is its only caller; one model thread dr
                    copies (one event per layer on the onload stream), so they queue behind the
                    batch's own inputs copy (PreparedBatch.start_onload).
   finish(plan) -> failed users
-                   after the block ran: commits new lengths and digests, invalidates users whose
-                   onload failed (the caller recomputes them), offloads newly full chunks (the
+                   after the block was launched (its onload enqueued, not yet landed): commits new
+                   lengths and digests, invalidates users whose onload failed to enqueue (the
+                   caller recomputes them), offloads newly full chunks (the
                    offload worker gathers all layers in one op on the offload stream, copies into
                    host slots, commits them after the copy completed, then unpins).
   abort(plan)      the forward failed anywhere after plan(): wait for the workers, unpin, keep only
@@ -25,7 +26,8 @@ Threads and state:
   model thread     plan, wait, finish, abort, invalidate, evict_gpu, drain, close
   prepare worker   only under config.prepare_worker (else the model thread inside plan): GPU
                    reserve (+ evictions), metadata; finish hashes the whole histories after the launch
-  onload worker    waits for the onload's copies (the model thread enqueued them); host unpin when done
+  onload worker    waits for the onload's copies (the model thread enqueued them); host unpin when done;
+                   a copy failing there drops the GPU entries finish committed (_onload_failed_late)
   offload worker   gather + D2H on the offload stream; host reserve/commit/abort; GPU unpin
   Every multi-step change of the two C++ indexes runs under `_index_lock` (the indexes also lock
   each call); no thread waits for another while holding it.
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -73,6 +76,9 @@ from hstu.ops.kvcache.stats import CacheStats
 from hstu.ops.kvcache.transfers import OffloadJob, TierTransfers
 
 logger = logging.getLogger(__name__)
+# HSTU_FINISH_WAITS_ONLOAD=1: finish() waits for the onload's copies to land before committing, as
+# it did before (an experiment knob for same-call comparisons)
+_FINISH_WAITS_ONLOAD = os.environ.get("HSTU_FINISH_WAITS_ONLOAD", "0") == "1"
 
 _ext = load_extension()
 CacheCapacityError = _ext.CacheCapacityError
@@ -112,7 +118,7 @@ class AsyncKVCacheManager:
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="hstu-prepare")
         self.transfers = TierTransfers(
             c, self.device, self.gpu, self.host, self.kv_pages, self.host_arena, self.stats, self._index_lock,
-            self._count_evictions, onload_fault,
+            self._count_evictions, onload_fault, self._onload_failed_late,
         )
         self.admission = FrequencyAdmission(config.offload_min_seen)
         # Compute-or-load split of host-tier prefixes (ops/kvcache/planner.py): the planner's cost
@@ -451,8 +457,7 @@ class AsyncKVCacheManager:
         onload failed, which the caller must recompute."""
         prepared = self.wait(plan)
         prepared.enqueue_onload()  # (a forward that never asked for a layer: the copies still run)
-        # Hashed here, after the launch, while the GPU runs the batch (before the wait for the
-        # onload, which ends about when the batch's kernels do), and outside the index lock (a GPU
+        # Hashed here, after the launch, while the GPU runs the batch, and outside the index lock (a GPU
         # hit adopted its prefix's digests at lookup and hashes only its new blocks). A user whose
         # onload fails is hashed for nothing: rare, and its digest is then not used.
         digests = {
@@ -460,12 +465,23 @@ class AsyncKVCacheManager:
             for b, (u, n, ident) in enumerate(zip(plan.user_ids, plan.history_lens, plan.identities))
             if u not in plan.read_only
         }
+        # Every layer's copies are enqueued by now (on this thread): commit without waiting for
+        # them to land. Everything that reads these pages runs after them on the device (the
+        # batch's layers waited for their events; later batches, offloads and onloads are ordered
+        # after this batch's compute), and waiting here held the model thread, so the next batch's
+        # host work, until the copies ended. An enqueue that failed is waited for (its copies
+        # settled) and recomputed.
         handle = prepared.handle
-        handle.wait_done()
-        failed = sorted(prepared.onload_users) if handle.failed else []
+        if handle.wait_enqueued():
+            handle.wait(handle.num_layers - 1)  # (the layers did; this covers a forward that never asked)
+        if _FINISH_WAITS_ONLOAD or handle.failed:
+            handle.wait_done()
         jobs: list[tuple[int, int]] = []
         cached = computed = candidates = 0
         with self._index_lock:
+            # read under the lock: a failure the worker finds later sees this batch committed
+            # (_onload_failed_late), never half of it
+            failed = sorted(prepared.onload_users) if handle.failed else []
             for b, u in enumerate(plan.user_ids):
                 if u in failed:
                     continue
@@ -523,8 +539,27 @@ class AsyncKVCacheManager:
 
     # ------------------------------------------------------------ maintenance
     def drain(self) -> None:
-        """Wait for every in-flight offload."""
+        """Wait for every in-flight offload and onload (their host pins dropped)."""
         self.transfers.join(None)
+        self.transfers.join_onloads()
+
+    def _onload_failed_late(self, users: list[int]) -> None:
+        """The onload worker: a batch's onload failed on the device after its copies were all
+        enqueued, so finish() may have committed these users over pages the copies never filled.
+        Unpinned users are dropped; a pinned one (its batch or offload still in flight) keeps its
+        pages with length 0, which no lookup reuses, until its next commit or eviction."""
+        try:
+            with self._index_lock:
+                for u in users:
+                    if not self.gpu.contains(u):
+                        continue
+                    if self.gpu.pin_count(u) == 0:
+                        self.gpu.invalidate(u)
+                    else:
+                        self.gpu.commit(u, 0, b"")
+                    self._identities.pop(u, None)
+        except BaseException:  # the worker must still settle later onloads
+            logger.exception("dropping users %s after their failed onload failed", users)
 
     def invalidate(self, user: int) -> None:
         """Drop every tier's copy of a user (caller guarantees the user is not pinned)."""

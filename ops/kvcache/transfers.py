@@ -3,8 +3,9 @@
   onload   host chunks -> reserved GPU pages, layer by layer on the onload stream (after the
            compute stream's work so far, the batch's own inputs copy included: the model thread
            starts it, PreparedBatch.start_onload, and enqueues every layer's copies), one event
-           per layer in the batch's OnloadHandle; the users' host pins are dropped once the copies
-           completed, before the handle reports done.
+           per layer in the batch's OnloadHandle, which is `enqueued` once the last layer is (the
+           batch may then commit); the worker waits for the batch's last event, drops the users'
+           host pins and marks the handle done.
   offload  a batch's newly full chunks: host slots reserved, all layers gathered in one op on the
            offload stream, copied into the slots, committed to the host index only after the copy
            completed (with the digest of the prefix they hold), then the users' GPU pins dropped.
@@ -132,12 +133,16 @@ class TierTransfers:
         index_lock: threading.RLock,
         count_evictions: Callable[[], None],
         onload_fault: Callable[[list[int], int], None] | None = None,
+        onload_failed_late: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.config, self.device = config, device
         self.gpu, self.host = gpu, host
         self.kv_pages, self.host_arena = kv_pages, host_arena
         self.stats, self._index_lock, self._count_evictions = stats, index_lock, count_evictions
         self.onload_fault = onload_fault
+        # an onload enqueued whole (its batch may have committed) failed on the device: its users
+        self.onload_failed_late = onload_failed_late
+        self._settled: Future | None = None  # the last settle handed to the onload worker (FIFO)
         # host_format "hidden": the arena's hidden-state view [S, L, chunk_tokens, D], which format each
         # slot holds (set for reserved slots before their commit, read only for pinned committed
         # ones), and the model's K/V projection of a layer's input; None: every chunk K/V.
@@ -250,10 +255,22 @@ class TierTransfers:
         self._settle_if_enqueued(pending)
 
     def _settle_if_enqueued(self, pending: "_PendingOnload") -> None:
-        """Hand the onload to the worker once every layer is enqueued, or at its first error."""
+        """Hand the onload to the worker once every layer is enqueued (the handle is then
+        `enqueued` and its bytes counted, here on the model thread), or at its first error."""
         if not pending.settling and (pending.error is not None or pending.next_layer >= self.config.num_layers):
             pending.settling = True
-            self._onload_pool.submit(self._settle_onload, pending.handle, pending.users, pending.parts, pending.error)
+            if pending.error is None:
+                self._count_onload(pending.parts)
+                pending.handle.mark_enqueued()
+            self._settled = self._onload_pool.submit(
+                self._settle_onload, pending.handle, pending.users, pending.parts, pending.error
+            )
+
+    def join_onloads(self) -> None:
+        """Wait until every onload handed to the worker so far is settled (host pins dropped)."""
+        settled = self._settled
+        if settled is not None:
+            settled.result()
 
     def _by_format(self, slot_ids: torch.Tensor, page_ids: torch.Tensor, graphs: bool = False) -> _OnloadParts:
         """Split an onload's chunks by the format their slots hold. With `graphs` (a batch's onload
@@ -337,24 +354,24 @@ class TierTransfers:
         self.stats.add(bytes_onloaded=kv + hidden * c.hidden_chunk_bytes, hidden_chunks_onloaded=hidden)
 
     def _settle_onload(self, handle, users, parts: _OnloadParts | None, error: BaseException | None = None) -> None:
-        """After onload_async enqueued the copies: wait for them, then drop the users' host pins and
-        mark the handle done, or failed (with `error`, or the copies' own) so the batch recomputes
-        the users."""
-        stream = self._onload_stream
+        """After onload_async enqueued the copies: wait for them (this batch's last event), then drop
+        the users' host pins and mark the handle done, or failed (with `error`, the enqueue's, or
+        the copies' own). A failure found only here, after the handle was `enqueued`, comes after
+        the batch may have committed its users: onload_failed_late drops what it committed. (A
+        copy that fails on the device is a sticky CUDA error: the batch's own logits then fail to
+        copy out, so they are never served.)"""
+        late = error is None
         try:
             if error is not None:
                 raise error
-            if stream is not None:
-                stream.synchronize()
-                self._rebuild_stream.synchronize()
-            self._count_onload(parts)
+            handle.synchronize()
         except BaseException as exc:  # fail-open: the batch recomputes these users
             error = exc
             logger.warning("onload of users %s failed: %s; they will be recomputed", users, exc)
             self.stats.add(onload_failures=1)
-            if stream is not None:
+            if self._onload_stream is not None:
                 try:
-                    stream.synchronize()
+                    self._onload_stream.synchronize()
                     self._rebuild_stream.synchronize()
                 except BaseException:
                     logger.exception("onload stream failed to synchronize")
@@ -365,6 +382,8 @@ class TierTransfers:
                 handle.mark_done()
             else:
                 handle.fail(error)
+                if late and self.onload_failed_late is not None:
+                    self.onload_failed_late(users)
 
     def prefetch_async(self, user: int, slot_ids: torch.Tensor, page_ids: torch.Tensor, length: int, digest: bytes) -> None:
         """Onload a user's whole host prefix into its reserved (pinned) pages outside any batch, then

@@ -171,6 +171,79 @@ def test_injected_onload_failure_recomputes_and_counts(tiny_config, book, failin
     assert mgr.gpu.pin_count(1) == 0 and mgr.host.pin_count(1) == 0
 
 
+def _evicted_to_host(model, mgr, book, user):
+    """`user`'s history committed, offloaded and then evicted from the GPU."""
+    _check(model, [book.request(user, 12)])
+    mgr.drain()
+    mgr.evict_gpu([user])
+
+
+def test_finish_commits_before_the_onload_settles(tiny_config, book, monkeypatch):
+    """A batch's onload is enqueued whole on the model thread; finish() commits then, without
+    waiting for the worker to see the copies land (on a GPU that held the model thread, and the
+    next batch's host work, until the copies ended). The host pins drop when the worker settles."""
+    from hstu.ops.kvcache.handle import OnloadHandle
+
+    model, mgr = _setup(tiny_config)
+    _evicted_to_host(model, mgr, book, 1)
+    release = threading.Event()
+    synchronize = OnloadHandle.synchronize
+    monkeypatch.setattr(OnloadHandle, "synchronize", lambda h: (release.wait(10), synchronize(h)))
+    out = _check(model, [book.request(1, 2)])[0]  # returns while the worker still waits
+    assert out.cached_tokens == 24 and mgr.stats.snapshot()["bytes_onloaded"] > 0
+    assert mgr.host.pin_count(1) == 1  # the copies have not settled
+    n = mgr.gpu.lookup(1)[0]
+    assert n == tiny_config.history_tokens(14)
+    release.set()
+    mgr.drain()
+    assert mgr.host.pin_count(1) == 0 and mgr.gpu.pin_count(1) == 0
+    assert _check(model, [book.request(1, 2)])[0].cached_tokens == n  # the committed entry serves
+
+
+def test_an_onload_failing_after_commit_drops_what_its_batch_committed(tiny_config, book, monkeypatch):
+    """A failure the worker finds only when it waits for the copies (on a GPU: a copy failing on
+    the device) comes after finish() committed the batch: the users' GPU entries are dropped, so
+    their next request recomputes (or onloads again) instead of reading pages never filled."""
+    from hstu.ops.kvcache.handle import OnloadHandle
+
+    model, mgr = _setup(tiny_config)
+    _evicted_to_host(model, mgr, book, 1)
+
+    committed = threading.Event()
+
+    def fail(handle):
+        committed.wait(10)
+        raise RuntimeError("injected copy failure on the device")
+
+    monkeypatch.setattr(OnloadHandle, "synchronize", fail)
+    _check(model, [book.request(1, 2)])  # committed: the failure comes after
+    committed.set()
+    mgr.drain()
+    monkeypatch.undo()
+    stats = mgr.stats.snapshot()
+    assert stats["onload_failures"] == 1
+    assert mgr.gpu.lookup(1)[0] == 0 and mgr.host.pin_count(1) == 0  # (pinned by its offload then: kept at 0)
+    out = _check(model, [book.request(1, 2)])[0]
+    after = mgr.stats.snapshot()
+    assert after["gpu_hits"] == stats["gpu_hits"] and after["host_hits"] == stats["host_hits"] + 1
+    assert out.cached_tokens == 24
+
+
+def test_a_late_onload_failure_leaves_a_pinned_entry_unusable(tiny_config, book):
+    """While the failed batch's users are still pinned (their offload in flight), their entries
+    keep their pages at length 0: no lookup reuses them, and the next commit replaces them."""
+    model, mgr = _setup(tiny_config)
+    _check(model, [book.request(1, 5)])
+    mgr.drain()
+    mgr.gpu.reserve([1], [mgr.gpu.lookup(1)[0]], [mgr.gpu.lookup(1)[0] + 1])  # pinned, as in flight
+    mgr._onload_failed_late([1])
+    assert mgr.gpu.lookup(1) == (0, b"") and mgr.gpu.pin_count(1) == 1
+    mgr.gpu.release([1])
+    gpu_hits = mgr.stats.snapshot()["gpu_hits"]
+    _check(model, [book.request(1, 2)])
+    assert mgr.stats.snapshot()["gpu_hits"] == gpu_hits
+
+
 def test_failed_forward_leaves_no_pins(tiny_config, book, monkeypatch):
     model, mgr = _setup(tiny_config)
     _check(model, [book.request(1, 5)])
