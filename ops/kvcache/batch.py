@@ -88,5 +88,10 @@ class BatchPlan:
     # tensor a layer (eager), or the graphs' static copy [L, largest bucket, D] (its first rows).
     hidden_chunks: dict[int, tuple[int, int]] = field(default_factory=dict)
     layer_inputs: list[torch.Tensor] | torch.Tensor | None = None
+    # the batch's number (PageReuse), the earlier batch its onload waits for (-1: none) and what it
+    # waits for on the device (an event, None, or page_reuse.ALL_EARLIER)
+    seq: int = -1
+    reuse_wait: int = -1
+    pages_used_until: object = None
     _future: Future | None = field(default=None, repr=False)
     _prepared: PreparedBatch | None = field(default=None, repr=False)

@@ -34,6 +34,9 @@ Threads and state:
 
 Invariants:
   - A user's pages are never evicted or shrunk while pinned (in a batch, or being offloaded).
+  - An onload's copies into newly reserved pages run after the compute of the last batch that
+    used any of them (page_reuse.py; a batch's users are released when it is launched, so such a
+    batch may still run), and after nothing else: not behind every batch enqueued before.
   - A host slot is reused only after its user was unpinned (no onload reads it) or, if reserved,
     after its copy was committed or aborted.
   - A user's in-flight offload is joined before a plan that could shrink, drop or onload the
@@ -64,6 +67,7 @@ import torch
 from hstu.model.identity import HistoryIdentity
 from hstu.ops._build import load_extension
 from hstu.ops.kvcache.admission import FrequencyAdmission
+from hstu.ops.kvcache.page_reuse import PageReuse
 from hstu.ops.kvcache.batch import BatchPlan, PreparedBatch
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.handle import OnloadHandle
@@ -133,6 +137,8 @@ class AsyncKVCacheManager:
             self.device,
         )
         self._prefetcher = Prefetcher(c, self.gpu, self.host, self.transfers, self.stats, self._index_lock)
+        # which earlier batch an onload must wait for before overwriting its reserved pages
+        self._reuse = PageReuse(self.is_cuda)
         self._closed = False
 
     # ------------------------------------------------------------------- plan
@@ -151,6 +157,8 @@ class AsyncKVCacheManager:
         the buckets' row counts (the planner costs a split at its bucket's rows and keeps it within
         the largest)."""
         plan = self._lookup(user_ids, history_lens, identities)
+        with self._index_lock:
+            plan.seq = self._reuse.begin()
         try:
             unpin = split_host_prefixes(
                 plan, num_candidates, self.config, self.cost_model, self.stats, graph_buckets, self.transfers.slot_hidden
@@ -406,7 +414,9 @@ class AsyncKVCacheManager:
         else:
             handle = OnloadHandle(self.config.num_layers, self.device, self.config.onload_timeout_s)
             slot_ids, page_ids = self._onload_plan(plan, pages)
-            start = functools.partial(self.transfers.onload_async, handle, onload_users, slot_ids, page_ids)
+            start = functools.partial(
+                self.transfers.onload_async, handle, onload_users, slot_ids, page_ids, pages_used_until=plan.pages_used_until
+            )
         return PreparedBatch(pages, metadata, handle, self.kv_pages, onload_users, front_metadata, start)
 
     def _reserve(self, plan: BatchPlan, keep: list[int]) -> list[list[int]]:
@@ -416,6 +426,8 @@ class AsyncKVCacheManager:
         with self._index_lock:
             pages = self.gpu.reserve(plan.user_ids, keep, targets)
             self._count_evictions()
+            plan.reuse_wait = self._reuse.reserved(plan.seq, plan.user_ids)
+            plan.pages_used_until = self._reuse.wait_for(plan.reuse_wait)
         ps = self.config.page_size
         for b, u in enumerate(plan.user_ids):
             if u in plan.read_only:
@@ -514,7 +526,14 @@ class AsyncKVCacheManager:
                  for u, b in offload]
             )
         plan.layer_inputs = None  # gathered: a graph's buffer may be overwritten, an eager batch's freed
+        self._launched(plan)
         return failed
+
+    def _launched(self, plan: BatchPlan) -> None:
+        """The batch enqueued all its compute work: later onloads into pages it used wait for this."""
+        event = self.transfers._compute_event()
+        with self._index_lock:
+            self._reuse.launched(plan.seq, event)
 
     def prefetch(self, user_ids: list[int], max_users: int = 256) -> int:
         """Start onloading host-tier users expected to rank soon into free GPU pages (never evicting
@@ -534,6 +553,7 @@ class AsyncKVCacheManager:
             prepared.enqueue_onload()  # its worker drops the host pins; the pages stay reserved until it is done
             prepared.handle.wait_done()
         finally:
+            self._launched(plan)  # (whatever of its forward was enqueued)
             with self._index_lock:
                 self.gpu.release(plan.user_ids)
 
@@ -555,6 +575,7 @@ class AsyncKVCacheManager:
                         continue
                     if self.gpu.pin_count(u) == 0:
                         self.gpu.invalidate(u)
+                        self._reuse.freed(u)
                     else:
                         self.gpu.commit(u, 0, b"")
                     self._identities.pop(u, None)
@@ -565,6 +586,7 @@ class AsyncKVCacheManager:
         """Drop every tier's copy of a user (caller guarantees the user is not pinned)."""
         with self._index_lock:
             self.gpu.invalidate(user)
+            self._reuse.freed(user)
             self.host.invalidate(user)
             self._identities.pop(user, None)
             self._tails.drop(user)
@@ -576,6 +598,7 @@ class AsyncKVCacheManager:
         with self._index_lock:
             for u in users:
                 self.gpu.invalidate(u)
+                self._reuse.freed(u)
                 self._identities.pop(u, None)
 
     def occupancy(self) -> dict[str, int]:
@@ -587,6 +610,7 @@ class AsyncKVCacheManager:
         gpu_evicted, h = self.gpu.take_evicted(), len(self.host.take_evicted())
         for u in gpu_evicted:
             self._identities.pop(u, None)
+            self._reuse.freed(u)
         if gpu_evicted or h:
             self.stats.add(gpu_evictions=len(gpu_evicted), host_evictions=h)
 

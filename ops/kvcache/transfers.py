@@ -45,6 +45,7 @@ from hstu.ops.kv_ops import (
 from hstu.ops.kvcache.admission import ByteBudget
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.handle import OnloadHandle
+from hstu.ops.kvcache.page_reuse import ALL_EARLIER
 from hstu.ops.kvcache.rebuild_graphs import RebuildGraphs
 from hstu.ops.kvcache.stats import CacheStats
 
@@ -191,10 +192,13 @@ class TierTransfers:
     def onload_async(
         self, handle: OnloadHandle, users: list[int], slot_ids: torch.Tensor, page_ids: torch.Tensor,
         after: "torch.cuda.Event | None" = None,
+        pages_used_until: object = ALL_EARLIER,
     ) -> Callable[[int], None]:
         """Start copying host slots `slot_ids` into page rows `page_ids` [n, pages_per_chunk], after
-        the work enqueued so far on the caller's (compute) stream, or after `after` (an event the
-        caller recorded on it earlier): the reserved pages may have been read by a batch launched
+        `pages_used_until`: the compute event of the last batch that used those pages, or None when
+        it completed (the manager's PageReuse). Given ALL_EARLIER (unknown), after the work
+        enqueued so far on the caller's (compute) stream, or after `after` (an event the caller
+        recorded on it earlier): the reserved pages may have been read by a batch launched
         before and not yet finished on the device. (A front pass, which writes other pages, is
         enqueued before its batch's onload and must not be waited for: on the H200 that serialised
         the copies after it, 18.7 ms at batch 8 against 12.8 ms overlapped.)
@@ -216,7 +220,10 @@ class TierTransfers:
         CD, CE) while the GPU idled; enqueued on the onload worker instead, batch 1's pure onload
         ran 0.9 ms slower (run CB: thread hand-offs, the GIL)."""
         stream = self._onload_stream
-        compute_done = after if after is not None else self._compute_event()
+        if pages_used_until is ALL_EARLIER:
+            compute_done = after if after is not None else self._compute_event()
+        else:  # the manager knows the last batch that used the pages (PageReuse): only it, or nothing
+            compute_done = pages_used_until
         pending = _PendingOnload(handle, users)
         try:
             with self._enqueue_lock, torch.cuda.stream(stream):  # a no-op for None (CPU)
