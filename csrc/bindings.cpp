@@ -2,7 +2,7 @@
 // batch's host inputs (batch_features.cpp, pack_metadata.cpp) and request checks (request_checks.cpp).
 //
 // Python view: user ids and lengths are int, digests are bytes (b"" = none), page/slot lists are
-// list[int]. C++ errors map to Python as: CacheCapacityError -> ext.CacheCapacityError (a
+// list[int] (GpuPageManager.reserve_arrays: int32 numpy arrays). C++ errors map to Python as: CacheCapacityError -> ext.CacheCapacityError (a
 // RuntimeError), std::invalid_argument -> ValueError, std::logic_error -> RuntimeError (pybind11's
 // std::exception fallback). The classes lock internally, and no call releases the GIL: each takes
 // microseconds (a reserve that evicts frees a few page lists), and a release makes the calling
@@ -11,7 +11,10 @@
 // process's GIL is saturated). No C++ path takes the GIL while holding an index's lock.
 // The torch op schemas live in ops.cpp (TORCH_LIBRARY(hstu, ...)), a separate translation unit.
 #include <torch/extension.h>
+#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
+
+#include <algorithm>
 
 #include "cache/gpu_page_manager.h"
 #include "cache/host_storage.h"
@@ -27,6 +30,20 @@ void bind_request_checks(py::module& m);  // request_checks.cpp
 }
 
 namespace {
+// reserve() with each page list as an int32 numpy array (one copy) instead of a list of Python
+// ints: the manager hands them to pack_metadata and slices them, never iterates them in Python.
+py::list reserve_arrays(GpuPageManager& gpu, const std::vector<int64_t>& users, const std::vector<int64_t>& keep_lens,
+                        const std::vector<int64_t>& target_lens) {
+  const auto lists = gpu.reserve(users, keep_lens, target_lens);
+  py::list out(lists.size());
+  for (size_t i = 0; i < lists.size(); ++i) {
+    py::array_t<int32_t> pages(static_cast<py::ssize_t>(lists[i].size()));
+    std::copy(lists[i].begin(), lists[i].end(), pages.mutable_data());
+    out[i] = std::move(pages);
+  }
+  return out;
+}
+
 // lookup() with the digest returned as bytes (pybind11 would decode a std::string as UTF-8 text).
 template <typename Index>
 py::tuple lookup_as_bytes(const Index& index, int64_t user) {
@@ -51,6 +68,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "page_size), set length = keep_len, pin, mark MRU; evicts LRU unpinned users outside the call. "
            "Returns list[list[int]] page lists. Raises ValueError, RuntimeError (shrinking a pinned user), "
            "CacheCapacityError.")
+      .def("reserve_arrays", &reserve_arrays, py::arg("users"), py::arg("keep_lens"), py::arg("target_lens"),
+           "reserve(), each page list an int32 numpy array.")
       .def("commit", &GpuPageManager::commit, py::arg("user"), py::arg("length"), py::arg("digest"),
            "Sets the valid length (<= pages * page_size) and the digest (bytes) of that prefix.")
       .def("release", &GpuPageManager::release, py::arg("users"),

@@ -13,7 +13,11 @@
 // the scratch page (page_table, page_indices, append_page_ids), the last offset (page_indptr,
 // q_offsets), the row index (q_local), -1 (q_pos), 1 (last_page_len), else 0. Unpadded, page_table's
 // row b is padded with user b's first page instead. The GIL stays held (microseconds of work).
+// Page lists arrive as int32 arrays (GpuPageManager.reserve_arrays; lists are converted): a batch
+// of 8 users over 4k-token histories has ~2,000 pages, and converting them as Python ints cost more
+// (~35 us on the dev CPU) than packing every field.
 #include <torch/extension.h>
+#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
 #include "kv_checks.h"
@@ -28,6 +32,7 @@ namespace hstu {
 namespace {
 
 constexpr int kFields = 13;
+using PageList = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
 
 template <typename T>
 void fill_tail(T* dest, int64_t from, int64_t size, T value) {
@@ -35,7 +40,7 @@ void fill_tail(T* dest, int64_t from, int64_t size, T value) {
 }
 
 void pack_metadata(torch::Tensor buffer, const std::vector<int64_t>& offsets,
-                   const std::vector<std::vector<int64_t>>& page_lists, const std::vector<int64_t>& history_lens,
+                   const std::vector<PageList>& page_lists, const std::vector<int64_t>& history_lens,
                    const std::vector<int64_t>& cached_lens, const std::vector<int64_t>& num_candidates,
                    int64_t page_size, int64_t nB, int64_t nP, int64_t nT, int64_t nTn, bool padded,
                    int64_t scratch) {
@@ -48,6 +53,7 @@ void pack_metadata(torch::Tensor buffer, const std::vector<int64_t>& offsets,
   require(page_size > 0 && B <= nB, "pack_metadata: bad page size or batch over its padded size");
   int64_t T = 0, Tn = 0, pages = 0;
   for (int64_t b = 0; b < B; ++b) {
+    require(page_lists[b].ndim() == 1, "pack_metadata: user " + std::to_string(b) + "'s page list is not 1-D");
     const int64_t h = history_lens[b], c = cached_lens[b], n = page_lists[b].size();
     require(0 <= c && c <= h, "pack_metadata: user " + std::to_string(b) + " cached length " + std::to_string(c) +
                                   " outside [0, " + std::to_string(h) + "]");
@@ -80,8 +86,8 @@ void pack_metadata(torch::Tensor buffer, const std::vector<int64_t>& offsets,
   indptr[0] = 0;
   q_offsets[0] = 0;
   for (int64_t b = 0; b < B; ++b) {
-    const auto& list = page_lists[b];
-    const int64_t n = list.size(), h = history_lens[b], c = cached_lens[b];
+    const int32_t* list = page_lists[b].data();
+    const int64_t n = page_lists[b].size(), h = history_lens[b], c = cached_lens[b];
     int32_t* table_row = table + b * nP;
     for (int64_t j = 0; j < nP; ++j) {
       table_row[j] = j < n ? int32_t(list[j]) : int32_t(padded || n == 0 ? scratch : list[0]);

@@ -8,6 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from hstu.model.identity import HistoryIdentity
@@ -20,7 +21,7 @@ from hstu.ops.kvcache.metadata import KVCacheMetadata, PackedMetadata, PadSpec
 class PreparedBatch:
     """A batch whose pages are reserved: what the block needs, and what finish() commits."""
 
-    pages: list[list[int]]
+    pages: list[np.ndarray]  # per user, int32 page ids (GpuPageManager.reserve_arrays)
     # Packed on the host; on the device after AsyncKVCacheManager.wait, except for CUDA-graph batches.
     metadata: KVCacheMetadata | PackedMetadata
     handle: OnloadHandle

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field, fields
+from typing import Sequence
 
 import torch
 
@@ -110,7 +111,7 @@ class KVCacheMetadata:
 
     @classmethod
     def from_layout(
-        cls, page_lists: list[list[int]], layout, page_size: int, pin: bool = False, pad: PadSpec | None = None
+        cls, page_lists: Sequence[Sequence[int]], layout, page_size: int, pin: bool = False, pad: PadSpec | None = None
     ) -> "KVCacheMetadata":
         """from_pages for a JaggedLayout (its lengths)."""
         packed = pack_layout(page_lists, layout, page_size, pin, pad)
@@ -176,7 +177,7 @@ def pack_layout(page_lists, layout, page_size: int, pin: bool = False, pad: PadS
 
 
 def pack_metadata(
-    page_lists: list[list[int]],
+    page_lists: Sequence[Sequence[int]],  # int32 arrays (reserve_arrays) or lists
     history_lens: list[int],
     cached_lens: list[int],
     num_candidates: list[int],

@@ -84,7 +84,7 @@ class OffloadJob:
 
     user: int
     history_len: int
-    pages: list[int]
+    pages: "np.ndarray | list[int]"  # int32 page ids (the reserve's array)
     identity: HistoryIdentity
     hidden: HiddenChunks | None = None
 
@@ -486,7 +486,7 @@ class TierTransfers:
                     if stream is not None:
                         stream.wait_event(compute_done)
                     if slot_list:
-                        page_ids = torch.tensor(page_rows, dtype=torch.int32).reshape(-1, ppc)
+                        page_ids = torch.from_numpy(np.concatenate(page_rows).astype(np.int32, copy=False)).reshape(-1, ppc)
                         if stream is not None:
                             page_ids = page_ids.to(self.device, non_blocking=True)
                         chunks = gather_kvcache_all_layers(self.kv_pages, page_ids)

@@ -7,6 +7,7 @@ import random
 import threading
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 from hstu.ops._build import load_extension
@@ -47,6 +48,16 @@ def cache_user(mgr, user: int, length: int, fingerprint: bytes = b"") -> list[in
 
 
 # GpuPageManager
+
+
+def test_reserve_arrays_hands_out_the_pages_reserve_would_as_int32_arrays(ext):
+    lists, arrays = ext.GpuPageManager(num_pages=16, page_size=4), ext.GpuPageManager(num_pages=16, page_size=4)
+    for users, keep, target in (([1, 2], [0, 0], [5, 8]), ([3], [0], [9]), ([1], [0], [13])):
+        want = lists.reserve(users, keep, target)
+        got = arrays.reserve_arrays(users, keep, target)
+        assert [a.dtype for a in got] == [np.int32] * len(users) and [a.tolist() for a in got] == want
+        for m in (lists, arrays):
+            m.release(users)
 
 
 def test_reserve_sizes_pages_to_ceil_target_and_pins_user(ext):

@@ -120,10 +120,14 @@ def test_packed_fields_equal_a_row_by_row_reading_of_the_layout_for_random_batch
             n = -(-h // ps)
             pages.append(perm[at : at + n])
             at += n
-        meta = KVCacheMetadata.from_layout(pages, JaggedLayout.build(history, cached, candidates), ps)
+        layout = JaggedLayout.build(history, cached, candidates)
+        meta = KVCacheMetadata.from_layout(pages, layout, ps)
         got = {k: v.tolist() for k, v in meta.tensors().items()}
         assert got == _expected_fields(history, cached, candidates, pages, ps), f"trial {trial}"
         assert meta.max_q == max(h - c + m for h, c, m in zip(history, cached, candidates))
+        # int32 arrays (what the manager's reserve_arrays hands over) pack the same bytes
+        arrays = KVCacheMetadata.from_layout([np.array(p, dtype=np.int32) for p in pages], layout, ps)
+        assert {k: v.tolist() for k, v in arrays.tensors().items()} == got, f"trial {trial}"
 
 
 def test_a_batch_that_does_not_fit_its_bucket_or_staging_is_rejected():
