@@ -72,12 +72,13 @@ def run_host_phases(engine: RankingEngine, requests: list[RankingRequest]) -> di
     return dict(zip(HOST_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)))
 
 
-def _batches(engine: RankingEngine, shape: BenchShape, batch: int, n: int, ids: FreshUserIds):
-    """n times: commit fresh users' prefixes (untimed), then yield their full requests, hashed."""
+def _batches(engine: RankingEngine, shape: BenchShape, batch: int, n: int, ids: FreshUserIds, rerank: bool = False):
+    """n times: commit fresh users' prefixes (untimed; rerank: their full histories, so the batch
+    re-ranks them unchanged), then yield their full requests, hashed."""
     prefix, full = make_requests(shape, engine.config, batch)
     for _ in range(n):
         users = ids.take(batch)
-        for r in (requests := as_users(prefix, users)):
+        for r in (requests := as_users(full if rerank else prefix, users)):
             r.validate(engine.config)
         run_host_phases(engine, requests)
         engine.cache.drain()
@@ -85,17 +86,17 @@ def _batches(engine: RankingEngine, shape: BenchShape, batch: int, n: int, ids: 
         engine.cache.drain()
 
 
-def profile_host(shape: BenchShape, batch: int, n: int, top: int = 20) -> dict:
+def profile_host(shape: BenchShape, batch: int, n: int, top: int = 20, rerank: bool = False) -> dict:
     """Median ms per phase over n batches, then cProfile's top `top` functions by own time over
     another n (the profiler's overhead kept out of the medians)."""
     ids = FreshUserIds()
     engine = host_engine(shape, batch)
     try:
-        for requests in _batches(engine, shape, batch, 3, ids):  # warm-up
+        for requests in _batches(engine, shape, batch, 3, ids, rerank):  # warm-up
             run_host_phases(engine, requests)
-        times = [run_host_phases(engine, r) for r in _batches(engine, shape, batch, n, ids)]
+        times = [run_host_phases(engine, r) for r in _batches(engine, shape, batch, n, ids, rerank)]
         prof = cProfile.Profile()
-        for requests in _batches(engine, shape, batch, n, ids):
+        for requests in _batches(engine, shape, batch, n, ids, rerank):
             prof.enable()
             run_host_phases(engine, requests)
             prof.disable()
@@ -115,12 +116,12 @@ def profile_host(shape: BenchShape, batch: int, n: int, top: int = 20) -> dict:
     }
 
 
-def main(shape: BenchShape, batches: list[int], n: int, out: Path) -> int:
+def main(shape: BenchShape, batches: list[int], n: int, out: Path, rerank: bool = False) -> int:
     shape = narrow(shape)
-    doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host_only": True, "shape": dataclasses.asdict(shape),
-           "environment": report.environment(torch.device("cpu"))}
+    doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host_only": True, "rerank": rerank,
+           "shape": dataclasses.asdict(shape), "environment": report.environment(torch.device("cpu"))}
     for batch in batches:
-        doc[str(batch)] = profile_host(dataclasses.replace(shape, batch_sizes=(batch,)), batch, n)
+        doc[str(batch)] = profile_host(dataclasses.replace(shape, batch_sizes=(batch,)), batch, n, rerank=rerank)
     report.write_json(out / "profile_host.json", doc)
     print(format_table(doc, batches))
     return 0

@@ -96,3 +96,31 @@ def test_host_only_profile_times_the_host_phases_without_the_forward(tmp_path):
         assert set(phases) == {"plan_ms", "inputs_ms", "wait_ms", "finish_ms", "split_ms", "total_ms"}
         assert phases["plan_ms"] > 0 and phases["inputs_ms"] > 0 and phases["total_ms"] >= phases["plan_ms"]
         assert any("plan" in row["function"] for row in doc[batch]["top_own_time"])
+
+
+def test_host_only_profile_of_the_unchanged_history_rerank(tmp_path, monkeypatch):
+    """--rerank with --host-only: every timed batch re-ranks histories committed whole (GPU hits of
+    the full length, no new tokens)."""
+    from hstu.scripts import profile_host
+
+    sources = []
+    run = profile_host.run_host_phases
+
+    def spy(engine, requests):
+        out = run(engine, requests)
+        sources.append([engine.cache.stats.snapshot()["computed_tokens"]])
+        return out
+
+    monkeypatch.setattr(profile_host, "run_host_phases", spy)
+    parser = argparse.ArgumentParser()
+    profile_forward.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["profile", "--tiny", "--host-only", "--rerank", "--device", "cpu", "--batch", "2", "--forwards", "2",
+         "--out", str(tmp_path)]
+    )
+    assert args.func(args) == 0
+    doc = json.loads((tmp_path / "profile_host.json").read_text())
+    assert doc["rerank"] is True and doc["2"]["phases"]["plan_ms"] > 0
+    # a re-rank computes no history token: each timed batch (every second call) leaves the count as it was
+    counts = [c[0] for c in sources]
+    assert all(counts[i + 1] == counts[i] for i in range(0, len(counts) - 1, 2))
