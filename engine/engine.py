@@ -43,6 +43,11 @@ from hstu.ops.kvcache.planner import CostModel
 
 # A batch is ranked at most this many times: the retry after a failed onload is a plain miss.
 _MAX_ATTEMPTS = 2
+# HSTU_ONLOAD_IN_GRAPH=1: a graph-bucket batch that onloads replays one whole-forward graph whose
+# layers wait for their pages on the device (external events, engine/graphs.py "waited") instead
+# of a segment a layer with the waits between them on the host (an experiment knob, off until
+# measured on a GPU)
+_ONLOAD_IN_GRAPH = os.environ.get("HSTU_ONLOAD_IN_GRAPH", "0") == "1"
 
 # Row buckets of the CUDA graphs. Past 4096 rows too: an eager batch is host-bound well beyond that
 # (on the H200 a batch of 8 recomputing 1024 tokens each, 10k rows, spent 12 ms launching 8 ms of
@@ -333,7 +338,7 @@ class RankingEngine:
         layer_fns = self._compiled_layers(dynamic=False) if compile else None
         self.graphs = ForwardGraphs(
             self.model, self.cache.kv_pages, self.cache.scratch_page, max_batch, buckets, layer_fns, capture,
-            keep_layer_inputs=self.cache.keeps_hidden,
+            keep_layer_inputs=self.cache.keeps_hidden, waits_in_graph=_ONLOAD_IN_GRAPH,
         )
         # Every layer is one code object (paged_layer) compiled once per (layer, bucket): lift
         # Dynamo's per-code recompile limit for the captures, else the later ones run uncompiled.
@@ -426,8 +431,20 @@ class RankingEngine:
 
         if plan.pad is not None:
             before_layer = ready if prepared.onload_users else None
+            onload = None
+            if before_layer is not None and self.graphs.waits_in_graph and not prepared.onload_started:
+                # every layer's copies (and rebuilds) enqueued, then one replay whose layers wait on
+                # the device (HSTU_ONLOAD_IN_GRAPH; a front pass has started its onload: segments)
+                def onload(layer_ready) -> None:
+                    t0 = time.perf_counter()
+                    prepared.handle.mirror = layer_ready
+                    prepared.enqueue_onload()
+                    timing.onload_wait_s += time.perf_counter() - t0
+
+                before_layer = None
             logits = self.graphs.run(
-                plan.pad, prepared.metadata, plan.layout.num_candidate_rows, before_layer, owned, staged=staged
+                plan.pad, prepared.metadata, plan.layout.num_candidate_rows, before_layer, owned, staged=staged,
+                onload=onload,
             )
             if logits is None:  # padded metadata only fits its graph bucket
                 raise RuntimeError(f"no CUDA graph replayed the batch of {plan.layout.num_rows} rows padded for one")

@@ -21,6 +21,14 @@ Two captures per bucket read them:
            blocks the host only until layer i's copies are *enqueued* (by the model thread), then
            orders the compute stream after their event (OnloadHandle.wait), so layer i still waits
            on the GPU for its own pages only; the cost over `whole` is L-1 launches.
+  waited   (waits_in_graph, issue 12's onload dependency inside the graph) the whole forward with
+           an event wait before each layer i on an external event (an event wait node in the
+           graph): the engine enqueues every layer's onload first, the handle records the event of
+           layer i where it records layer i's own, then one replay. One capture per set of events
+           (_WAIT_SETS), the sets taken in turn, a set reused only after the replay that waited on
+           it completed: a later batch's record of an event an earlier replay still waits on would
+           tie that replay to the later batch's copies, which may wait for it (a deadlock), should
+           the device read the event when the node runs rather than at the launch.
 Both end in a static logits tensor [rows, num_tasks]; the engine copies out the batch's rows
 before the next replay can overwrite them.
 
@@ -49,7 +57,7 @@ functions eagerly over the same static buffers: the padding path, tested where C
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -60,6 +68,7 @@ Replay = Callable[[], object]
 
 
 _STAGING_SLOTS = 3  # batches in flight on the host side per bucket, plus one being copied
+_WAIT_SETS = 4  # waits_in_graph: event sets (and waited captures per bucket), more than batches in flight
 
 
 @dataclass
@@ -74,6 +83,9 @@ class _Bucket:
     whole_logits: torch.Tensor
     segments: list[Replay]
     segment_logits: torch.Tensor
+    # waits_in_graph: the whole forward with each layer's onload wait inside, one per event set
+    waited: list[Replay] = field(default_factory=list)
+    waited_logits: list[torch.Tensor] = field(default_factory=list)
     next_slot: int = 0
 
 
@@ -90,6 +102,7 @@ class ForwardGraphs:
         layer_fns: Sequence[Callable] | None = None,
         capture: bool = True,
         keep_layer_inputs: bool = False,
+        waits_in_graph: bool = False,
     ) -> None:
         self.model = model
         n = len(model.block.layers)
@@ -117,6 +130,21 @@ class ForwardGraphs:
         )
         self.replays = 0
         self.segmented_replays = 0
+        self.waited_replays = 0
+        # waits_in_graph: one external event per layer, recorded once now so that it exists when a
+        # capture waits on it (torch skips the wait on an event never recorded: no node is made)
+        self.waits_in_graph = waits_in_graph
+        # [set][layer] (None without CUDA: one set, nothing to wait for), and per set an event after
+        # the last replay that waited on it
+        self.layer_ready: list[list | None] = [None]
+        self._set_done: list = [None]
+        self._next_set = 0
+        if waits_in_graph and capture:
+            stream = torch.cuda.current_stream(self.device)
+            self.layer_ready = [[torch.cuda.Event(external=True) for _ in range(n)] for _ in range(_WAIT_SETS)]
+            for event in (e for events in self.layer_ready for e in events):
+                event.record(stream)
+            self._set_done = [None] * _WAIT_SETS
 
     def pad_spec(self, rows: int, batch: int) -> PadSpec | None:
         """The padding of a batch of `rows` rows and `batch` users, with the bucket's next free
@@ -134,6 +162,14 @@ class ForwardGraphs:
         return PadSpec(
             rows, self.max_batch, self.max_pages, self.scratch_page, bucket.staging[i], i, bucket.staged_inputs[i]
         )
+
+    def _take_wait_set(self) -> int:
+        """The next event set, once the last replay that waited on it completed (batches ago)."""
+        j = self._next_set
+        self._next_set = (j + 1) % len(self.layer_ready)
+        if self._set_done[j] is not None:
+            self._set_done[j].synchronize()
+        return j
 
     def inputs_of(self, pad: PadSpec) -> torch.Tensor:
         """The [5, rows] int64 inputs region of a staging slot (after the packed metadata)."""
@@ -191,6 +227,21 @@ class ForwardGraphs:
                     whole()
             torch.cuda.current_stream(self.device).wait_stream(side)
         replay_whole, whole_logits = self._record(whole)
+        waited, waited_logits = [], []
+        if self.waits_in_graph:
+
+            def whole_waiting(ready: list | None) -> torch.Tensor:
+                h = embed()
+                for i in range(len(fns)):
+                    if ready is not None:  # (CPU: nothing to wait for)
+                        torch.cuda.current_stream(self.device).wait_event(ready[i])
+                    h = layer(i, h)
+                return head(h)
+
+            for ready in self.layer_ready:
+                replay, out = self._record(functools.partial(whole_waiting, ready))
+                waited.append(replay)
+                waited_logits.append(out)
         segments, h = [], None
         for i in range(len(fns)):
             def segment(i=i, h_in=h) -> torch.Tensor:
@@ -200,7 +251,10 @@ class ForwardGraphs:
             replay, h = self._record(segment)
             segments.append(replay)
         copied = [None] * len(staging)
-        return _Bucket(rows, device_buffer, meta, staging, staged_inputs, copied, replay_whole, whole_logits, segments, h)
+        return _Bucket(
+            rows, device_buffer, meta, staging, staged_inputs, copied, replay_whole, whole_logits, segments, h, waited,
+            waited_logits,
+        )
 
     def _record(self, fn: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
         """(replay, static output) of fn over the bucket's static buffers."""
@@ -244,6 +298,7 @@ class ForwardGraphs:
         copy: bool = True,
         after_launch: Callable[[], None] | None = None,
         staged: bool = False,
+        onload: Callable[[list | None], None] | None = None,
     ) -> torch.Tensor | None:
         """Logits [num_candidates, num_tasks] of one batch (a fresh tensor; with copy=False a view
         of the static output, valid until the next replay), or None when its metadata is not the
@@ -256,11 +311,23 @@ class ForwardGraphs:
         queue behind its inputs on the copy engine, and its kernels do not wait for their enqueue,
         ~1.1 ms of host work at batch 8 on the H200, during which the GPU idled when the onload was
         started first). staged: the caller already ran stage() for this batch (nothing else
-        replayed this bucket since)."""
+        replayed this bucket since). onload(layer_ready): with waits_in_graph, instead of
+        before_layer: enqueues every layer's onload, recording layer_ready[i] with layer i's
+        readiness, after the inputs copy; then the waited graph replays once."""
         if not staged and not self.stage(pad, meta):
             return None
         bucket = self._buckets[pad.rows]
-        if before_layer is None:
+        if onload is not None and bucket.waited:
+            j = self._take_wait_set()
+            onload(self.layer_ready[j])
+            bucket.waited[j]()
+            if self.capture:
+                if self._set_done[j] is None:
+                    self._set_done[j] = torch.cuda.Event()
+                self._set_done[j].record()
+            logits = bucket.waited_logits[j]
+            self.waited_replays += 1
+        elif before_layer is None:
             bucket.whole()
             logits = bucket.whole_logits
             if after_launch is not None:

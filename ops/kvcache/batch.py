@@ -47,6 +47,11 @@ class PreparedBatch:
         if start is not None:
             self._through = start(after=after)
 
+    @property
+    def onload_started(self) -> bool:
+        """Whether the copies were enqueued (or there is nothing to onload)."""
+        return self._start_onload is None
+
     def ready(self, layer: int) -> None:
         """Block hook: order the compute stream after layer's onload (raises on timeout); the
         first call starts the onload, and each enqueues the rebuilds up to its layer."""

@@ -25,6 +25,9 @@ class OnloadHandle:
         self._ready = [threading.Event() for _ in range(num_layers)]
         self._events = [torch.cuda.Event() for _ in range(num_layers)] if device.type == "cuda" else None
         self._enqueued = threading.Event()  # every layer enqueued, or failed
+        # events recorded with each layer's own (ForwardGraphs.layer_ready: a CUDA graph's waits);
+        # set before the onload starts
+        self.mirror: list | None = None
         self._done = threading.Event()
         self.error: BaseException | None = None
 
@@ -47,6 +50,8 @@ class OnloadHandle:
         """Worker side: layer's copies are enqueued (CUDA: on `stream`) or done (CPU)."""
         if self._events is not None and stream is not None:
             self._events[layer].record(stream)
+            if self.mirror is not None:
+                self.mirror[layer].record(stream)
         self._ready[layer].set()
 
     def mark_enqueued(self) -> None:

@@ -118,6 +118,30 @@ def test_the_static_forward_path_matches_no_cache_through_hits_onloads_and_fallb
 
 
 
+@pytest.mark.parametrize("host_format", ["kv", "hidden"])
+def test_onload_waits_inside_one_replay_match_no_cache(tiny_config, book, monkeypatch, host_format):
+    """HSTU_ONLOAD_IN_GRAPH: a batch that onloads enqueues every layer's onload, then replays the
+    whole forward once with the layers' waits inside (capture=False: the same control flow, no
+    events), instead of a segment a layer; outputs still equal the no-cache model's."""
+    from hstu.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_ONLOAD_IN_GRAPH", True)
+    engine = _static_engine(tiny_config, host_format=host_format)
+    engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96), capture=False)
+    for step in range(6):
+        users = [(step + u) % 4 for u in range(3)]
+        reqs = [book.request(u, 2 + step % 3, 2 + u) for u in users]
+        if step in (3, 5):
+            engine.cache.drain()
+            engine.cache.evict_gpu(users[:2])
+        torch.testing.assert_close(engine.forward(reqs), engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
+    graphs = engine.graphs
+    assert graphs.waited_replays >= 2 and graphs.segmented_replays == 0
+    stats = engine.cache.stats.snapshot()
+    assert stats["host_hits"] >= 2 and (stats["hidden_chunks_onloaded"] > 0) == (host_format == "hidden")
+    engine.close()
+
+
 def test_staging_slots_hand_out_their_own_inputs_and_a_foreign_slot_is_not_staged(tiny_config):
     """pad_spec names the slot it hands out, with that slot's inputs region (views made at
     capture, over its staging buffer); stage() copies only a spec whose slot is the bucket's."""

@@ -137,12 +137,20 @@ def test_rerank_of_unchanged_histories_on_cuda_computes_only_candidates(cuda_gra
 
 
 @pytest.mark.parametrize("host_format", ["kv", "hidden"])
-@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "cuda_graphs"])
-def test_pipelined_batches_with_eviction_and_prefetch_match_no_cache(cuda_graphs, host_format):
+@pytest.mark.parametrize(
+    "cuda_graphs, in_graph", [(False, False), (True, False), (True, True)], ids=["eager", "cuda_graphs", "waits_in_graph"]
+)
+def test_pipelined_batches_with_eviction_and_prefetch_match_no_cache(cuda_graphs, in_graph, host_format, monkeypatch):
     """rank_async launches up to three batches before reading the first: pages freed by one batch
     (evicted, invalidated, prefetched into) must not be overwritten while an earlier launched batch
-    still reads them. Every batch's logits equal the no-cache model's (fp32)."""
+    still reads them (finish() commits before the onload lands; an onload waits only for the last
+    batch that used its pages). Every batch's logits equal the no-cache model's (fp32). in_graph:
+    the layers' onload waits inside one whole-forward replay (HSTU_ONLOAD_IN_GRAPH)."""
     from collections import deque
+
+    from hstu.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_ONLOAD_IN_GRAPH", in_graph)
 
     cfg = cuda_pipeline_model("float32")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -175,6 +183,8 @@ def test_pipelined_batches_with_eviction_and_prefetch_match_no_cache(cuda_graphs
     assert stats["gpu_evictions"] > 0 and stats["host_hits"] > 0, stats
     if cuda_graphs and host_format == "hidden":  # the onloads' rebuilds replayed their CUDA graphs
         assert engine.cache.transfers.rebuild_graphs.replays > 0
+    if in_graph:
+        assert engine.graphs.waited_replays > 0 and engine.graphs.segmented_replays == 0
     engine.close()
 
 
