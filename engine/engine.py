@@ -435,13 +435,13 @@ class RankingEngine:
             if before_layer is not None and self.graphs.waits_in_graph and not prepared.onload_started:
                 # every layer's copies (and rebuilds) enqueued, then one replay whose layers wait on
                 # the device (HSTU_ONLOAD_IN_GRAPH; a front pass has started its onload: segments)
-                def onload(layer_ready) -> None:
+                def enqueue_all(layer_ready) -> None:
                     t0 = time.perf_counter()
                     prepared.handle.mirror = layer_ready
                     prepared.enqueue_onload()
                     timing.onload_wait_s += time.perf_counter() - t0
 
-                before_layer = None
+                onload, before_layer = enqueue_all, None
             logits = self.graphs.run(
                 plan.pad, prepared.metadata, plan.layout.num_candidate_rows, before_layer, owned, staged=staged,
                 onload=onload,

@@ -30,6 +30,7 @@ class OnloadHandle:
         self.mirror: list | None = None
         self._done = threading.Event()
         self.error: BaseException | None = None
+        self._compute: "torch.cuda.Stream | None" = None
 
     @classmethod
     def completed(cls, num_layers: int) -> "OnloadHandle":
@@ -84,7 +85,10 @@ class OnloadHandle:
             raise TimeoutError(f"onload of layer {layer} did not start within {self.timeout_s:.0f}s")
         events = self._events
         if events is not None:
-            torch.cuda.current_stream().wait_event(events[layer])
+            # the compute stream, looked up once a batch (every wait runs on the model thread, in it)
+            if self._compute is None:
+                self._compute = torch.cuda.current_stream()
+            self._compute.wait_event(events[layer])
 
     def wait_enqueued(self) -> bool:
         """Block until every layer is enqueued (True) or the onload failed (False: done, its copies

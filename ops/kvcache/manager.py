@@ -522,20 +522,25 @@ class AsyncKVCacheManager:
         if plan.hidden_chunks:  # gathered now, on the compute stream, before any later forward
             kept = [b for b in plan.hidden_chunks if plan.user_ids[b] not in failed]
             hidden = gather_hidden(plan, kept, self.config.chunk_tokens, self._tails, digests, stored)
+        # after everything the batch enqueued (its gather included): what the offload and later
+        # onloads into its pages wait for
+        launched = self._launched(plan)
         if offload:
             self.transfers.offload_async(
                 [OffloadJob(u, plan.history_lens[b], prepared.pages[b], plan.identities[b], hidden.get(b))
-                 for u, b in offload]
+                 for u, b in offload],
+                launched,
             )
         plan.layer_inputs = None  # gathered: a graph's buffer may be overwritten, an eager batch's freed
-        self._launched(plan)
         return failed
 
-    def _launched(self, plan: BatchPlan) -> None:
-        """The batch enqueued all its compute work: later onloads into pages it used wait for this."""
+    def _launched(self, plan: BatchPlan) -> "torch.cuda.Event | None":
+        """The batch enqueued all its compute work: later onloads into pages it used wait for the
+        event returned (recorded on the compute stream now; None off CUDA)."""
         event = self.transfers._compute_event()
         with self._index_lock:
             self._reuse.launched(plan.seq, event)
+        return event
 
     def prefetch(self, user_ids: list[int], max_users: int = 256) -> int:
         """Start onloading host-tier users expected to rank soon into free GPU pages (never evicting

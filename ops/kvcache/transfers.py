@@ -117,6 +117,7 @@ class _PendingOnload:
     next_layer: int = 0
     error: BaseException | None = None
     settling: bool = False
+    caller_stream: "torch.cuda.Stream | None" = None  # the model thread's (compute) stream
 
 
 class TierTransfers:
@@ -224,7 +225,11 @@ class TierTransfers:
             compute_done = after if after is not None else self._compute_event()
         else:  # the manager knows the last batch that used the pages (PageReuse): only it, or nothing
             compute_done = pages_used_until
-        pending = _PendingOnload(handle, users)
+        # looked up once: each layer's rebuild switches to the rebuild stream and back to this one
+        # (torch.cuda.stream and current_stream cost ~5-10 us of Python a call, ~31 calls a batch-1
+        # forward under the profiler in run CI)
+        caller = torch.cuda.current_stream(self.device) if stream is not None else None
+        pending = _PendingOnload(handle, users, caller_stream=caller)
         try:
             with self._enqueue_lock, torch.cuda.stream(stream):  # a no-op for None (CPU)
                 if stream is not None and compute_done is not None:
@@ -234,7 +239,7 @@ class TierTransfers:
                 for layer in range(self.config.num_layers):
                     if self.onload_fault is not None:
                         self.onload_fault(users, layer)
-                    copies = self._copy_layer(parts, layer)
+                    copies = self._copy_layer(parts, layer, stream)
                     if not lazy:
                         handle.mark_ready(layer, copies)
             if not lazy:
@@ -255,7 +260,7 @@ class TierTransfers:
             with self._enqueue_lock:
                 while pending.next_layer <= layer:
                     i = pending.next_layer
-                    pending.handle.mark_ready(i, self._rebuild_layer(pending.parts, i))
+                    pending.handle.mark_ready(i, self._rebuild_layer(pending.parts, i, pending.caller_stream))
                     pending.next_layer += 1
         except BaseException as exc:
             pending.error = exc
@@ -307,12 +312,13 @@ class TierTransfers:
             rebuild_graphs.set_tokens(token_pages, token_offsets, bucket)
         return _OnloadParts(kv_slots, kv_pages, hidden_slots, None, None, bucket)
 
-    def _copy_layer(self, parts: _OnloadParts, layer: int) -> "torch.cuda.Stream | None":
-        """Enqueue one layer's copies on the current (onload) stream: K/V chunks into their pages,
-        hidden-state chunks' rows into the rebuild graphs' static rows or a tensor of their own
-        (parts.rows), then the layer's copy event (_copied), which its rebuild waits for. Returns the
-        copy stream (None off CUDA: done on return)."""
-        copies = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+    def _copy_layer(
+        self, parts: _OnloadParts, layer: int, copies: "torch.cuda.Stream | None"
+    ) -> "torch.cuda.Stream | None":
+        """Enqueue one layer's copies on the current stream, `copies` (the onload stream; None off
+        CUDA): K/V chunks into their pages, hidden-state chunks' rows into the rebuild graphs' static
+        rows or a tensor of their own (parts.rows), then the layer's copy event (_copied), which its
+        rebuild waits for. Returns the copy stream (None off CUDA: done on return)."""
         if parts.kv_slots.numel():
             onload_kvcache(self.kv_pages, self.host_arena, parts.kv_slots, parts.kv_pages, layer)
         n = parts.hidden_slots.numel()
@@ -331,16 +337,27 @@ class TierTransfers:
             self._copied[layer].record(copies)
         return copies
 
-    def _rebuild_layer(self, parts: _OnloadParts, layer: int) -> "torch.cuda.Stream | None":
+    def _rebuild_layer(
+        self, parts: _OnloadParts, layer: int, caller: "torch.cuda.Stream | None" = None
+    ) -> "torch.cuda.Stream | None":
         """Enqueue one layer's K/V rebuild of the hidden-state chunks (the layer's norm and K/V
         projection of their rows, into their pages) on the rebuild stream, after the layer's copies
-        (the event _copy_layer recorded). Returns the rebuild stream (None off CUDA)."""
+        (the event _copy_layer recorded). caller: the current stream, when known (the graph replay
+        then sets the rebuild stream and this one back, without looking it up). Returns the
+        rebuild stream (None off CUDA)."""
         rebuild = self._rebuild_stream
         if rebuild is not None:
             rebuild.wait_event(self._copied[layer])
         if parts.graph_bucket is not None:  # the graphs' static rows, rebuilt by one replay
-            with torch.cuda.stream(rebuild):
-                self.rebuild_graphs.replay(layer, parts.graph_bucket)
+            if rebuild is not None and caller is not None:
+                torch.cuda.set_stream(rebuild)
+                try:
+                    self.rebuild_graphs.replay(layer, parts.graph_bucket)
+                finally:
+                    torch.cuda.set_stream(caller)
+            else:
+                with torch.cuda.stream(rebuild):
+                    self.rebuild_graphs.replay(layer, parts.graph_bucket)
             return rebuild
         c = self.config
         rows, parts.rows[layer] = parts.rows[layer], None
@@ -410,7 +427,7 @@ class TierTransfers:
                     stream.wait_event(compute_done)
                 parts = self._by_format(slot_ids, page_ids)
                 for layer in range(self.config.num_layers):
-                    self._copy_layer(parts, layer)
+                    self._copy_layer(parts, layer, stream)
                     if parts.hidden_slots.numel():
                         self._rebuild_layer(parts, layer)
             if stream is not None:
@@ -432,9 +449,11 @@ class TierTransfers:
             self.host.unpin([user])
 
     # ---------------------------------------------------------------- offload
-    def offload_async(self, jobs: list[OffloadJob]) -> None:
-        """Offload the jobs' newly full chunks after the compute stream's work so far."""
-        compute_done = self._compute_event()
+    def offload_async(self, jobs: list[OffloadJob], compute_done: "torch.cuda.Event | None" = None) -> None:
+        """Offload the jobs' newly full chunks after the compute stream's work so far (or after
+        `compute_done`, the caller's event recorded there after the work the offload reads)."""
+        if compute_done is None:
+            compute_done = self._compute_event()
         future = self._offload_pool.submit(self._offload, jobs, compute_done)
         with self._offloads_lock:
             for job in jobs:
