@@ -412,8 +412,12 @@ class RankingEngine:
         model = self.model
         t0 = time.perf_counter()
         staged = False  # the batch's inputs already copied (a front pass staged them ahead of its onload)
+        # HSTU_ONLOAD_IN_GRAPH: the event set the batch's replay waits on (taken before its onload starts)
+        wait_set = None
+        if plan.pad is not None and plan.onload_slots and self.graphs.waits_in_graph:
+            wait_set = self.graphs.take_wait_set()
         if plan.front_tokens:  # host_split "compute_front": the prefixes' fronts first, beside their onloads
-            staged = self._forward_front(requests, plan)
+            staged = self._forward_front(requests, plan, wait_set)
         if plan.pad is not None:  # written into the bucket's staging slot, after the metadata
             if not staged:
                 model.static_inputs(requests, plan.layout, self.graphs.inputs_of(plan.pad))
@@ -432,19 +436,19 @@ class RankingEngine:
         if plan.pad is not None:
             before_layer = ready if prepared.onload_users else None
             onload = None
-            if before_layer is not None and self.graphs.waits_in_graph and not prepared.onload_started:
-                # every layer's copies (and rebuilds) enqueued, then one replay whose layers wait on
-                # the device (HSTU_ONLOAD_IN_GRAPH; a front pass has started its onload: segments)
-                def enqueue_all(layer_ready) -> None:
+            if before_layer is not None and wait_set is not None:
+                # every layer's copies (and rebuilds) enqueued, each recording its layer's event of
+                # the set, then one replay whose layers wait on the device
+                def enqueue_all() -> None:
                     t0 = time.perf_counter()
-                    prepared.handle.mirror = layer_ready
+                    prepared.handle.mirror = self.graphs.wait_events(wait_set)  # (a front pass set it already)
                     prepared.enqueue_onload()
                     timing.onload_wait_s += time.perf_counter() - t0
 
                 onload, before_layer = enqueue_all, None
             logits = self.graphs.run(
                 plan.pad, prepared.metadata, plan.layout.num_candidate_rows, before_layer, owned, staged=staged,
-                onload=onload,
+                onload=onload, wait_set=wait_set,
             )
             if logits is None:  # padded metadata only fits its graph bucket
                 raise RuntimeError(f"no CUDA graph replayed the batch of {plan.layout.num_rows} rows padded for one")
@@ -460,7 +464,7 @@ class RankingEngine:
         timing.forward_s = time.perf_counter() - t2 - timing.onload_wait_s
         return logits
 
-    def _forward_front(self, requests: list[RankingRequest], plan) -> bool:
+    def _forward_front(self, requests: list[RankingRequest], plan, wait_set: int | None = None) -> bool:
         """host_split "compute_front": recompute tokens [0, q) of each front user (plan.front_tokens)
         into their first pages, in a pass of its own that reads no onloaded page, with the onload of
         the rest of their prefixes started once its first kernels are enqueued, so the copies run
@@ -479,6 +483,8 @@ class RankingEngine:
                     r.user_id, r.item_ids[:events], r.actions[:events], r.timestamps[:events], _NO_CANDIDATES, r.contextual
                 ))
         prepared = self.cache.wait(plan)
+        if wait_set is not None:  # the main pass's waits inside its graph: the onload starts below
+            prepared.handle.mirror = self.graphs.wait_events(wait_set)
         own_bucket = plan.pad is not None and (plan.front_pad is None or plan.front_pad.rows != plan.pad.rows)
         staged = False
         if own_bucket:

@@ -163,13 +163,18 @@ class ForwardGraphs:
             rows, self.max_batch, self.max_pages, self.scratch_page, bucket.staging[i], i, bucket.staged_inputs[i]
         )
 
-    def _take_wait_set(self) -> int:
-        """The next event set, once the last replay that waited on it completed (batches ago)."""
+    def take_wait_set(self) -> int:
+        """The next event set, once the last replay that waited on it completed (batches ago);
+        taken before the batch's onload starts (wait_events: what its layers record)."""
         j = self._next_set
         self._next_set = (j + 1) % len(self.layer_ready)
         if self._set_done[j] is not None:
             self._set_done[j].synchronize()
         return j
+
+    def wait_events(self, wait_set: int) -> list | None:
+        """The set's per-layer events (None without CUDA)."""
+        return self.layer_ready[wait_set]
 
     def inputs_of(self, pad: PadSpec) -> torch.Tensor:
         """The [5, rows] int64 inputs region of a staging slot (after the packed metadata)."""
@@ -298,7 +303,8 @@ class ForwardGraphs:
         copy: bool = True,
         after_launch: Callable[[], None] | None = None,
         staged: bool = False,
-        onload: Callable[[list | None], None] | None = None,
+        onload: Callable[[], None] | None = None,
+        wait_set: int | None = None,
     ) -> torch.Tensor | None:
         """Logits [num_candidates, num_tasks] of one batch (a fresh tensor; with copy=False a view
         of the static output, valid until the next replay), or None when its metadata is not the
@@ -311,15 +317,15 @@ class ForwardGraphs:
         queue behind its inputs on the copy engine, and its kernels do not wait for their enqueue,
         ~1.1 ms of host work at batch 8 on the H200, during which the GPU idled when the onload was
         started first). staged: the caller already ran stage() for this batch (nothing else
-        replayed this bucket since). onload(layer_ready): with waits_in_graph, instead of
-        before_layer: enqueues every layer's onload, recording layer_ready[i] with layer i's
-        readiness, after the inputs copy; then the waited graph replays once."""
+        replayed this bucket since). onload() with wait_set (take_wait_set; waits_in_graph), instead
+        of before_layer: enqueues every layer's onload after the inputs copy, each layer recording
+        its event of the set (wait_events); then the set's waited graph replays once."""
         if not staged and not self.stage(pad, meta):
             return None
         bucket = self._buckets[pad.rows]
-        if onload is not None and bucket.waited:
-            j = self._take_wait_set()
-            onload(self.layer_ready[j])
+        if onload is not None and wait_set is not None and bucket.waited:
+            j = wait_set
+            onload()
             bucket.waited[j]()
             if self.capture:
                 if self._set_done[j] is None:

@@ -142,6 +142,62 @@ def test_onload_waits_inside_one_replay_match_no_cache(tiny_config, book, monkey
     engine.close()
 
 
+@pytest.mark.parametrize("host_format", ["kv", "hidden"])
+def test_onload_waits_inside_one_replay_after_a_front_pass(tiny_config, book, monkeypatch, host_format):
+    """HSTU_ONLOAD_IN_GRAPH with host_split "compute_front": the front pass starts the onload with
+    the main pass's event set already attached, and the main pass replays once."""
+    from hstu.engine import engine as engine_module
+    from hstu.ops.kvcache.planner import FixedSplit
+
+    monkeypatch.setattr(engine_module, "_ONLOAD_IN_GRAPH", True)
+    engine = _static_engine(tiny_config, host_split="compute_front", host_format=host_format)
+    engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96), capture=False)
+    engine.rank([book.request(u, 11, 2) for u in (1, 2)])  # 24 tokens each: three chunks
+    engine.cache.drain()
+    engine.cache.evict_gpu([1, 2])
+    engine.cache.cost_model = FixedSplit(1 / 3)  # the last chunk onloaded, 16 tokens recomputed in front
+    reqs = [book.request(1, 1, 2), book.request(2, 1, 3)]
+    outs = engine.rank(reqs)
+    torch.testing.assert_close(torch.cat([o.logits for o in outs]), engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
+    assert [o.cached_tokens for o in outs] == [8, 8]
+    assert engine.graphs.waited_replays == 1 and engine.graphs.segmented_replays == 0
+    engine.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("host_split", ["load_front", "compute_front"])
+@pytest.mark.parametrize("host_format", ["kv", "hidden"])
+def test_onload_waits_inside_captured_graphs_match_no_cache_on_cuda(tiny_config, book, monkeypatch, host_split, host_format):
+    """The captured waited graphs (external events, HSTU_ONLOAD_IN_GRAPH) against the no-cache model,
+    for batches that onload from the host tier, repeated past the number of event sets."""
+    from hstu.engine import RankingEngine
+    from hstu.engine import engine as engine_module
+    from hstu.model.ranking import InferenceRankingGR
+    from hstu.ops.kvcache.config import KVCacheConfig
+    from hstu.ops.kvcache.manager import AsyncKVCacheManager
+    from hstu.ops.kvcache.planner import FixedSplit
+
+    monkeypatch.setattr(engine_module, "_ONLOAD_IN_GRAPH", True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    kv = KVCacheConfig.for_model(tiny_config, page_size=4, num_pages=256, chunk_tokens=8, host_capacity_bytes=1 << 20,
+                                 host_split=host_split, host_format=host_format)
+    engine = RankingEngine(InferenceRankingGR(tiny_config, "cuda"), AsyncKVCacheManager(kv, "cuda"))
+    engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96))
+    if host_split == "compute_front":
+        engine.cache.cost_model = FixedSplit(1 / 3)
+    for step in range(6):
+        users = (10 * step + 1, 10 * step + 2)
+        engine.rank([book.request(u, 11, 2) for u in users])
+        engine.cache.drain()
+        engine.cache.evict_gpu(list(users))
+        reqs = [book.request(u, 1, 2 + k) for k, u in enumerate(users)]
+        outs = engine.rank(reqs)
+        got = torch.cat([o.logits for o in outs])
+        torch.testing.assert_close(got, engine.forward_no_cache(reqs).to(got.device), rtol=1e-4, atol=1e-5)
+    assert engine.graphs.waited_replays == 6 and engine.graphs.segmented_replays == 0
+    engine.close()
+
+
 def test_staging_slots_hand_out_their_own_inputs_and_a_foreign_slot_is_not_staged(tiny_config):
     """pad_spec names the slot it hands out, with that slot's inputs region (views made at
     capture, over its staging buffer); stage() copies only a spec whose slot is the bucket's."""
