@@ -52,6 +52,7 @@ from hstu.ops.kvcache.stats import CacheStats
 logger = logging.getLogger(__name__)
 
 _CapacityError = load_extension().CacheCapacityError
+_MAX_TRACKED = 4096  # settles kept per user before the finished ones are dropped
 # HSTU_REBUILD_AHEAD=1: an onload enqueues every layer's rebuild with its copies instead of each as
 # the model thread reaches the layer (an experiment knob for same-call comparisons)
 _REBUILD_AHEAD = os.environ.get("HSTU_REBUILD_AHEAD", "0") == "1"
@@ -175,6 +176,9 @@ class TierTransfers:
         self._copied = [torch.cuda.Event() for _ in range(config.num_layers)] if cuda else []
         self._offload_stream = torch.cuda.Stream(device) if cuda else None
         self._offloads: dict[int, Future] = {}
+        # users -> the settle of their last batch onload (host pins dropped when done): finish no
+        # longer waits for it, so a plan that may invalidate or rewrite such a user joins it first
+        self._settles: dict[int, Future] = {}
         self._offloads_lock = threading.Lock()
 
     def capture_rebuilds(self, max_chunks: int, scratch_page: int, capture: bool = True) -> None:
@@ -274,9 +278,14 @@ class TierTransfers:
             if pending.error is None:
                 self._count_onload(pending.parts)
                 pending.handle.mark_enqueued()
-            self._settled = self._onload_pool.submit(
+            self._settled = settled = self._onload_pool.submit(
                 self._settle_onload, pending.handle, pending.users, pending.parts, pending.error
             )
+            with self._offloads_lock:
+                if len(self._settles) > _MAX_TRACKED:
+                    self._settles = {u: f for u, f in self._settles.items() if not f.done()}
+                for u in pending.users:
+                    self._settles[u] = settled
 
     def join_onloads(self) -> None:
         """Wait until every onload handed to the worker so far is settled (host pins dropped)."""
@@ -530,16 +539,20 @@ class TierTransfers:
             with self._index_lock:
                 for job, _, slots in reserved:
                     self.host.abort(slots)
-                    self.host.invalidate(job.user)
+                    if self.host.pin_count(job.user) == 0:  # (pinned: an onload still reads its chunks, kept)
+                        self.host.invalidate(job.user)
         finally:
             with self._index_lock:
                 self.gpu.release([j.user for j in jobs])
 
     def join(self, user_ids: list[int] | None) -> None:
-        """Wait for the in-flight offloads of these users (None: of every user)."""
+        """Wait for the in-flight offloads, prefetches and onload settles of these users (None: of
+        every user)."""
+        futures = set()
         with self._offloads_lock:
-            users = list(self._offloads) if user_ids is None else [u for u in user_ids if u in self._offloads]
-            futures = {self._offloads.pop(u) for u in users}
+            for tracked in (self._offloads, self._settles):
+                users = list(tracked) if user_ids is None else [u for u in user_ids if u in tracked]
+                futures.update(tracked.pop(u) for u in users)
         for f in futures:
             f.result()
 

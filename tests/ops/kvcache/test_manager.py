@@ -200,6 +200,56 @@ def test_finish_commits_before_the_onload_settles(tiny_config, book, monkeypatch
     assert _check(model, [book.request(1, 2)])[0].cached_tokens == n  # the committed entry serves
 
 
+def test_a_diverged_history_waits_for_the_last_onloads_host_pins(tiny_config, book, monkeypatch):
+    """finish() no longer waits for an onload to settle, so the user's host slots may still be
+    pinned when its next request arrives. A plain extension runs beside that; a diverged history,
+    which drops the user's host copy, joins the settle first instead of failing on the pin."""
+    from hstu.ops.kvcache.handle import OnloadHandle
+
+    model, mgr = _setup(tiny_config)
+    _evicted_to_host(model, mgr, book, 1)
+    release = threading.Event()
+    synchronize = OnloadHandle.synchronize
+    monkeypatch.setattr(OnloadHandle, "synchronize", lambda h: (release.wait(10), synchronize(h)))
+    _check(model, [book.request(1, 2)])  # onloaded and committed; its settle is held
+    assert mgr.host.pin_count(1) == 1
+    timer = threading.Timer(0.3, release.set)
+    timer.start()
+    items, actions, times = book.histories[1]
+    items[0] = (items[0] + 1) % tiny_config.num_items  # the user's history with another first event
+    diverged = book.request(1, 2)
+    started = time.perf_counter()
+    out = _check(model, [diverged])[0]
+    assert time.perf_counter() - started >= 0.25 and out.cached_tokens == 0
+    assert mgr.stats.snapshot()["invalidated_diverged"] == 1
+    timer.join()
+
+
+def test_a_failed_offload_keeps_the_host_chunks_an_onload_still_reads(tiny_config, book, monkeypatch):
+    """The batch's offload can now run before its onload settles; when it fails, the user's host
+    chunks that the onload still has pinned stay (only unpinned copies are dropped)."""
+    from hstu.ops.kvcache import transfers
+    from hstu.ops.kvcache.handle import OnloadHandle
+
+    model, mgr = _setup(tiny_config)
+    _evicted_to_host(model, mgr, book, 1)
+    chunks = len(mgr.host.lookup(1)[0])
+    release = threading.Event()
+    synchronize = OnloadHandle.synchronize
+    monkeypatch.setattr(OnloadHandle, "synchronize", lambda h: (release.wait(10), synchronize(h)))
+    monkeypatch.setattr(transfers, "store_host_chunks", lambda *a: (_ for _ in ()).throw(RuntimeError("injected")))
+    _check(model, [book.request(1, 8)])  # onloaded, 16 new tokens: a new full chunk to offload, which fails
+    mgr.transfers.join([])  # (nothing: the offload runs on its worker)
+    for _ in range(100):
+        if mgr.stats.snapshot()["offload_failures"]:
+            break
+        time.sleep(0.02)
+    assert mgr.stats.snapshot()["offload_failures"] == 1 and mgr.host.pin_count(1) == 1
+    release.set()
+    mgr.drain()
+    assert len(mgr.host.lookup(1)[0]) == chunks and mgr.host.pin_count(1) == 0
+
+
 def test_an_onload_failing_after_commit_drops_what_its_batch_committed(tiny_config, book, monkeypatch):
     """A failure the worker finds only when it waits for the copies (on a GPU: a copy failing on
     the device) comes after finish() committed the batch: the users' GPU entries are dropped, so
