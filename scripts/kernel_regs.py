@@ -2,7 +2,15 @@
 
 Triton compiles the kernel ahead of time for a target (sm_90 by default) and ptxas reports each
 config's registers and spill bytes per thread: a screen for configs before a device call (spills
-in the key loop cost the kernel a large share of its time), not a measurement of speed.
+in the key loop cost the kernel a large share of its time), not a measurement of speed. The PTX's
+count of wgmma (Hopper's asynchronous matmul) and cp.async (the loads the software pipeline made
+asynchronous) instructions says whether a change kept the key loop pipelined.
+
+The compile is the one the JIT makes at run time: the pointer and integer arguments it finds
+divisible by 16 at the seed shapes carry that divisibility (`tt.divisibility`, as Triton
+specialises them). Without it (before session 22) every K/V load stayed a synchronous ld.global,
+nothing was pipelined, and ptxas reported ~2 KB of spills a thread at 128 x 64 tiles where the
+kernel that runs spills 152 bytes: the figures of sessions 14-15 are of that other compile.
 
     pip install --target <dir> triton        (any machine; no GPU needed)
     PYTHONPATH=<dir> python3 -m hstu.scripts.kernel_regs --configs 128,64,8,2 64,64,8,2
@@ -20,6 +28,14 @@ from pathlib import Path
 
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
+# Arguments the JIT specialises as divisible by 16 at the seed shapes (aligned pointers; strides,
+# offsets and the head dim, multiples of the head dim); max_pages, num_users, forced_splits and
+# grid_programs are never specialised (do_not_specialize), num_heads and num_sms are not multiples.
+_DIVISIBLE = (
+    "Q", "K", "V", "KV", "PT", "KV_LENS", "Q_OFF", "Q_POS", "OUT", "PART", "stride_qt", "stride_qh", "stride_kt",
+    "stride_kh", "stride_vt", "stride_vh", "stride_ot", "stride_oh", "layer_offset", "page_stride", "kv_stride",
+    "token_stride", "head_dim",
+)
 
 
 def ptxas_path() -> Path:
@@ -51,8 +67,9 @@ def compile_config(block_m: int, block_n: int, num_warps: int, num_stages: int, 
         SILU=0 if dtype == "fp32" else ta.SILU_MODES.index(silu), WARP_SPECIALIZE=False,
     )
     signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in _DIVISIBLE}
     kernel = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constants),
+        ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
         target=GPUTarget("cuda", arch, 32),
         options={"num_warps": num_warps, "num_stages": num_stages},
     )
@@ -64,12 +81,15 @@ def compile_config(block_m: int, block_n: int, num_warps: int, num_stages: int, 
             capture_output=True, text=True, check=True,
         ).stderr
     spills, regs = _SPILL.search(report), _REGS.search(report)
+    ptx_text = kernel.asm["ptx"]
     return {
         "config": (block_m, block_n, num_warps, num_stages),
         "shared_bytes": kernel.metadata.shared,
         "registers": int(regs.group(1)) if regs else None,
         "spill_store_bytes": int(spills.group(1)) if spills else 0,
         "spill_load_bytes": int(spills.group(2)) if spills else 0,
+        "wgmma": ptx_text.count("wgmma.mma_async"),
+        "cp_async": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx_text)),
     }
 
 
@@ -80,11 +100,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--arch", type=int, default=90)
     args = parser.parse_args()
-    print(f"{'config':<16}{'smem':>8}{'regs':>6}{'spill st':>10}{'spill ld':>10}")
+    print(f"{'config':<16}{'smem':>8}{'regs':>6}{'spill st':>10}{'spill ld':>10}{'wgmma':>7}{'cp.async':>10}")
     for spec in args.configs:
         bm, bn, w, s = (int(x) for x in spec.split(","))
         r = compile_config(bm, bn, w, s, head_dim=args.head_dim, dtype=args.dtype, arch=args.arch)
-        print(f"{spec:<16}{r['shared_bytes']:>8}{r['registers'] or '-':>6}{r['spill_store_bytes']:>10}{r['spill_load_bytes']:>10}")
+        print(f"{spec:<16}{r['shared_bytes']:>8}{r['registers'] or '-':>6}{r['spill_store_bytes']:>10}"
+              f"{r['spill_load_bytes']:>10}{r['wgmma']:>7}{r['cp_async']:>10}")
 
 
 if __name__ == "__main__":
