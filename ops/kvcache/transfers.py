@@ -52,7 +52,21 @@ from hstu.ops.kvcache.stats import CacheStats
 logger = logging.getLogger(__name__)
 
 _CapacityError = load_extension().CacheCapacityError
-_MAX_TRACKED = 4096  # settles kept per user before the finished ones are dropped
+_MAX_TRACKED = 4096  # futures kept per user (offloads, settles) before the finished ones are dropped
+
+
+def _track(futures: dict[int, Future], users: list[int], future: Future) -> dict[int, Future]:
+    """`futures` with `users` mapped to `future`; past _MAX_TRACKED entries the finished ones are
+    dropped first (a user that never returns is never joined: without this, one entry per user
+    ever offloaded stayed for the life of the server)."""
+    if len(futures) > _MAX_TRACKED:
+        for u, f in futures.items():
+            if f.done() and f.exception() is not None:  # (joined, it would have raised there)
+                logger.error("background cache work for user %d failed: %s", u, f.exception())
+        futures = {u: f for u, f in futures.items() if not f.done()}
+    for u in users:
+        futures[u] = future
+    return futures
 # HSTU_REBUILD_AHEAD=1: an onload enqueues every layer's rebuild with its copies instead of each as
 # the model thread reaches the layer (an experiment knob for same-call comparisons)
 _REBUILD_AHEAD = os.environ.get("HSTU_REBUILD_AHEAD", "0") == "1"
@@ -282,10 +296,7 @@ class TierTransfers:
                 self._settle_onload, pending.handle, pending.users, pending.parts, pending.error
             )
             with self._offloads_lock:
-                if len(self._settles) > _MAX_TRACKED:
-                    self._settles = {u: f for u, f in self._settles.items() if not f.done()}
-                for u in pending.users:
-                    self._settles[u] = settled
+                self._settles = _track(self._settles, pending.users, settled)
 
     def join_onloads(self) -> None:
         """Wait until every onload handed to the worker so far is settled (host pins dropped)."""
@@ -426,7 +437,7 @@ class TierTransfers:
         compute_done = self._compute_event()
         future = self._onload_pool.submit(self._prefetch, user, slot_ids, page_ids, length, digest, compute_done)
         with self._offloads_lock:
-            self._offloads[user] = future
+            self._offloads = _track(self._offloads, [user], future)
 
     def _prefetch(self, user, slot_ids, page_ids, length, digest, compute_done) -> None:
         stream = self._onload_stream
@@ -465,8 +476,7 @@ class TierTransfers:
             compute_done = self._compute_event()
         future = self._offload_pool.submit(self._offload, jobs, compute_done)
         with self._offloads_lock:
-            for job in jobs:
-                self._offloads[job.user] = future
+            self._offloads = _track(self._offloads, [job.user for job in jobs], future)
 
     def _compute_event(self) -> "torch.cuda.Event | None":
         """An event after the work enqueued so far on the caller's (compute) stream; None off CUDA."""

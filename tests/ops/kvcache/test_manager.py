@@ -484,3 +484,19 @@ def test_an_onload_starts_once_after_the_event_it_is_given():
     prepared.start_onload(after=marker)
     prepared.start_onload()
     assert calls == [marker]
+
+
+def test_finished_background_work_is_not_tracked_forever(monkeypatch):
+    """A user that never returns is never joined: past the bound, finished offloads and settles
+    are dropped (a failed one logged), pending ones kept."""
+    from concurrent.futures import Future
+
+    from hstu.ops.kvcache import transfers
+
+    monkeypatch.setattr(transfers, "_MAX_TRACKED", 4)
+    done, pending, failed = Future(), Future(), Future()
+    done.set_result(None)
+    failed.set_exception(RuntimeError("offload lost"))
+    tracked = {1: done, 2: pending, 3: done, 4: failed, 5: done}
+    tracked = transfers._track(tracked, [9], pending)
+    assert tracked == {2: pending, 9: pending}
