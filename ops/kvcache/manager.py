@@ -416,7 +416,8 @@ class AsyncKVCacheManager:
             handle = OnloadHandle(self.config.num_layers, self.device, self.config.onload_timeout_s)
             slot_ids, page_ids = self._onload_plan(plan, pages)
             start = functools.partial(
-                self.transfers.onload_async, handle, onload_users, slot_ids, page_ids, pages_used_until=plan.pages_used_until
+                self.transfers.onload_async, handle, onload_users, slot_ids, page_ids,
+                pages_used_until=plan.pages_used_until,
             )
         return PreparedBatch(pages, metadata, handle, self.kv_pages, onload_users, front_metadata, start)
 

@@ -1,8 +1,8 @@
 """TierTransfers: the copies between the cache tiers, each on its own worker thread and stream.
 
-  onload   host chunks -> reserved GPU pages, layer by layer on the onload stream (after the
-           compute stream's work so far, the batch's own inputs copy included: the model thread
-           starts it, PreparedBatch.start_onload, and enqueues every layer's copies), one event
+  onload   host chunks -> reserved GPU pages, layer by layer on the onload stream (after the last
+           batch that used those pages, page_reuse.py; the model thread starts it after the
+           batch's own inputs copy, PreparedBatch.start_onload, and enqueues every layer's copies), one event
            per layer in the batch's OnloadHandle, which is `enqueued` once the last layer is (the
            batch may then commit); the worker waits for the batch's last event, drops the users'
            host pins and marks the handle done.
@@ -67,6 +67,8 @@ def _track(futures: dict[int, Future], users: list[int], future: Future) -> dict
     for u in users:
         futures[u] = future
     return futures
+
+
 # HSTU_REBUILD_AHEAD=1: an onload enqueues every layer's rebuild with its copies instead of each as
 # the model thread reaches the layer (an experiment knob for same-call comparisons)
 _REBUILD_AHEAD = os.environ.get("HSTU_REBUILD_AHEAD", "0") == "1"
