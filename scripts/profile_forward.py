@@ -50,11 +50,13 @@ def profile_engine(
     shape: BenchShape, device: torch.device, batch: int, cuda_graphs: bool, onload_fraction: float | None = None,
     resident_batches: int = 2, capture: bool = True,
 ) -> RankingEngine:
-    """An engine holding `resident_batches` batches of `batch` users on the GPU, with graph buckets
+    """An engine holding `resident_batches` batches of `batch` users on the GPU (and, with an
+    onload split, in the host tier), with graph buckets
     for the cached forward, the re-rank and the split's batch when `cuda_graphs` (captured unless
     `capture` is False: the same padded path replayed eagerly, on a CPU too)."""
     cfg = shape.model_config()
-    kv = shape.cache_config(cfg, 1)
+    # a host tier for every resident batch when they onload (the pipelined profile's batches each do)
+    kv = shape.cache_config(cfg, resident_batches if onload_fraction is not None else 1)
     kv = dataclasses.replace(kv, num_pages=max(kv.num_pages, resident_batches * batch * shape.pages_per_user))
     engine = RankingEngine(InferenceRankingGR(cfg, device), AsyncKVCacheManager(kv, device))
     if cuda_graphs:  # the cached forward's rows, the re-rank's (candidates only) and a split's
@@ -163,14 +165,22 @@ def pipelined_profile(engine, shape, batch, n, device, depth: int = 2) -> dict:
     the host work of one overlaps the kernels of another (the single forwards above cannot show
     that: each starts on an idle GPU). Every batch's users are prefilled first (all stay on the
     GPU: the engine's cache holds n + 1 batches) and its requests validated and hashed, as the
-    server's front end does."""
+    server's front end does. With an onload split on the cache (--onload-fraction), every batch's
+    prefixes are evicted to the host tier after the prefill, so each batch onloads that share while
+    the one before it still runs (finish's and the onload's waits are what this shows)."""
     prefix, full = make_requests(shape, engine.config, batch)
-    batches = []
+    split = engine.cache.cost_model
+    batches, prefilled = [], []
+    engine.cache.cost_model = None  # the prefills onload nothing
     for _ in range(n):
         users = _IDS.take(len(full))
         engine.rank(as_users(prefix, users))
+        prefilled += users
         batches.append(as_front_end(engine, as_users(full, users)))
+    engine.cache.cost_model = split
     engine.cache.drain()
+    if split is not None:
+        engine.cache.evict_gpu(prefilled)
     sync(device)
     cuda = device.type == "cuda"
     if cuda:
@@ -179,6 +189,7 @@ def pipelined_profile(engine, shape, batch, n, device, depth: int = 2) -> dict:
         recorder = profile(activities=[ProfilerActivity.CUDA])
     else:
         recorder = contextlib.nullcontext()
+    host_hits = engine.cache.stats.snapshot()["host_hits"]
     with recorder:
         t0 = time.perf_counter()
         pending: collections.deque = collections.deque()
@@ -190,7 +201,8 @@ def pipelined_profile(engine, shape, batch, n, device, depth: int = 2) -> dict:
             pending.popleft().result()
         sync(device)
         wall = time.perf_counter() - t0
-    out = {"batches": n, "depth": depth, "wall_ms_per_batch": wall / n * 1e3}
+    out = {"batches": n, "depth": depth, "wall_ms_per_batch": wall / n * 1e3,
+           "host_hits": engine.cache.stats.snapshot()["host_hits"] - host_hits}
     if cuda:
         events = [e for e in recorder.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = kernel_busy_us(events) / 1e6

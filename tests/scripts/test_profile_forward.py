@@ -58,6 +58,7 @@ def test_profile_with_an_onload_split_on_cpu(tmp_path):
     assert doc["onload_fraction"] == 0.5 and doc["2"]["phases"]["total_ms"] > 0
     piped = doc["2"]["pipelined"]
     assert piped["batches"] == 3 and piped["wall_ms_per_batch"] > 0
+    assert piped["host_hits"] == 3 * 2, "with an onload split every pipelined batch onloads its users"
     assert "gpu_busy_share" not in piped, "the GPU's share is measured on CUDA only"
 
 
