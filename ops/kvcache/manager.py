@@ -568,8 +568,7 @@ class AsyncKVCacheManager:
     # ------------------------------------------------------------ maintenance
     def drain(self) -> None:
         """Wait for every in-flight offload and onload (their host pins dropped)."""
-        self.transfers.join(None)
-        self.transfers.join_onloads()
+        self.transfers.join(None)  # (onload settles included)
 
     def _onload_failed_late(self, users: list[int]) -> None:
         """The onload worker: a batch's onload failed on the device after its copies were all

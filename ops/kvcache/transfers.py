@@ -161,7 +161,6 @@ class TierTransfers:
         self.onload_fault = onload_fault
         # an onload enqueued whole (its batch may have committed) failed on the device: its users
         self.onload_failed_late = onload_failed_late
-        self._settled: Future | None = None  # the last settle handed to the onload worker (FIFO)
         # host_format "hidden": the arena's hidden-state view [S, L, chunk_tokens, D], which format each
         # slot holds (set for reserved slots before their commit, read only for pinned committed
         # ones), and the model's K/V projection of a layer's input; None: every chunk K/V.
@@ -294,17 +293,11 @@ class TierTransfers:
             if pending.error is None:
                 self._count_onload(pending.parts)
                 pending.handle.mark_enqueued()
-            self._settled = settled = self._onload_pool.submit(
+            settled = self._onload_pool.submit(
                 self._settle_onload, pending.handle, pending.users, pending.parts, pending.error
             )
             with self._offloads_lock:
                 self._settles = _track(self._settles, pending.users, settled)
-
-    def join_onloads(self) -> None:
-        """Wait until every onload handed to the worker so far is settled (host pins dropped)."""
-        settled = self._settled
-        if settled is not None:
-            settled.result()
 
     def _by_format(self, slot_ids: torch.Tensor, page_ids: torch.Tensor, graphs: bool = False) -> _OnloadParts:
         """Split an onload's chunks by the format their slots hold. With `graphs` (a batch's onload
@@ -360,26 +353,25 @@ class TierTransfers:
         return copies
 
     def _rebuild_layer(
-        self, parts: _OnloadParts, layer: int, caller: "torch.cuda.Stream | None" = None
+        self, parts: _OnloadParts, layer: int, caller: "torch.cuda.Stream | None"
     ) -> "torch.cuda.Stream | None":
         """Enqueue one layer's K/V rebuild of the hidden-state chunks (the layer's norm and K/V
         projection of their rows, into their pages) on the rebuild stream, after the layer's copies
-        (the event _copy_layer recorded). caller: the current stream, when known (the graph replay
-        then sets the rebuild stream and this one back, without looking it up). Returns the
-        rebuild stream (None off CUDA)."""
+        (the event _copy_layer recorded). caller: the current stream (a graph replay sets the rebuild
+        stream, then this one back, without looking it up; None off CUDA). Returns the rebuild
+        stream (None off CUDA)."""
         rebuild = self._rebuild_stream
         if rebuild is not None:
             rebuild.wait_event(self._copied[layer])
         if parts.graph_bucket is not None:  # the graphs' static rows, rebuilt by one replay
-            if rebuild is not None and caller is not None:
+            if rebuild is None:
+                self.rebuild_graphs.replay(layer, parts.graph_bucket)
+            else:
                 torch.cuda.set_stream(rebuild)
                 try:
                     self.rebuild_graphs.replay(layer, parts.graph_bucket)
                 finally:
                     torch.cuda.set_stream(caller)
-            else:
-                with torch.cuda.stream(rebuild):
-                    self.rebuild_graphs.replay(layer, parts.graph_bucket)
             return rebuild
         c = self.config
         rows, parts.rows[layer] = parts.rows[layer], None
@@ -451,7 +443,7 @@ class TierTransfers:
                 for layer in range(self.config.num_layers):
                     self._copy_layer(parts, layer, stream)
                     if parts.hidden_slots.numel():
-                        self._rebuild_layer(parts, layer)
+                        self._rebuild_layer(parts, layer, stream)
             if stream is not None:
                 stream.synchronize()
                 self._rebuild_stream.synchronize()
