@@ -564,6 +564,11 @@ class AsyncKVCacheManager:
             self._launched(plan)  # (whatever of its forward was enqueued)
             with self._index_lock:
                 self.gpu.release(plan.user_ids)
+                # Their entries keep the pages reserved for this batch beyond their committed
+                # length (all of them, for a new user): a later reserve may shrink them, or a
+                # prefetch drop an empty entry, into the free list with no eviction to note.
+                for u in plan.user_ids:
+                    self._reuse.freed(u)
 
     # ------------------------------------------------------------ maintenance
     def drain(self) -> None:
@@ -582,9 +587,9 @@ class AsyncKVCacheManager:
                         continue
                     if self.gpu.pin_count(u) == 0:
                         self.gpu.invalidate(u)
-                        self._reuse.freed(u)
-                    else:
+                    else:  # (its pages go back later, by a shrinking reserve or an empty entry dropped)
                         self.gpu.commit(u, 0, b"")
+                    self._reuse.freed(u)
                     self._identities.pop(u, None)
         except BaseException:  # the worker must still settle later onloads
             logger.exception("dropping users %s after their failed onload failed", users)

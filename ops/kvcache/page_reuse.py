@@ -12,7 +12,8 @@ nothing.
 
 Sequence numbers: begin() numbers each plan; reserved() names the batch to wait for (-1: none) and
 marks the batch's users as last used by it; freed() notes a user whose pages went back to the free
-list (eviction, invalidation); launched() keeps a batch's compute event (finish() or abort(), after
+list (eviction, invalidation) or may go back later unnoted (an aborted batch's users: a shrinking
+reserve, an empty entry dropped); launched() keeps a batch's compute event (finish() or abort(), after
 everything the batch enqueued), dropped once it and every earlier one completed. Off CUDA there are
 no events and nothing waits. All calls run under the manager's index lock.
 """

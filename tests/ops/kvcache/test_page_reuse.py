@@ -89,3 +89,15 @@ def test_an_onload_into_an_evicted_users_pages_names_that_users_batch(tiny_confi
     finally:
         mgr.abort(plan)
     assert first_seq < seq_2
+
+
+def test_an_aborted_batchs_users_count_as_handed_back(tiny_config, book):
+    """An aborted batch's users keep the pages reserved for it beyond their committed length (all of
+    them, for a new user). A later reserve may shrink such an entry, or a prefetch drop an empty
+    one, into the free list with no eviction to note: every later onload waits for that batch."""
+    model, mgr = _setup(tiny_config, num_pages=12)
+    request = book.request(1, 12)
+    plan = mgr.plan([1], [request.history_tokens(tiny_config)], [request.identity(model.model.identity)], [3])
+    aborted = plan.seq
+    mgr.abort(plan)
+    assert mgr._reuse.reserved(mgr._reuse.begin(), [7]) == aborted
