@@ -30,8 +30,9 @@ at head dim 256 is about half the tensor-core time of the two matmuls around it.
 (AttentionConfig.silu): "exact" (tl.sigmoid, IEEE division), "fast" (exp2 and an approximate
 division: two special-function ops, 2 ulp) and "tanh" (s/2 (1 + tanh(s/2)) with tanh.approx: one
 op, ~2^-11 relative error, below bf16's rounding of the weights it feeds); "tanh2", an experiment
-not yet measured, packs two scores into an f16x2 for one tanh.approx.f16x2 (half the special-
-function ops; f16's 2^-11 rounding of s/2, about bf16's own error of the weight). float32 inputs always
+whose speed is not yet measured, packs two scores into an f16x2 for one tanh.approx.f16x2 (half the
+special-function ops; f16's 2^-11 rounding of s/2, about bf16's own error of the weight; inside the
+bf16 bound of the tests on an H100, run CK). float32 inputs always
 take "exact" (the fp32 oracle is 1e-5). 16-bit inputs default to "tanh": on the H200 at the seed
 shapes it ran the kernel 1.41x faster than "exact" (fast: 1.25x) with the same error against the
 torch implementation (2.6e-3) and inside the 2x bf16 bound of the tests (benchmarks/RESULTS.md,
