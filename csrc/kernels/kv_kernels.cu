@@ -31,13 +31,6 @@
 //                (cudaHostGetDevicePointer); requires host_arena.is_pinned().
 //     Measured on H200 (benchmarks/RESULTS.md): memcpy 0.99 of the pinned H2D ceiling, zerocopy
 //     0.91, for pages in runs of a chunk and for scattered pages alike.
-//   onload_hidden: on the CPU too; HSTU_HIDDEN_COPY chooses per call how a layer's blocks move:
-//       batch    (default) one run per slot (a layer's blocks of consecutive slots are a slot stride
-//                apart, so they never merge), all in one cudaMemcpyBatchAsync;
-//       2d       one cudaMemcpy2DAsync per run of consecutive slots (rows of block bytes, source
-//                pitch the slot stride): an experiment, fewer copies for the driver to take in
-//                (a batch of 8 onloading half of 4k-token histories issued ~60 runs a layer and
-//                spent ~0.13 ms of host time a call, run CJ).
 // Every launch and copy is enqueued on at::cuda::getCurrentCUDAStream().
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -305,13 +298,6 @@ OnloadImpl onload_impl() {
   TORCH_CHECK(false, "HSTU_ONLOAD_IMPL must be 'memcpy' or 'zerocopy', got '", env, "'");
 }
 
-bool hidden_copy_2d() {
-  const char* env = std::getenv("HSTU_HIDDEN_COPY");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "batch") == 0) return false;
-  if (std::strcmp(env, "2d") == 0) return true;
-  TORCH_CHECK(false, "HSTU_HIDDEN_COPY must be 'batch' or '2d', got '", env, "'");
-}
-
 struct CopyRun {
   void* dst;
   const void* src;
@@ -441,6 +427,8 @@ void store_host_chunks_cuda(at::Tensor host_arena, const at::Tensor& chunks, con
 
 // Layer `layer` of hidden-state slots -> out (device): one H2D run per slot, merged where slots
 // and rows are consecutive on both sides (they are not for layer blocks of consecutive slots).
+// One cudaMemcpy2DAsync per run of consecutive slots (slot stride as the source pitch) was tried
+// and removed: 1.08 against 0.23 ms of host time for 8 calls, slower pipelined (H100, run CN).
 void onload_hidden_cuda(at::Tensor out, const at::Tensor& hidden_arena, const at::Tensor& slot_ids, int64_t layer) {
   TORCH_CHECK(out.is_cuda() && hidden_arena.is_cpu() && slot_ids.is_cpu(),
               "onload_hidden on CUDA takes out on the GPU and hidden_arena, slot_ids on the CPU, got ", out.device(),
@@ -454,24 +442,13 @@ void onload_hidden_cuda(at::Tensor out, const at::Tensor& hidden_arena, const at
   const char* arena = static_cast<const char*>(hidden_arena.data_ptr());
   char* dst = static_cast<char*>(out.data_ptr());
   const int32_t* slots = slot_ids.data_ptr<int32_t>();
-  const auto src_of = [&](int64_t c) {
-    return arena + (static_cast<int64_t>(slots[c]) * hidden_arena.stride(0) + layer * hidden_arena.stride(1)) * es;
-  };
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (hidden_copy_2d()) {  // slots c .. c + k - 1 consecutive: k rows one slot stride apart -> out's rows c ..
-    const size_t width = static_cast<size_t>(block_bytes), pitch = static_cast<size_t>(hidden_arena.stride(0) * es);
-    for (int64_t c = 0, k = 1; c < n; c += k) {
-      for (k = 1; c + k < n && slots[c + k] == slots[c] + k; ++k) {
-      }
-      C10_CUDA_CHECK(cudaMemcpy2DAsync(dst + c * block_bytes, width, src_of(c), pitch, width, static_cast<size_t>(k),
-                                       cudaMemcpyHostToDevice, stream));
-    }
-    return;
-  }
   std::vector<CopyRun> runs;
   runs.reserve(static_cast<size_t>(n));
-  for (int64_t c = 0; c < n; ++c) add_run(runs, dst + c * block_bytes, src_of(c), static_cast<size_t>(block_bytes));
-  enqueue_runs(runs, cudaMemcpyHostToDevice, hidden_arena.is_pinned(), stream);
+  for (int64_t c = 0; c < n; ++c) {
+    const char* src = arena + (static_cast<int64_t>(slots[c]) * hidden_arena.stride(0) + layer * hidden_arena.stride(1)) * es;
+    add_run(runs, dst + c * block_bytes, src, static_cast<size_t>(block_bytes));
+  }
+  enqueue_runs(runs, cudaMemcpyHostToDevice, hidden_arena.is_pinned(), at::cuda::getCurrentCUDAStream());
 }
 
 // Hidden-state chunks (device) -> host slots, each slot's [L, chunk_tokens, D] block.

@@ -74,7 +74,7 @@ def test_settings_come_from_the_config_file_then_the_environment_then_the_flags(
     path.write_text('num_pages = 300\npage_size = 8\ntask_names = ["a", "b", "c"]\n[model]\nnum_layers = 2\nnum_items = 500\n')
     env = {"HSTU_PAGE_SIZE": "16", "HSTU_MAX_WAIT_MS": "0.5", "HSTU_MODEL__NUM_LAYERS": "4", "HSTU_BUILD_DIR": "/x",
            "HSTU_PIPE_THREADS": "1", "HSTU_REBUILD_AHEAD": "1", "HSTU_FINISH_WAITS_ONLOAD": "1",
-           "HSTU_ONLOAD_WAITS_ALL": "1", "HSTU_HIDDEN_COPY": "2d"}  # not settings: the build's and experiment knobs
+           "HSTU_ONLOAD_WAITS_ALL": "1"}  # not settings: the build's and experiment knobs
     s = settings_from_args(parse(["serve", "--config-file", str(path), "--num-pages", "100"]), env=env)
     assert (s.num_pages, s.page_size, s.max_wait_ms, s.task_names) == (100, 16, 0.5, ("a", "b", "c"))
     cfg = s.resolve_model_config()
