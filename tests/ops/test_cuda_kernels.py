@@ -280,7 +280,7 @@ def attention_case(case_idx: int):
 
 @pytest.mark.parametrize("case_idx", range(len(ATTN_CASES)))
 @pytest.mark.parametrize("num_splits", [0, 1])
-@pytest.mark.parametrize("silu", ["exact", "fast", "tanh", "tanh2"])
+@pytest.mark.parametrize("silu", ["exact", "fast", "tanh"])
 def test_triton_attention_bf16_within_2x_of_torch_reference_error(case_idx, num_splits, silu):
     import dataclasses
 
