@@ -55,8 +55,12 @@ def profile_engine(
     for the cached forward, the re-rank and the split's batch when `cuda_graphs` (captured unless
     `capture` is False: the same padded path replayed eagerly, on a CPU too)."""
     cfg = shape.model_config()
-    # a host tier for every resident batch when they onload (the pipelined profile's batches each do)
-    kv = shape.cache_config(cfg, resident_batches if onload_fraction is not None else 1)
+    # A host tier for every resident batch: their prefills offload each user's prefix there, so a
+    # profiled batch offloads only its new chunk, as a returning user's request does. Sized for one
+    # batch, the pipelined batches' users had lost their host copies and each batch offloaded its
+    # users' whole histories (1.07 GB at batch 8 of the seed shapes, ~19 ms of D2H: the batch's
+    # wall time, H100 run CL), which measured the link, not the forward.
+    kv = shape.cache_config(cfg, resident_batches)
     kv = dataclasses.replace(kv, num_pages=max(kv.num_pages, resident_batches * batch * shape.pages_per_user))
     engine = RankingEngine(InferenceRankingGR(cfg, device), AsyncKVCacheManager(kv, device))
     if cuda_graphs:  # the cached forward's rows, the re-rank's (candidates only) and a split's
@@ -164,8 +168,9 @@ def pipelined_profile(engine, shape, batch, n, device, depth: int = 2) -> dict:
     rank_async launches a batch while up to depth - 1 earlier ones still run on the device, so
     the host work of one overlaps the kernels of another (the single forwards above cannot show
     that: each starts on an idle GPU). Every batch's users are prefilled first (all stay on the
-    GPU: the engine's cache holds n + 1 batches) and its requests validated and hashed, as the
-    server's front end does. With an onload split on the cache (--onload-fraction), every batch's
+    GPU: the engine's cache holds n + 1 batches, its host tier their prefixes, so a batch offloads
+    only the chunk its new tokens filled, as a returning user's request does) and its requests
+    validated and hashed, as the server's front end does. With an onload split on the cache (--onload-fraction), every batch's
     prefixes are evicted to the host tier after the prefill, so each batch onloads that share while
     the one before it still runs (finish's and the onload's waits are what this shows)."""
     prefix, full = make_requests(shape, engine.config, batch)
@@ -189,7 +194,7 @@ def pipelined_profile(engine, shape, batch, n, device, depth: int = 2) -> dict:
         recorder = profile(activities=[ProfilerActivity.CUDA])
     else:
         recorder = contextlib.nullcontext()
-    host_hits = engine.cache.stats.snapshot()["host_hits"]
+    before = engine.cache.stats.snapshot()
     with recorder:
         t0 = time.perf_counter()
         pending: collections.deque = collections.deque()
@@ -201,8 +206,11 @@ def pipelined_profile(engine, shape, batch, n, device, depth: int = 2) -> dict:
             pending.popleft().result()
         sync(device)
         wall = time.perf_counter() - t0
+    engine.cache.drain()  # the last batches' offloads, counted when they finish
+    after = engine.cache.stats.snapshot()
     out = {"batches": n, "depth": depth, "wall_ms_per_batch": wall / n * 1e3,
-           "host_hits": engine.cache.stats.snapshot()["host_hits"] - host_hits}
+           "host_hits": after["host_hits"] - before["host_hits"],
+           "bytes_offloaded_per_batch": (after["bytes_offloaded"] - before["bytes_offloaded"]) / n}
     if cuda:
         events = [e for e in recorder.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = kernel_busy_us(events) / 1e6
@@ -331,10 +339,11 @@ def format_table(doc: dict, batches: list[int]) -> str:
     parts = [report.format_table(rows)]
     piped = [(b, doc[str(b)].get("pipelined")) for b in batches]
     if any(p for _, p in piped):
-        rows = [["batch", "batches", "wall ms per batch", "kernels ms per batch", "GPU busy"]] + [
+        rows = [["batch", "batches", "wall ms per batch", "kernels ms per batch", "GPU busy", "MB offloaded per batch"]] + [
             [str(b), str(p["batches"]), f"{p['wall_ms_per_batch']:.2f}",
              f"{p['kernel_ms_per_batch']:.2f}" if "kernel_ms_per_batch" in p else "-",
-             f"{100 * p['gpu_busy_share']:.0f}%" if "gpu_busy_share" in p else "-"]
+             f"{100 * p['gpu_busy_share']:.0f}%" if "gpu_busy_share" in p else "-",
+             f"{p['bytes_offloaded_per_batch'] / 2**20:.1f}"]
             for b, p in piped if p
         ]
         parts.append("batches launched back to back (rank_async, two in flight):\n" + report.format_table(rows))

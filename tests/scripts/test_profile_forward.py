@@ -62,6 +62,25 @@ def test_profile_with_an_onload_split_on_cpu(tmp_path):
     assert "gpu_busy_share" not in piped, "the GPU's share is measured on CUDA only"
 
 
+def test_resident_pipelined_batches_offload_only_their_new_chunks(tmp_path):
+    """The GPU-resident pipelined profile measures a returning user's steady state: each batch's
+    users keep the host copy of their prefix from its prefill, so a batch offloads only the chunk
+    its new tokens filled (not the whole histories, which measured the D2H link: H100 run CL)."""
+    from hstu.scripts.bench_shapes import TINY_SHAPE
+
+    parser = argparse.ArgumentParser()
+    profile_forward.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["profile", "--tiny", "--device", "cpu", "--batch", "2", "--forwards", "2", "--pipelined", "3", "--out", str(tmp_path)]
+    )
+    assert args.func(args) == 0
+    piped = json.loads((tmp_path / "profile.json").read_text())["2"]["pipelined"]
+    new_chunks = TINY_SHAPE.history_tokens // TINY_SHAPE.chunk_tokens - TINY_SHAPE.cached_tokens // TINY_SHAPE.chunk_tokens
+    chunk_bytes = TINY_SHAPE.cache_config(TINY_SHAPE.model_config(), 1).chunk_bytes
+    assert new_chunks >= 1 and piped["host_hits"] == 0
+    assert piped["bytes_offloaded_per_batch"] == 2 * new_chunks * chunk_bytes
+
+
 @pytest.mark.parametrize("host_split", ["load_front", "compute_front"])
 def test_a_profiled_split_gets_a_graph_bucket_of_its_own_rows(monkeypatch, host_split):
     """With --onload-fraction under CUDA graphs the profiled split runs unpadded: the bucket added
