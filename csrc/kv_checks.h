@@ -228,4 +228,12 @@ inline std::pair<std::vector<int64_t>, std::vector<int64_t>> token_slots_host(
   return {std::move(tok_page), std::move(tok_off)};
 }
 
+// write_pinned: dst (host) and src the same dtype and element count, both contiguous.
+inline void check_write_pinned(const at::Tensor& dst, const at::Tensor& src) {
+  TORCH_CHECK(dst.scalar_type() == src.scalar_type(), "dst dtype ", dst.scalar_type(), " must equal src dtype ",
+              src.scalar_type());
+  TORCH_CHECK(dst.numel() == src.numel(), "dst holds ", num(dst.numel()), " elements but src ", num(src.numel()));
+  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "dst and src must be contiguous");
+}
+
 }  // namespace hstu

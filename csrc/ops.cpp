@@ -95,6 +95,12 @@ void store_hidden_chunks_cpu(at::Tensor hidden_arena, const at::Tensor& chunks, 
   hidden_arena.index_copy_(0, slot_ids.to(at::kLong), chunks.to(hidden_arena.device()));
 }
 
+// src -> dst (the CUDA impl writes a device tensor into pinned host memory with a kernel).
+void write_pinned_cpu(at::Tensor dst, const at::Tensor& src) {
+  check_write_pinned(dst, src);
+  dst.copy_(src);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hstu, m) {
@@ -108,6 +114,7 @@ TORCH_LIBRARY(hstu, m) {
   m.def("store_host_chunks(Tensor(a!) host_arena, Tensor chunks, Tensor slot_ids) -> ()");
   m.def("onload_hidden(Tensor(a!) out, Tensor hidden_arena, Tensor slot_ids, int layer) -> ()");
   m.def("store_hidden_chunks(Tensor(a!) hidden_arena, Tensor chunks, Tensor slot_ids) -> ()");
+  m.def("write_pinned(Tensor(a!) dst, Tensor src) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hstu, CPU, m) {
@@ -118,6 +125,7 @@ TORCH_LIBRARY_IMPL(hstu, CPU, m) {
   m.impl("store_host_chunks", &store_host_chunks_cpu);
   m.impl("onload_hidden", &onload_hidden_cpu);
   m.impl("store_hidden_chunks", &store_hidden_chunks_cpu);
+  m.impl("write_pinned", &write_pinned_cpu);
 }
 
 }  // namespace hstu

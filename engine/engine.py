@@ -40,6 +40,7 @@ from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.batch import BatchPlan
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.ops.kvcache.planner import CostModel
+from hstu.ops.kv_ops import write_pinned
 
 # A batch is ranked at most this many times: the retry after a failed onload is a plain miss.
 _MAX_ATTEMPTS = 2
@@ -48,6 +49,10 @@ _MAX_ATTEMPTS = 2
 # of a segment a layer with the waits between them on the host (an experiment knob, off until
 # measured on a GPU)
 _ONLOAD_IN_GRAPH = os.environ.get("HSTU_ONLOAD_IN_GRAPH", "0") == "1"
+# HSTU_LOGITS_OUT=kernel: rank_async writes the batch's logits to pinned memory with a kernel
+# (kv_ops.write_pinned) instead of a D2H copy, which shares the copy engine with the offloads' D2H
+# and may queue behind a whole history's (an experiment knob, off until measured on a GPU)
+_LOGITS_BY_KERNEL = os.environ.get("HSTU_LOGITS_OUT", "copy") == "kernel"
 
 # Row buckets of the CUDA graphs. Past 4096 rows too: an eager batch is host-bound well beyond that
 # (on the H200 a batch of 8 recomputing 1024 tokens each, 10k rows, spent 12 ms launching 8 ms of
@@ -232,7 +237,10 @@ class RankingEngine:
         if dtype is not None:
             logits = logits.to(dtype)
         host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
-        host.copy_(logits, non_blocking=True)
+        if _LOGITS_BY_KERNEL:
+            write_pinned(host, logits.contiguous())
+        else:
+            host.copy_(logits, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
         parts = torch.split(host, [o.logits.shape[0] for o in outputs])

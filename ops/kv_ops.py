@@ -58,6 +58,11 @@ def _store_hidden_fake(hidden_arena, chunks, slot_ids) -> None:
     return None
 
 
+@torch.library.register_fake("hstu::write_pinned")
+def _write_pinned_fake(dst, src) -> None:
+    return None
+
+
 def append_kvcache(
     kv_cache: torch.Tensor,
     k: torch.Tensor,
@@ -109,6 +114,14 @@ def onload_hidden(out: torch.Tensor, hidden_arena: torch.Tensor, slot_ids: torch
 def store_hidden_chunks(hidden_arena: torch.Tensor, chunks: torch.Tensor, slot_ids: torch.Tensor) -> None:
     """Hidden-state chunks [n, L, chunk_tokens, D] -> hidden_arena[slot_ids[c]] (D2H on CUDA)."""
     _ops.store_hidden_chunks(hidden_arena, chunks, slot_ids)
+
+
+def write_pinned(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """src -> dst, same dtype and size, both contiguous. On CUDA, src on the GPU and dst pinned host
+    memory written by a kernel through its mapped address, ordered on the current stream: no copy
+    engine, so a small result (a batch's logits) never waits behind a bulk D2H (an offload) that
+    another stream queued on the engine first."""
+    _ops.write_pinned(dst, src)
 
 
 def append_kvcache_reference(kv_cache, k, v, page_ids, page_offsets, layer, rows=None, skip_page=-1) -> None:

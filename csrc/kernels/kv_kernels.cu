@@ -1,4 +1,4 @@
-// CUDA impls (TORCH_LIBRARY_IMPL(hstu, CUDA)) of the seven KV ops whose schemas and CPU impls live
+// CUDA impls (TORCH_LIBRARY_IMPL(hstu, CUDA)) of the eight ops whose schemas and CPU impls live
 // in ../ops.cpp. Checks are the shared ones of ../kv_checks.h.
 //
 // Layouts (row-major, contiguous unless noted):
@@ -31,8 +31,13 @@
 //                (cudaHostGetDevicePointer); requires host_arena.is_pinned().
 //     Measured on H200 (benchmarks/RESULTS.md): memcpy 0.99 of the pinned H2D ceiling, zerocopy
 //     0.91, for pages in runs of a chunk and for scattered pages alike.
+//   write_pinned: src on the GPU, dst pinned CPU memory, written by a kernel through dst's mapped
+//     address (no copy engine: a small result never queues behind a bulk D2H, such as an
+//     offload, that another stream put on the engine first). The host allocator is told the
+//     stream, so dst's block is not handed out again before the kernel completed.
 // Every launch and copy is enqueued on at::cuda::getCurrentCUDAStream().
 #include <ATen/ATen.h>
+#include <ATen/core/CachingHostAllocator.h>  // at::getHostAllocator: write_pinned tells it dst's stream
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>  // at::cuda::getCurrentCUDAStream (at::cuda re-exports c10::cuda)
@@ -462,6 +467,35 @@ void store_hidden_chunks_cuda(at::Tensor hidden_arena, const at::Tensor& chunks,
                         chunks, slot_ids);
 }
 
+// write_pinned: the whole byte range is one item, spread over the grid by copy_items.
+struct LinearAddr {
+  const char* from;
+  char* to;
+  __device__ bool skip(int64_t) const { return false; }
+  __device__ const char* src(int64_t) const { return from; }
+  __device__ char* dst(int64_t) const { return to; }
+};
+
+void write_pinned_cuda(at::Tensor dst, const at::Tensor& src) {
+  TORCH_CHECK(src.is_cuda() && dst.is_cpu(), "write_pinned on CUDA takes src on the GPU and dst on the CPU, got ",
+              src.device(), ", ", dst.device());
+  check_write_pinned(dst, src);
+  TORCH_CHECK(dst.is_pinned(), "write_pinned needs dst in pinned memory (pin_memory=True)");
+  const int64_t bytes = src.numel() * src.element_size();
+  if (bytes == 0) return;
+  const c10::cuda::CUDAGuard guard(src.device());
+  cudaPointerAttributes attr{};
+  C10_CUDA_CHECK(cudaPointerGetAttributes(&attr, dst.data_ptr()));
+  TORCH_CHECK(attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr,
+              "write_pinned: dst is not pinned host memory mapped into the device's address space");
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto& storage = dst.storage().data_ptr();
+  at::getHostAllocator(at::kCUDA)->record_event(storage.get(), storage.get_context(), stream.unwrap());
+  LinearAddr addr{static_cast<const char*>(src.data_ptr()), static_cast<char*>(attr.devicePointer)};
+  const int vec = vector_bytes({addr_of(addr.from), addr_of(addr.to), static_cast<uint64_t>(bytes)});
+  copy_items(addr, 1, bytes, vec, stream);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hstu, CUDA, m) {
@@ -472,6 +506,7 @@ TORCH_LIBRARY_IMPL(hstu, CUDA, m) {
   m.impl("store_host_chunks", &store_host_chunks_cuda);
   m.impl("onload_hidden", &onload_hidden_cuda);
   m.impl("store_hidden_chunks", &store_hidden_chunks_cuda);
+  m.impl("write_pinned", &write_pinned_cuda);
 }
 
 }  // namespace hstu

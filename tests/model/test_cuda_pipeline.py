@@ -138,19 +138,25 @@ def test_rerank_of_unchanged_histories_on_cuda_computes_only_candidates(cuda_gra
 
 @pytest.mark.parametrize("host_format", ["kv", "hidden"])
 @pytest.mark.parametrize(
-    "cuda_graphs, in_graph", [(False, False), (True, False), (True, True)], ids=["eager", "cuda_graphs", "waits_in_graph"]
+    "cuda_graphs, in_graph, logits_by_kernel",
+    [(False, False, False), (True, False, False), (True, True, False), (True, False, True)],
+    ids=["eager", "cuda_graphs", "waits_in_graph", "logits_by_kernel"],
 )
-def test_pipelined_batches_with_eviction_and_prefetch_match_no_cache(cuda_graphs, in_graph, host_format, monkeypatch):
+def test_pipelined_batches_with_eviction_and_prefetch_match_no_cache(
+    cuda_graphs, in_graph, logits_by_kernel, host_format, monkeypatch
+):
     """rank_async launches up to three batches before reading the first: pages freed by one batch
     (evicted, invalidated, prefetched into) must not be overwritten while an earlier launched batch
     still reads them (finish() commits before the onload lands; an onload waits only for the last
     batch that used its pages). Every batch's logits equal the no-cache model's (fp32). in_graph:
-    the layers' onload waits inside one whole-forward replay (HSTU_ONLOAD_IN_GRAPH)."""
+    the layers' onload waits inside one whole-forward replay (HSTU_ONLOAD_IN_GRAPH);
+    logits_by_kernel: the logits written to pinned memory by a kernel (HSTU_LOGITS_OUT=kernel)."""
     from collections import deque
 
     from hstu.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "_ONLOAD_IN_GRAPH", in_graph)
+    monkeypatch.setattr(engine_module, "_LOGITS_BY_KERNEL", logits_by_kernel)
 
     cfg = cuda_pipeline_model("float32")
     torch.backends.cuda.matmul.allow_tf32 = False

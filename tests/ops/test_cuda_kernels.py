@@ -233,6 +233,34 @@ def test_hidden_chunks_store_then_onload_layer_by_layer(dtype):
     assert flat[untouched].isnan().all() and flat[:, L * ct * dim :].isnan().all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_pinned_lands_beside_a_bulk_copy_to_the_host(dtype):
+    """write_pinned (a kernel through dst's mapped address) on the current stream while another
+    stream's 256 MiB D2H is in flight: the values land exactly, an odd element count included, and
+    dst's block is not handed out again before the kernel completed (the host allocator saw it)."""
+    big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    big_host = torch.empty(big.shape, dtype=torch.uint8).pin_memory()
+    side = torch.cuda.Stream()
+    for n in (1, 37, 2048 * 3):
+        src = torch.randn(n, device="cuda").to(dtype)
+        dst = torch.full((n,), float("nan"), dtype=dtype).pin_memory()
+        with torch.cuda.stream(side):
+            big_host.copy_(big, non_blocking=True)
+        kv_ops.write_pinned(dst, src)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        assert torch.equal(dst, src.cpu())
+        side.synchronize()
+    ptr, src = dst.data_ptr(), torch.randn(dst.shape, device="cuda").to(dtype)
+    torch.cuda._sleep(50_000_000)  # the stream busy, so the kernel is still pending when dst is dropped
+    kv_ops.write_pinned(dst, src)
+    del dst
+    again = torch.empty(2048 * 3, dtype=dtype, pin_memory=True)
+    assert again.data_ptr() != ptr, "the host allocator handed out a block a pending kernel still writes"
+    torch.cuda.synchronize()
+
+
 def test_offload_roundtrip_gather_store_onload(monkeypatch):
     """gather_all_layers -> store_host_chunks -> onload of every layer restores the pages."""
     L, P, ps, H, d, ppc, n = 4, 30, 16, 2, 128, 2, 3
@@ -383,6 +411,10 @@ REJECTIONS = {
     "zerocopy_pageable_arena": (
         "os.environ['HSTU_ONLOAD_IMPL'] = 'zerocopy'; kv_ops.onload_kvcache(cache, arena.clone(), slots, pages, 0)",
         "pinned",
+    ),
+    "write_pinned_pageable_dst": (
+        "kv_ops.write_pinned(torch.zeros(8), torch.ones(8, device='cuda'))",
+        "write_pinned needs dst in pinned memory",
     ),
     "unknown_onload_impl": (
         "os.environ['HSTU_ONLOAD_IMPL'] = 'dma'; kv_ops.onload_kvcache(cache, arena, slots, pages, 0)",
