@@ -174,7 +174,9 @@ def _counters(text: str) -> tuple[dict[str, float], dict[tuple[str, str], float]
             histogram, _, part = s.name.rpartition("_")
             if s.name in batch:  # summed over labels: an engine process or Ray replicas add replica="..."
                 batch[s.name] += s.value
-            elif histogram in _PHASE_HISTOGRAMS and part in ("sum", "count"):
+            elif histogram in _PHASE_HISTOGRAMS and part in ("sum", "count", "bucket"):
+                if part == "bucket":  # cumulative count at or under the edge s.labels["le"]
+                    part = f"le={s.labels['le']}"
                 key = (_PHASE_HISTOGRAMS[histogram].format(s.labels.get("phase")), part)
                 phases[key] = phases.get(key, 0.0) + s.value
     return batch, phases
@@ -189,6 +191,34 @@ def _phase_means_ms(before: dict[tuple[str, str], float], after: dict[tuple[str,
         if count > 0:
             means[phase] = 1e3 * (after.get((phase, "sum"), 0.0) - before.get((phase, "sum"), 0.0)) / count
     return means
+
+
+def _phase_quantiles_ms(
+    before: dict[tuple[str, str], float], after: dict[tuple[str, str], float], q: float
+) -> dict[str, float]:
+    """Each phase's q-quantile (ms) over a run, from its histogram's bucket deltas, interpolated
+    within the bucket as Prometheus' histogram_quantile does: whether a phase's mean is its typical
+    request's wait or a few long ones'. Past the last finite edge: that edge."""
+    out = {}
+    for phase in sorted({phase for phase, _ in after}):
+        edges = sorted(
+            (float(part[3:]), after[(phase, part)] - before.get((phase, part), 0.0))
+            for p, part in after if p == phase and part.startswith("le=")
+        )
+        total = edges[-1][1] if edges else 0.0
+        if total <= 0:
+            continue
+        rank, lower, below = q * total, 0.0, 0.0
+        for edge, cumulative in edges:
+            if cumulative >= rank:
+                if edge == float("inf"):
+                    out[phase] = 1e3 * lower
+                else:
+                    share = (rank - below) / (cumulative - below) if cumulative > below else 1.0
+                    out[phase] = 1e3 * (lower + (edge - lower) * share)
+                break
+            lower, below = edge, cumulative
+    return out
 
 
 def _due(n: int, rate: float, seed: int) -> list[float]:
@@ -286,6 +316,8 @@ def _report(results: list[dict], shares: list[list[int]], before, after, rate: f
         "mean_batch_model_ms": 1e3 * model_s / batches if batches else float("nan"),
         "model_busy_share": model_s / wall if wall > 0 else float("nan"),
         "phase_mean_ms": _phase_means_ms(phases_before, phases_after),
+        "phase_p50_ms": _phase_quantiles_ms(phases_before, phases_after, 0.5),
+        "phase_p90_ms": _phase_quantiles_ms(phases_before, phases_after, 0.9),
         "wall_s": wall,
         "answers": answers,  # request index -> 200 body (bytes; RankOutput in process); main() checks them with --verify
     }
@@ -372,6 +404,10 @@ def main(args: argparse.Namespace) -> int:
     if doc["phase_mean_ms"]:
         means = ", ".join(f"{k} {v:.2f}" for k, v in doc["phase_mean_ms"].items())
         print(f"server phases, mean ms per request (batch_*, forward_*: per batch): {means}")
+        quantiles = ", ".join(
+            f"{k} {doc['phase_p50_ms'][k]:.2f}/{doc['phase_p90_ms'][k]:.2f}" for k in doc["phase_p50_ms"] if k in doc["phase_p90_ms"]
+        )
+        print(f"server phases, p50/p90 ms from the histograms' buckets: {quantiles}")
     if reference is not None:
         print(f"verified {doc['verified']} answers against the no-cache model: {doc['verify_mismatches']} mismatches "
               f"(max abs logit diff {doc['verify_max_abs_diff']:.3g})")

@@ -29,6 +29,23 @@ def test_loadgen_reports_rate_latency_and_batch_size_gets_only_200s_and_verifies
             assert set(phases) == {"read_parse", "rank", "respond", "engine_queue"} | batch_phases
             assert all(v >= 0 for v in phases.values()) and phases["batch_launch"] > 0
             assert phases["rank"] >= phases["engine_queue"], "the queue wait is part of the rank phase"
+            p50, p90 = doc["phase_p50_ms"], doc["phase_p90_ms"]
+            assert set(p50) == set(p90) == set(phases) and all(0 <= p50[k] <= p90[k] for k in p50)
+
+
+def test_phase_quantiles_interpolate_within_the_bucket_of_this_runs_counts():
+    """From cumulative bucket counts, before and after a run: 10 of this run's 20 waits were under
+    0.5 ms and 18 under 1 ms, so the median is 0.5 ms and the 0.9 quantile 1 ms; one that passed
+    the last finite edge reads as that edge."""
+    edges = {"le=0.0005": 10.0, "le=0.001": 18.0, "le=0.0025": 20.0, "le=+Inf": 20.0}
+    before = {("pipe_to_engine", k): 5.0 for k in edges}  # an earlier run's waits, all under 0.5 ms
+    after = {("pipe_to_engine", k): v + 5.0 for k, v in edges.items()}
+    assert loadgen._phase_quantiles_ms(before, after, 0.5) == {"pipe_to_engine": 0.5}
+    assert abs(loadgen._phase_quantiles_ms(before, after, 0.9)["pipe_to_engine"] - 1.0) < 1e-9
+    assert abs(loadgen._phase_quantiles_ms(before, after, 0.25)["pipe_to_engine"] - 0.25) < 1e-9
+    tail = {("x", "le=0.001"): 1.0, ("x", "le=+Inf"): 4.0}
+    assert loadgen._phase_quantiles_ms({}, tail, 0.9) == {"x": 1.0}
+    assert loadgen._phase_quantiles_ms({}, {("x", "le=+Inf"): 0.0}, 0.5) == {}
 
 
 def test_loadgen_verify_counts_every_wrong_answer_and_exits_non_zero(tmp_path, monkeypatch):
