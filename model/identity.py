@@ -116,13 +116,10 @@ class HistoryIdentity:
             if self._chain[b] != other._chain[b]:
                 return False
             start = b * BLOCK_TOKENS * 16
-        if start:  # at most BLOCK_TOKENS records: two small copies compare faster than numpy's setup
-            if bytes(self._bytes[start : length * 16]) != bytes(other._bytes[start : length * 16]):
-                return False
-        else:
-            mine, theirs = (np.frombuffer(ident._bytes, dtype="<i8", count=2 * length) for ident in (self, other))
-            if not np.array_equal(mine, theirs):
-                return False
+        # Two copies and a memcmp: 5.8 us for 4k tokens beside a Python-busy thread against 7.5 us
+        # for numpy's array_equal (dev CPU, medians of 200).
+        if bytes(self._bytes[start : length * 16]) != bytes(other._bytes[start : length * 16]):
+            return False
         self._shared = (weakref.ref(other), length)
         blocks = min(length // BLOCK_TOKENS + 1, len(other._chain))
         if blocks > len(self._chain):
