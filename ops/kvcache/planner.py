@@ -252,16 +252,21 @@ def _loaded_bytes(
         return total.astype(np.float64)
     if not chunk_tokens:
         raise ValueError("hidden-state chunks need chunk_tokens to be priced")
-    width = max(len(u.hidden_chunks) for u in users)
-    counts = np.zeros((len(users), width + 1), dtype=np.int64)  # hidden chunks among the first k
-    for i, u in enumerate(users):
-        flags = np.asarray(u.hidden_chunks, dtype=np.int64)
-        counts[i, 1 : len(flags) + 1] = np.cumsum(flags)
-        counts[i, len(flags) + 1 :] = counts[i, len(flags)]
-    cols = np.arange(len(users))[None, :]
-    hi = np.minimum(-(-end // chunk_tokens), width)
-    lo = np.minimum(start // chunk_tokens, width)
-    hidden_tokens = (counts[cols, hi] - counts[cols, lo]) * chunk_tokens
+    hi, lo = -(-end // chunk_tokens), start // chunk_tokens  # the chunks [lo, hi) each split onloads
+    if all(all(u.hidden_chunks) for u in users):  # each user's chunks all hidden, or all K/V (empty)
+        # (a user admitted whole: the common case) hidden chunks among a user's first k: min(k, n)
+        n = np.asarray([len(u.hidden_chunks) for u in users], dtype=np.int64)
+        hidden_chunks = np.minimum(hi, n) - np.minimum(lo, n)
+    else:  # a running count of each user's hidden chunks
+        width = max(len(u.hidden_chunks) for u in users)
+        counts = np.zeros((len(users), width + 1), dtype=np.int64)  # hidden chunks among the first k
+        for i, u in enumerate(users):
+            flags = np.asarray(u.hidden_chunks, dtype=np.int64)
+            counts[i, 1 : len(flags) + 1] = np.cumsum(flags)
+            counts[i, len(flags) + 1 :] = counts[i, len(flags)]
+        cols = np.arange(len(users))[None, :]
+        hidden_chunks = counts[cols, np.minimum(hi, width)] - counts[cols, np.minimum(lo, width)]
+    hidden_tokens = hidden_chunks * chunk_tokens
     hidden_tokens = np.minimum(hidden_tokens, end - start)  # a partial last chunk moves its tokens only
     saved = hidden_tokens.sum(axis=1) * (kv - cost.hidden_bytes_per_token_layer)
     return (total - saved).astype(np.float64)
@@ -269,14 +274,17 @@ def _loaded_bytes(
 
 def _timeline(cost: CostModel, num_layers: int, onloaded: np.ndarray, layer_s: np.ndarray, first_s: np.ndarray) -> np.ndarray:
     """The batch's time: after `first_s` of work that reads no onloaded page, L layers of
-    `layer_s` each, layer i once it and its `onloaded` bytes per layer have landed."""
-    load_layer = onloaded / cost.h2d_bytes_per_s
+    `layer_s` each, layer i once it and its `onloaded` bytes per layer have landed:
+        finish_i = max(finish_{i-1}, start + (i + 1) * load) + layer,   finish_{-1} = first.
+    Unrolled, finish_{L-1} = max(first + L * layer, max_i (start + (i + 1) * load + (L - i) * layer)),
+    and the inner term is linear in i, so its max is at i = 0 or i = L - 1: three terms instead of
+    a loop over the layers (this runs on the critical path of every host-tier batch)."""
+    L = num_layers
+    load = onloaded / cost.h2d_bytes_per_s
     start = np.where(onloaded > 0, cost.onload_start_s, 0.0)
-    finish = first_s.astype(np.float64)
-    for i in range(num_layers):
-        landed = np.where(onloaded > 0, start + (i + 1) * load_layer, 0.0)
-        finish = np.maximum(finish, landed) + layer_s
-    return cost.forward_s + finish
+    computed = first_s + L * layer_s
+    waited = start + np.maximum(load + L * layer_s, L * load + layer_s)
+    return cost.forward_s + np.where(onloaded > 0, np.maximum(computed, waited), computed)
 
 
 def plan(
@@ -312,9 +320,9 @@ def plan(
     split = np.zeros(steps + 1, dtype=bool)
     split[1:-1] = True  # 0 < k < steps: pure onload and pure recompute always stay
     skip = split & (rows > buckets[-1]) if buckets else np.zeros_like(split)
-    best = None
+    best, times, skipped = None, finish.tolist(), skip.tolist()  # Python floats: no numpy scalar per step
     for i in range(steps + 1):  # k = steps .. 0: ties keep the earlier (more onload)
-        if not skip[i] and (best is None or finish[i] < finish[best] * (1 - 1e-9)):
+        if not skipped[i] and (best is None or times[i] < times[best] * (1 - 1e-9)):
             best = i
     recompute, whole = steps, 0  # k = 0, k = steps
     if split[best] and finish[best] > finish[whole] * (1 - cost.min_gain):

@@ -419,3 +419,54 @@ def test_the_planner_chooses_and_predicts_as_one_split_at_a_time(front, buckets)
         onload, finish = _plan_one_split_at_a_time(users, cost, LAYERS, CHUNK, buckets, front)
         assert chosen.onload_tokens == onload, trial
         assert chosen.predicted_s == pytest.approx(finish, rel=1e-9), trial
+
+
+def test_the_closed_form_timeline_equals_layer_by_layer_waits():
+    """_timeline's three terms give what stepping through the layers gives: layer i starts when
+    layer i - 1 finished and its own onloaded bytes landed."""
+    import numpy as np
+
+    from hstu.ops.kvcache.planner import _timeline
+
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        cost = CostModel(float(rng.uniform(1e9, 1e11)), 4096, 1e-8, 1e-11, forward_s=float(rng.uniform(0, 1e-3)),
+                         onload_start_s=float(rng.uniform(0, 1e-3)))
+        K, L = int(rng.integers(1, 40)), int(rng.integers(1, 12))
+        onloaded = rng.uniform(0, 1e8, K) * (rng.random(K) < 0.8)
+        layer, first = rng.uniform(0, 1e-3, K), rng.uniform(0, 5e-3, K) * (rng.random(K) < 0.5)
+        stepped = first.copy()
+        for i in range(L):
+            landed = np.where(onloaded > 0, cost.onload_start_s + (i + 1) * onloaded / cost.h2d_bytes_per_s, 0.0)
+            stepped = np.maximum(stepped, landed) + layer
+        np.testing.assert_allclose(_timeline(cost, L, onloaded, layer, first), cost.forward_s + stepped, rtol=1e-12)
+
+
+def test_hidden_chunks_are_counted_per_chunk_whatever_their_pattern():
+    """_loaded_bytes over users whose chunks are all hidden (its fast path), some hidden, or none:
+    the bytes a chunk-by-chunk count gives, for onloads starting and ending anywhere on chunks."""
+    import numpy as np
+
+    from hstu.ops.kvcache.planner import _loaded_bytes
+
+    cost = CostModel(50e9, 4096, 2e-8, 4e-12, hidden_bytes_per_token_layer=1024)
+    rng = np.random.default_rng(5)
+    for _ in range(100):
+        users = []
+        for _ in range(int(rng.integers(1, 6))):
+            chunks = int(rng.integers(1, 12))
+            kind = rng.integers(0, 3)
+            flags = (True,) * chunks if kind == 0 else tuple(bool(b) for b in rng.random(chunks) < 0.5) if kind == 1 else ()
+            users.append(UserShape(chunks * CHUNK, 0, chunks * CHUNK + 10, 5, flags))
+        K = 4
+        start = np.stack([[int(rng.integers(0, u.host_tokens // CHUNK + 1)) * CHUNK for u in users] for _ in range(K)])
+        end = np.stack([[min(u.host_tokens, s + int(rng.integers(0, 4)) * CHUNK) for u, s in zip(users, row)]
+                        for row in start])
+        expected = [
+            sum(
+                (cost.hidden_bytes_per_token_layer if u.hidden_chunks and u.hidden_chunks[c] else 4096) * CHUNK
+                for u, s, e in zip(users, srow, erow) for c in range(s // CHUNK, e // CHUNK)
+            )
+            for srow, erow in zip(start, end)
+        ]
+        np.testing.assert_array_equal(_loaded_bytes(users, start, end, cost, CHUNK), expected)
