@@ -17,7 +17,8 @@
 # connections each) and USERS (default 64) set the answered and sent loads' offered rate, client processes and users
 # (scripts/gpu_scale.sh raises them for two replicas); PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
 # during one more, longer load run (collapsed stacks per thread, busy samples only, in OUT_DIR/pyspy.txt;
-# PYSPY_IDLE=1: idle samples too, to see where threads wait; PYSPY_GIL=1: only samples holding the GIL), with
+# PYSPY_IDLE=1: idle samples too, to see where threads wait; PYSPY_GIL=1: only samples holding the GIL;
+# PYSPY_RATE: that load's offered requests/s, default 3000), with
 # the GPU's utilisation every 100 ms beside it (OUT_DIR/gpu_util.csv). The server's /metrics at the end: metrics_end.txt.
 set -uo pipefail
 out=$1
@@ -90,7 +91,7 @@ if [ -n "${PYSPY:-}" ] && command -v py-spy > /dev/null; then  # a longer load, 
   spy=$!
   nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader -lms 100 > "$out/gpu_util.csv" 2>/dev/null &
   smi=$!
-  python3 -m hstu.cli loadgen --server "$url" --workload replay --order sent --rate 3000 --requests 2000 --users 64 \
+  python3 -m hstu.cli loadgen --server "$url" --workload replay --order sent --rate "${PYSPY_RATE:-3000}" --requests 2000 --users 64 \
     --connections 128 --processes 4 --first-user 500000 --out "$out/loadgen_profiled" | grep -E "^(offered|server phases)" || rc=1
   kill -INT "$spy"
   kill "$smi"
