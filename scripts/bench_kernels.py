@@ -158,8 +158,8 @@ def _sweep() -> list[ta.AttentionConfig]:
     swept every tile config with each form, and Triton's warp specialisation, which changed
     nothing: benchmarks/RESULTS.md.)"""
     # ptxas (Triton 3.9, sm_90a; scripts/kernel_regs.py) on the default tiles: 255 registers and
-    # ~1.5 KB of spills per thread (the 128 x 256 float32 accumulator and the Q tile live in
-    # registers); 64 x 64 with 8 warps spills ~0.4 KB, 16 warps use 128 registers but still spill.
+    # 152 bytes of spills per thread with the JIT's divisibility (~1.5 KB without it, the figure of
+    # sessions 14-15; the 128 x 256 float32 accumulator and the Q tile live in registers).
     # (128 x 64 with 3 stages needs 256 KB of shared memory, over the H200's 227 KB: dropped)
     tiles = [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3),
              (128, 64, 16, 2), (128, 128, 8, 1)]
