@@ -52,7 +52,10 @@ _ONLOAD_IN_GRAPH = os.environ.get("HSTU_ONLOAD_IN_GRAPH", "0") == "1"
 # HSTU_LOGITS_OUT=kernel: rank_async writes the batch's logits to pinned memory with a kernel
 # (kv_ops.write_pinned) instead of a D2H copy, which shares the copy engine with the offloads' D2H
 # and may queue behind a whole history's (an experiment knob, off until measured on a GPU)
-_LOGITS_BY_KERNEL = os.environ.get("HSTU_LOGITS_OUT", "copy") == "kernel"
+_LOGITS_OUT = os.environ.get("HSTU_LOGITS_OUT", "copy") or "copy"
+if _LOGITS_OUT not in ("copy", "kernel"):
+    raise ValueError(f"HSTU_LOGITS_OUT must be 'copy' or 'kernel', got {_LOGITS_OUT!r}")
+_LOGITS_BY_KERNEL = _LOGITS_OUT == "kernel"
 
 # Row buckets of the CUDA graphs. Past 4096 rows too: an eager batch is host-bound well beyond that
 # (on the H200 a batch of 8 recomputing 1024 tokens each, 10k rows, spent 12 ms launching 8 ms of

@@ -76,3 +76,13 @@ def test_rank_async_gives_the_outputs_of_rank_in_the_asked_dtype(tiny_config):
             assert torch.equal(a.logits.double(), b.logits) and a.cached_tokens == b.cached_tokens
     sync.close()
     launched.close()
+
+
+def test_an_unknown_logits_out_knob_is_refused_naming_it():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HSTU_LOGITS_OUT": "dma"}
+    proc = subprocess.run([sys.executable, "-c", "import hstu.engine.engine"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "HSTU_LOGITS_OUT must be 'copy' or 'kernel', got 'dma'" in proc.stderr
