@@ -25,6 +25,7 @@ from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.scripts import report
 from hstu.scripts.compare import VerifyTally
 from hstu.scripts.timing import sync, wall_ms
+from hstu.serving.gc_policy import freeze_startup_objects
 from hstu.scripts.workload import FreshUserIds, WorkloadConfig, as_users
 from hstu.serving.settings import ServerSettings
 
@@ -203,6 +204,7 @@ def run_pass(
         if planner and model.calibrate() is None:
             logger.warning("planner off: the cost measurement showed no per-token compute cost")
         manager.drain()
+        freeze_startup_objects(name)  # as a serving process does once warmed up (serving/gc_policy.py)
         before = manager.stats.snapshot()
         records: list[RequestRecord] = []
         tally = VerifyTally(model_config.dtype, "cached logits")

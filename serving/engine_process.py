@@ -55,6 +55,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from hstu.engine import RankOutput
 from hstu.model.batch import RankingRequest
+from hstu.serving.gc_policy import freeze_startup_objects
 from hstu.serving.errors import RETRY_AFTER_S, RankError
 from hstu.serving.metrics import ServingMetrics, merged_exposition
 from hstu.serving.runtime import Runtime, ServedModel, ServingRuntime
@@ -394,6 +395,8 @@ class _EngineClient(Runtime):
         # read on the loop itself (no reader thread, whose every message waits for the loop's GIL)
         read = _read_into if _PIPE_THREADS else _read_on_loop
         read(conn, loop, self._on_message, "hstu-front-reader")
+        # while the engine loads: this process's own startup objects (imports, the app) are all here
+        freeze_startup_objects("front end" if self.index is None else front_end_label(self.index))
         first = await self._started
         if first[0] != "ready":
             detail = first[1] if first[0] == "failed" else "the engine process exited while starting"

@@ -35,6 +35,7 @@ from hstu.model.config import HSTUConfig
 from hstu.engine import ForwardTiming, PendingRank, RankingEngine, RankOutput
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
+from hstu.serving.gc_policy import freeze_startup_objects
 from hstu.serving.batcher import Batcher
 from hstu.serving.metrics import ServingMetrics
 from hstu.serving.schemas import RequestLimits
@@ -177,6 +178,7 @@ class ServingRuntime(Runtime):
             inline=s.model_on_loop,
         )
         self.batcher.start()
+        freeze_startup_objects("serving runtime")
         self.state, self.detail = "ready", None
         self.metrics.ready.set(1)
         logger.info("ready after %.2fs (device %s, dtype %s)", time.monotonic() - started, s.device, self.config.dtype)
