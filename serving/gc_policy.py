@@ -7,7 +7,8 @@ collection of them took 66-104 ms on the dev CPU; a 400-request CPU replay ran 4
 in all). They come as requests' short-lived objects survive into the older generations, and
 each is a tail latency for every request in flight (run CM's paced REST load: p99 165 ms).
 
-freeze_startup_objects(), called once a process is ready to serve (model loaded, warmed up),
+freeze_startup_objects(), called once a process is ready to serve (an engine's runtime after its
+warm-up, a front end, a parse worker once its parser is built, a replay pass after its warm-up),
 collects once and moves every object alive then into the permanent generation (gc.freeze), which
 later collections skip: they walk only what serving itself creates. HSTU_GC_FREEZE=0 leaves the
 collector as Python sets it (an experiment knob, for a same-call comparison).

@@ -23,6 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from hstu.model.config import HSTUConfig
+from hstu.serving.gc_policy import freeze_startup_objects
 from hstu.serving.parsing import ParsedRank, RankBodyParser
 from hstu.serving.schemas import RequestLimits, build_rank_columns_model, build_rank_request_model
 
@@ -36,6 +37,7 @@ def _start_worker(limits: RequestLimits, config: HSTUConfig) -> None:
     global _worker_parser
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_parser = RankBodyParser(limits, config, build_rank_request_model(limits), build_rank_columns_model(limits))
+    freeze_startup_objects("parse worker")
 
 
 def _parse_in_worker(raw: bytes, model_id: bytes | None) -> ParsedRank:
