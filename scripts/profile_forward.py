@@ -170,8 +170,8 @@ def pipelined_profile(engine, shape, batch, n, device, depth: int = 2) -> dict:
     that: each starts on an idle GPU). Every batch's users are prefilled first (all stay on the
     GPU: the engine's cache holds n + 1 batches, its host tier their prefixes, so a batch offloads
     only the chunk its new tokens filled, as a returning user's request does) and its requests
-    validated and hashed, as the server's front end does. With an onload split on the cache (--onload-fraction), every batch's
-    prefixes are evicted to the host tier after the prefill, so each batch onloads that share while
+    validated and hashed, as the server's front end does. With an onload split on the cache
+    (--onload-fraction), every batch's prefixes are evicted to the host tier after the prefill, so each batch onloads that share while
     the one before it still runs (finish's and the onload's waits are what this shows)."""
     prefix, full = make_requests(shape, engine.config, batch)
     split = engine.cache.cost_model

@@ -25,8 +25,8 @@ from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.scripts import report
 from hstu.scripts.compare import VerifyTally
 from hstu.scripts.timing import sync, wall_ms
-from hstu.serving.gc_policy import freeze_startup_objects
 from hstu.scripts.workload import FreshUserIds, WorkloadConfig, as_users
+from hstu.serving.gc_policy import freeze_startup_objects
 from hstu.serving.settings import ServerSettings
 
 logger = logging.getLogger(__name__)

@@ -3,9 +3,10 @@
 A full (generation 2) collection walks every container object the process tracks and holds the
 GIL meanwhile, so it stops every thread: the model thread, the event loop, the pipe readers.
 After the imports alone (torch, the model, FastAPI) a process tracks ~200k objects, and a full
-collection of them took 66-104 ms on the dev CPU; a 400-request CPU replay ran 4 of them (220 ms
-in all). They come as requests' short-lived objects survive into the older generations, and
-each is a tail latency for every request in flight (run CM's paced REST load: p99 165 ms).
+collection of them took 66-119 ms on the dev CPU; a 400-request CPU replay ran 4 of them, one
+inside a timed pass (114 ms; 17 ms with the startup objects frozen). They come as requests'
+short-lived objects survive into the older generations, and each is a tail latency for every
+request in flight (run CM's paced REST load: p99 165 ms).
 
 freeze_startup_objects(), called once a process is ready to serve (an engine's runtime after its
 warm-up, a front end, a parse worker once its parser is built, a replay pass after its warm-up),

@@ -252,21 +252,19 @@ def _loaded_bytes(
         return total.astype(np.float64)
     if not chunk_tokens:
         raise ValueError("hidden-state chunks need chunk_tokens to be priced")
-    hi, lo = -(-end // chunk_tokens), start // chunk_tokens  # the chunks [lo, hi) each split onloads
-    if all(all(u.hidden_chunks) for u in users):  # each user's chunks all hidden, or all K/V (empty)
-        # (a user admitted whole: the common case) hidden chunks among a user's first k: min(k, n)
-        n = np.asarray([len(u.hidden_chunks) for u in users], dtype=np.int64)
-        hidden_chunks = np.minimum(hi, n) - np.minimum(lo, n)
-    else:  # a running count of each user's hidden chunks
-        width = max(len(u.hidden_chunks) for u in users)
-        counts = np.zeros((len(users), width + 1), dtype=np.int64)  # hidden chunks among the first k
-        for i, u in enumerate(users):
-            flags = np.asarray(u.hidden_chunks, dtype=np.int64)
-            counts[i, 1 : len(flags) + 1] = np.cumsum(flags)
-            counts[i, len(flags) + 1 :] = counts[i, len(flags)]
-        cols = np.arange(len(users))[None, :]
-        hidden_chunks = counts[cols, np.minimum(hi, width)] - counts[cols, np.minimum(lo, width)]
-    hidden_tokens = hidden_chunks * chunk_tokens
+    width = max(len(u.hidden_chunks) for u in users)
+    # hidden chunks among each user's first k: min(k, n) for a user whose n chunks all hold hidden
+    # states (a user admitted whole, the common case: no per-user count), a running count otherwise
+    n = np.asarray([len(u.hidden_chunks) for u in users], dtype=np.int64)
+    counts = np.minimum(np.arange(width + 1), n[:, None])
+    for i, u in enumerate(users):
+        if not all(u.hidden_chunks):
+            counts[i, 1 : n[i] + 1] = np.cumsum(np.asarray(u.hidden_chunks, dtype=np.int64))
+            counts[i, n[i] + 1 :] = counts[i, n[i]]
+    cols = np.arange(len(users))[None, :]
+    hi = np.minimum(-(-end // chunk_tokens), width)
+    lo = np.minimum(start // chunk_tokens, width)
+    hidden_tokens = (counts[cols, hi] - counts[cols, lo]) * chunk_tokens
     hidden_tokens = np.minimum(hidden_tokens, end - start)  # a partial last chunk moves its tokens only
     saved = hidden_tokens.sum(axis=1) * (kv - cost.hidden_bytes_per_token_layer)
     return (total - saved).astype(np.float64)
