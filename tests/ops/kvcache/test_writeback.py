@@ -5,28 +5,15 @@ recomputed; every answer equals the no-cache model's."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import hstu.ops.kvcache.manager as manager_module
-from hstu.engine import RankingEngine
-from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
-from hstu.ops.kvcache.manager import AsyncKVCacheManager
-from tests.conftest import rel_err
+from tests.ops.kvcache.test_manager import _check
+from tests.ops.kvcache.test_manager import _setup as _setup_manager
 
 
 def _setup(config, **kv):
-    params = dict(page_size=4, num_pages=64, chunk_tokens=8, host_capacity_bytes=1 << 22, writeback="deferred")
-    params.update(kv)
-    mgr = AsyncKVCacheManager(KVCacheConfig.for_model(config, **params))
-    return RankingEngine(InferenceRankingGR(config), mgr), mgr
-
-
-def _check(model, requests):
-    out = model.rank(requests)
-    ref = model.forward_no_cache(requests)
-    assert rel_err(torch.cat([o.logits for o in out]), ref) < 1e-5
-    return out
+    return _setup_manager(config, **{"writeback": "deferred", **kv})
 
 
 def test_a_user_that_stays_on_the_gpu_is_never_written_to_the_host(tiny_config, book):
