@@ -161,8 +161,11 @@ def _sweep() -> list[ta.AttentionConfig]:
     # 152 bytes of spills per thread with the JIT's divisibility (~1.5 KB without it, the figure of
     # sessions 14-15; the 128 x 256 float32 accumulator and the Q tile live in registers).
     # (128 x 64 with 3 stages needs 256 KB of shared memory, over the H200's 227 KB: dropped)
+    # 64 x 32 with 4 warps and 2 stages: 96 KB of shared memory and 255 registers, so two programs
+    # (two warpgroups) fit a SM, where the default's one warpgroup leaves the tensor pipe idle 62% of
+    # batch 8's kernel (ncu, run CR)
     tiles = [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3),
-             (128, 64, 16, 2), (128, 128, 8, 1)]
+             (128, 64, 16, 2), (128, 128, 8, 1), (64, 32, 4, 2), (64, 32, 4, 3)]
     configs = [ta.AttentionConfig(*t, silu="tanh") for t in tiles]
     configs += [ta.AttentionConfig(128, 64, 8, 2, silu=mode) for mode in ("exact", "fast")]
     # the balanced wave (stream-K) never, and for batches filling their waves less than 50% / 90%
@@ -180,7 +183,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
-def bench_attention(cache: torch.Tensor, batch: int, cached: int = CACHED) -> dict:
+def bench_attention(cache: torch.Tensor, batch: int, cached: int = CACHED, sweep: list | None = None) -> dict:
     """GPU time per layer from CUDA-graph replays of all 8 layers (what the paged block runs:
     per-layer graphs), plus the eager time of one call (host overhead of the op included)."""
     meta = seed_metadata(batch, cache.shape[1], cached)
@@ -218,7 +221,8 @@ def bench_attention(cache: torch.Tensor, batch: int, cached: int = CACHED) -> di
 
     eager_ms = bench_ms(eager_step)
     out["default_eager"] = {"ms": eager_ms, "TFLOPs": flops / (eager_ms * 1e-3) / 1e12}
-    out["sweep"] = [{"config": asdict(c), "num_splits": sp, **measure(c, sp)} for c in SWEEP for sp in SPLITS]
+    sweep = SWEEP if sweep is None else sweep
+    out["sweep"] = [{"config": asdict(c), "num_splits": sp, **measure(c, sp)} for c in sweep for sp in SPLITS]
 
     def torch_layers():
         return [paged_hstu_attention_torch(q, k, v, cache, layer, m.page_table, m.kv_lens, m.q_batch, m.q_local,
@@ -241,7 +245,12 @@ def main() -> None:
     parser.add_argument("--copy-gib", type=float, default=1.0, help="size of the ceiling copies")
     parser.add_argument("--sections", nargs="+", choices=("copies", "attention"), default=["copies", "attention"],
                         help="what to measure besides the ceilings (always measured: the ratios need them)")
+    parser.add_argument("--tiles", nargs="+", metavar="M,N,WARPS,STAGES",
+                        help="sweep only these tile configs (tanh SiLU) instead of the whole sweep")
     args = parser.parse_args()
+    sweep = None
+    if args.tiles:
+        sweep = [ta.AttentionConfig(*(int(x) for x in t.split(",")), silu="tanh") for t in args.tiles]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.manual_seed(0)
     t0 = time.time()
@@ -257,7 +266,7 @@ def main() -> None:
         res.update(bench_copies(cache))
     if "attention" in args.sections:
         logger.info("attention")
-        res["attention"] = {name: bench_attention(cache, b, cached) for name, b, cached in ATTENTION_SHAPES}
+        res["attention"] = {name: bench_attention(cache, b, cached, sweep) for name, b, cached in ATTENTION_SHAPES}
     res["wall_s"] = time.time() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
