@@ -77,10 +77,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("invalidate", &GpuPageManager::invalidate, py::arg("user"),
            "Drops the user and frees its pages; no-op if absent; RuntimeError if pinned.")
       .def("take_evicted", &GpuPageManager::take_evicted, "Users evicted since the last call, in order.")
-      .def("pin", &GpuPageManager::pin, py::arg("users"),
-           "Pins each user once without changing the LRU order; ValueError if absent.")
-      .def("next_victims", &GpuPageManager::next_victims, py::arg("pages"),
-           "The users a reserve growing by `pages` would evict, in eviction order.")
       .def("pages", &GpuPageManager::pages, py::arg("user"), "The user's page ids ([] if absent).")
       .def("contains", &GpuPageManager::contains, py::arg("user"))
       .def("pin_count", &GpuPageManager::pin_count, py::arg("user"))

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from hstu.model.config import HSTUConfig
-from hstu.ops.kvcache.config import HOST_FORMAT_HELP, HOST_FORMATS, HOST_SPLIT_HELP, HOST_SPLITS, WRITEBACK_HELP, WRITEBACKS
+from hstu.ops.kvcache.config import HOST_FORMAT_HELP, HOST_FORMATS, HOST_SPLIT_HELP, HOST_SPLITS
 from hstu.scripts import report
 from hstu.scripts.replay_passes import (
     UNCACHED_METHOD,
@@ -253,7 +253,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--offload-min-seen", type=int, help="host-tier admission: sightings before a user's chunks are offloaded (default: hstu serve's)")
     p.add_argument("--host-split", choices=HOST_SPLITS, default=None, help=HOST_SPLIT_HELP)
     p.add_argument("--host-format", choices=HOST_FORMATS, default=None, help=HOST_FORMAT_HELP)
-    p.add_argument("--writeback", choices=WRITEBACKS, default=None, help=WRITEBACK_HELP)
     p.add_argument("--prepare-worker", action="store_true", help="each batch's prepare job on a worker thread (as hstu serve --prepare-worker)")
     p.add_argument("--out", type=Path, default=Path("out/replay"))
     p.set_defaults(func=main)
@@ -283,7 +282,6 @@ def settings_from_args(args: argparse.Namespace) -> ReplaySettings:
         "prepare_worker": args.prepare_worker or None,
         "host_split": args.host_split,
         "host_format": args.host_format,
-        "writeback": args.writeback,
     }
     cache = dataclasses.replace(preset_cache, **{k: v for k, v in overrides.items() if v is not None})
     if args.server:

@@ -50,7 +50,6 @@ class CacheSettings:
     prepare_worker: bool = False
     host_split: str = "load_front"
     host_format: str = "kv"
-    writeback: str = ServerSettings.writeback
 
     def build(self, model: HSTUConfig, workload: WorkloadConfig, batch_size: int) -> KVCacheConfig:
         per_batch = batch_size * -(-workload.history_limit(model) // self.page_size)
@@ -70,7 +69,6 @@ class CacheSettings:
             prepare_worker=self.prepare_worker,
             host_split=self.host_split,
             host_format=self.host_format,
-            writeback=self.writeback,
             on_no_new_tokens="raise",
             on_shorter_history="invalidate",
         )
@@ -157,8 +155,6 @@ _STAT_KEYS = (
     "offload_failures",
     "bytes_onloaded",
     "bytes_offloaded",
-    "writebacks",
-    "writeback_lost_users",
     "cached_tokens",
     "computed_tokens",
 )
@@ -299,14 +295,12 @@ _TABLE_ROWS = (
     ("device / host evictions", None),
     ("bytes onloaded", "bytes_onloaded"),
     ("bytes offloaded", "bytes_offloaded"),
-    ("write-backs / lost (deferred)", "writebacks_lost"),
     ("verify mismatches", "verify_mismatches"),
     ("history conflicts (409)", "history_conflicts"),
     ("errors", "errors"),
 )
 """(label, summary key): the table's rows; label None is the device tier's hit rate, named after
-the device; key None is the evictions of both tiers in one cell, "writebacks_lost" the deferred
-write-backs and the dirty users evicted before theirs (shown only when either happened)."""
+the device; key None is the evictions of both tiers in one cell."""
 
 
 def format_table(summaries: dict[str, dict[str, Any]], speedup: dict[str, float] | None, device: str | None = None) -> str:
@@ -319,10 +313,6 @@ def format_table(summaries: dict[str, dict[str, Any]], speedup: dict[str, float]
                 f"{report.fmt(s['gpu_evictions'])} / {report.fmt(s['host_evictions'])}" if "gpu_evictions" in s else "-"
                 for s in summaries.values()
             ]
-        elif key == "writebacks_lost":
-            if not any(s.get("writebacks") or s.get("writeback_lost_users") for s in summaries.values()):
-                continue
-            cells = [f"{report.fmt(s.get('writebacks'))} / {report.fmt(s.get('writeback_lost_users'))}" for s in summaries.values()]
         elif all(key not in s for s in summaries.values()):
             continue
         else:

@@ -89,11 +89,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="host-tier prefixes split by the planner: onload the front and recompute the back (load_front, "
                    "the default) or recompute the front in a pass of its own beside the back's onload (compute_front, "
                    "Cake's order)")
-    p.add_argument("--writeback", choices=["eager", "deferred"], default=None,
-                   # ops/kvcache/config.py's WRITEBACKS and WRITEBACK_HELP, spelled out (torch-free module)
-                   help="when an admitted user's new full chunks go to the host tier: right after its batch (eager, "
-                   "the default), or only once the user nears the GPU tier's eviction end (deferred: a user who stays "
-                   "resident is never written)")
     p.add_argument("--host-format", choices=["kv", "hidden"], default=None,
                    # ops/kvcache/config.py's HOST_FORMATS and HOST_FORMAT_HELP, spelled out (torch-free module)
                    help="what the host tier holds of a chunk: its K/V pages (kv, the default), or, for chunks whose layer "
@@ -161,7 +156,6 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
         model_on_loop=args.model_on_loop,
         host_split=args.host_split,
         host_format=args.host_format,
-        writeback=args.writeback,
     )
     return ServerSettings.load(args.config_file, env, **flags)
 

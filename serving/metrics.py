@@ -8,7 +8,6 @@ manager's own counters:
   hstu_cache_invalidations_total{reason=shorter|diverged}
   hstu_cache_recomputes_total  hstu_cache_offload_skipped_total  hstu_cache_shorter_reused_total
   hstu_cache_failures_total{stage=onload|offload}           hstu_cache_tokens_total{kind=cached|computed}
-  hstu_cache_writeback_total{result=written|lost}
   hstu_cache_gpu_free_pages  hstu_cache_host_free_slots
 Incremental requests (serving/incremental.py) are counted where they are rebuilt; the history
 store's occupancy is read at scrape time by HistoryStoreCollector:
@@ -61,8 +60,6 @@ _LABELLED_COUNTERS = (
      (("users", "offload_rejected_users"), ("bytes", "offload_rejected_bytes"))),
     ("hstu_cache_prefetch", "Prefetches started and later found on the GPU", "result",
      (("started", "prefetches"), ("hit", "prefetch_hits"))),
-    ("hstu_cache_writeback", "writeback deferred: dirty users written back as they neared eviction, or evicted first",
-     "result", (("written", "writebacks"), ("lost", "writeback_lost_users"))),
     ("hstu_cache_hidden_chunks", "Host chunks moved as layer inputs (host_format hidden; K/V rebuilt on onload)",
      "direction", (("onload", "hidden_chunks_onloaded"), ("offload", "hidden_chunks_offloaded"))),
 )

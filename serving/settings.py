@@ -123,9 +123,6 @@ class ServerSettings:
     host_split: str = "load_front"
     # KVCacheConfig.host_format: host chunks as K/V pages or, computed whole, as layer inputs (hidden)
     host_format: str = "kv"
-    # KVCacheConfig.writeback: admitted users' chunks go to the host right after their batch (eager)
-    # or only as they near GPU eviction (deferred); eager until a GPU run measures deferred
-    writeback: str = "eager"
 
     def __post_init__(self) -> None:
         cuda = self.device.startswith("cuda")
@@ -143,10 +140,6 @@ class ServerSettings:
             raise ValueError(f"host_split must be 'load_front' or 'compute_front', got {self.host_split!r}")
         if self.host_format not in ("kv", "hidden"):  # KVCacheConfig's check, before torch loads
             raise ValueError(f"host_format must be 'kv' or 'hidden', got {self.host_format!r}")
-        if self.writeback not in ("eager", "deferred"):  # KVCacheConfig's checks, before torch loads
-            raise ValueError(f"writeback must be 'eager' or 'deferred', got {self.writeback!r}")
-        if self.writeback == "deferred" and self.host_format != "kv":
-            raise ValueError(f"writeback 'deferred' needs host_format 'kv', got {self.host_format!r}")
         if self.front_ends > 1 and not self.engine_process:
             raise ValueError(f"front_ends {self.front_ends} share one engine process: it needs engine_process")
         if self.model_on_loop and not self.engine_process:
@@ -240,7 +233,6 @@ class ServerSettings:
             prepare_worker=self.prepare_worker,
             host_split=self.host_split,
             host_format=self.host_format,
-            writeback=self.writeback,
         )
 
 

@@ -130,27 +130,6 @@ void GpuPageManager::invalidate(int64_t user) {
   if (it != entries_.end()) drop_locked(it);
 }
 
-void GpuPageManager::pin(const std::vector<int64_t>& users) {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (int64_t u : users) {
-    if (entries_.count(u) == 0) throw std::invalid_argument("pin: user " + str(u) + " has no pages");
-  }
-  for (int64_t u : users) ++entries_.at(u).pin_count;
-}
-
-std::vector<int64_t> GpuPageManager::next_victims(int64_t pages) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<int64_t> out;
-  int64_t need = pages - static_cast<int64_t>(free_.size());
-  for (auto lit = lru_.begin(); lit != lru_.end() && need > 0; ++lit) {
-    const GpuUserEntry& e = entries_.at(*lit);
-    if (e.pin_count > 0) continue;
-    out.push_back(*lit);
-    need -= static_cast<int64_t>(e.pages.size());
-  }
-  return out;
-}
-
 std::vector<int32_t> GpuPageManager::pages(int64_t user) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(user);

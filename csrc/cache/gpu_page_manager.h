@@ -61,12 +61,6 @@ class GpuPageManager : public UserIndex<GpuUserEntry> {
   void release(const std::vector<int64_t>& users);
   // Drops the user and frees its pages; no-op if absent; std::logic_error if pinned.
   void invalidate(int64_t user);
-  // Pins each listed user once without changing the LRU order (a write-back reads its pages while
-  // later batches run); all-or-nothing, std::invalid_argument if a user is absent. release() unpins.
-  void pin(const std::vector<int64_t>& users);
-  // The users a reserve growing by `pages` would evict, in eviction order (least recently used,
-  // unpinned first): none while the free pages cover it.
-  std::vector<int64_t> next_victims(int64_t pages) const;
 
   std::vector<int32_t> pages(int64_t user) const;  // empty if absent
   int64_t num_free_pages() const;

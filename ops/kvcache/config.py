@@ -26,14 +26,6 @@ HOST_FORMAT_HELP = (
 )
 
 
-# KVCacheConfig.writeback's values, and the help text of every command's --writeback flag.
-WRITEBACKS = ("eager", "deferred")
-WRITEBACK_HELP = (
-    "when an admitted user's new full chunks go to the host tier: right after its batch (eager, the default), or "
-    "only once the user nears the GPU tier's eviction end (deferred: a user who stays resident is never written)"
-)
-
-
 def check_host_split(value: str) -> None:
     if value not in HOST_SPLITS:
         raise ValueError(f"host_split must be 'load_front' or 'compute_front', got {value!r}")
@@ -59,15 +51,7 @@ class KVCacheConfig:
     A history whose cached prefix differs (digest mismatch) is always invalidated and recomputed, so
     no request can make another request for the same user fail.
     Offload: a user's chunks go to the host tier once it was seen offload_min_seen times (1: always,
-    ops/kvcache/admission.py), at most offload_bytes_per_s (None: unlimited). writeback "eager":
-    right after the batch that filled them; "deferred": an admitted user is marked dirty instead,
-    and its chunks are written back only when it comes within the next batches' page demand of the
-    GPU tier's eviction end (twice the most pages a recent batch allocated, past the free pages).
-    Why: the GPU-resident seed replay offloaded 4.35 GB in 600 requests, nearly all of it for
-    users that never left the GPU, and its model thread spent 1.33 ms a batch against 0.66 ms with
-    no offload at all (H100, run CP). A dirty user evicted before its write-back loses only the
-    chunks past its host copy (recomputed if it returns; counted). Needs host_format "kv" (hidden
-    chunks are gathered from the forward's layer inputs, at hand only right after it).
+    ops/kvcache/admission.py), at most offload_bytes_per_s (None: unlimited).
     prepare_worker: run each batch's prepare job (reserve, metadata, onload plan) on the prepare
     worker thread, overlapped with the model thread's features, instead of inside plan() on the
     model thread (the default). Off by default: the job and the features are both C++ passes
@@ -114,17 +98,9 @@ class KVCacheConfig:
     host_format: str = "kv"
     hidden_dim: int = 0
     hidden_tail_bytes: int = 256 << 20
-    writeback: str = "eager"
 
     def __post_init__(self) -> None:
         check_host_split(self.host_split)
-        if self.writeback not in WRITEBACKS:
-            raise ValueError(f"writeback must be 'eager' or 'deferred', got {self.writeback!r}")
-        if self.writeback == "deferred" and self.host_format != "kv":
-            raise ValueError(
-                f"writeback 'deferred' writes K/V pages back later; host_format {self.host_format!r} needs the "
-                "forward's layer inputs, at hand only right after it (use writeback 'eager')"
-            )
         if self.hidden_tail_bytes < 0:
             raise ValueError(f"hidden_tail_bytes must be >= 0, got {self.hidden_tail_bytes}")
         if self.host_format not in HOST_FORMATS:

@@ -18,9 +18,7 @@ Interface (the engine, engine/engine.py, is its only caller; one model thread dr
                    lengths and digests, invalidates users whose onload failed to enqueue (the
                    caller recomputes them), offloads newly full chunks (the
                    offload worker gathers all layers in one op on the offload stream, copies into
-                   host slots, commits them after the copy completed, then unpins); under
-                   config.writeback "deferred" it marks admitted users dirty instead and writes back
-                   only the dirty users the next batches would evict (_due_write_backs).
+                   host slots, commits them after the copy completed, then unpins).
   abort(plan)      the forward failed anywhere after plan(): wait for the workers, unpin, keep only
                    committed state.
 
@@ -51,16 +49,12 @@ Invariants:
     (`_identities`, kept beside the C++ index) has the request's digest at n; the entry keeps its
     length, digest and pages, and nothing is committed or offloaded for it.
   - The GPU tier never holds less than the host tier for a resident user (host is filled from GPU).
-  - A dirty user (writeback "deferred": committed chunks past its host copy) is written back from
-    its committed entry under a pin of its own, taken with the entry read under `_index_lock`, so
-    the pages it reads are neither evicted nor shrunk until the copy committed.
   - Cached K/V are reused only when the digest stored with them equals the request's digest of the
     same prefix; a shortened or uncommitted prefix has an empty digest, which matches nothing.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import os
@@ -90,11 +84,6 @@ logger = logging.getLogger(__name__)
 # HSTU_FINISH_WAITS_ONLOAD=1: finish() waits for the onload's copies to land before committing, as
 # it did before (an experiment knob for same-call comparisons)
 _FINISH_WAITS_ONLOAD = os.environ.get("HSTU_FINISH_WAITS_ONLOAD", "0") == "1"
-
-# writeback "deferred": dirty users are written back once within twice the most pages any of the
-# last _DEMAND_BATCHES batches allocated of the eviction end (past the free pages)
-_DEMAND_BATCHES = 64
-_DEMAND_MARGIN = 2
 
 _ext = load_extension()
 CacheCapacityError = _ext.CacheCapacityError
@@ -151,11 +140,6 @@ class AsyncKVCacheManager:
         self._prefetcher = Prefetcher(c, self.gpu, self.host, self.transfers, self.stats, self._index_lock)
         # which earlier batch an onload must wait for before overwriting its reserved pages
         self._reuse = PageReuse(self.is_cuda)
-        # writeback "deferred": users whose committed chunks are not all on the host (an ordered
-        # set), and the pages each recent batch allocated (how far ahead of eviction to write back)
-        self._dirty: dict[int, None] = {}
-        self._demand: collections.deque[int] = collections.deque(maxlen=_DEMAND_BATCHES)
-        self._allocations = 0
         self._closed = False
 
     # ------------------------------------------------------------------- plan
@@ -531,15 +515,10 @@ class AsyncKVCacheManager:
                     self.invalidate(u)
                 self.stats.add(recomputes=len(failed))
             offload = admitted(plan, jobs, self.config, self.admission, self.host, self.stats)
-            deferred = self.config.writeback == "deferred"
-            if deferred:
-                self._dirty.update((u, None) for u, _ in offload)
-                offload = []
             stored = {b: len(self.host.lookup(u)[0]) for u, b in offload} if plan.hidden_chunks else {}
             done = [u for u, b in jobs if (u, b) not in offload] + list(plan.read_only)
             if done:
                 self.gpu.release(done)
-            write_backs = self._due_write_backs() if deferred else []
         hidden = {}
         if plan.hidden_chunks:  # gathered now, on the compute stream, before any later forward
             kept = [b for b in plan.hidden_chunks if plan.user_ids[b] not in failed]
@@ -547,41 +526,14 @@ class AsyncKVCacheManager:
         # after everything the batch enqueued (its gather included): what the offload and later
         # onloads into its pages wait for
         launched = self._launched(plan)
-        if offload or write_backs:
+        if offload:
             self.transfers.offload_async(
                 [OffloadJob(u, plan.history_lens[b], prepared.pages[b], plan.identities[b], hidden.get(b))
-                 for u, b in offload] + write_backs,
+                 for u, b in offload],
                 launched,
             )
         plan.layer_inputs = None  # gathered: a graph's buffer may be overwritten, an eager batch's freed
         return failed
-
-    def _due_write_backs(self) -> list[OffloadJob]:
-        """writeback "deferred", under `_index_lock`: the write-back jobs of the dirty users that a
-        demand of _DEMAND_MARGIN times the largest recent batch's new pages would evict."""
-        allocations = self.gpu.allocations()
-        self._demand.append(allocations - self._allocations)
-        self._allocations = allocations
-        if not self._dirty:
-            return []
-        victims = self.gpu.next_victims(_DEMAND_MARGIN * max(self._demand))
-        return self._write_back_jobs([u for u in victims if u in self._dirty])
-
-    def _write_back_jobs(self, users: list[int]) -> list[OffloadJob]:
-        """Under `_index_lock`: offload jobs of these dirty users' committed entries, each pinned
-        until its offload ends (the worker releases it); no longer dirty."""
-        jobs = []
-        for u in users:
-            self._dirty.pop(u, None)
-            length, _ = self.gpu.lookup(u)
-            identity = self._identities.get(u)
-            if identity is None or identity.num_tokens != length or length < self.config.chunk_tokens:
-                continue  # (an entry dropped to length 0 by a failed onload: nothing valid to write)
-            jobs.append(OffloadJob(u, length, np.asarray(self.gpu.pages(u), dtype=np.int32), identity, None))
-        if jobs:
-            self.gpu.pin([j.user for j in jobs])
-            self.stats.add(writebacks=len(jobs))
-        return jobs
 
     def _launched(self, plan: BatchPlan) -> "torch.cuda.Event | None":
         """The batch enqueued all its compute work: later onloads into pages it used wait for the
@@ -639,7 +591,6 @@ class AsyncKVCacheManager:
                         self.gpu.commit(u, 0, b"")
                     self._reuse.freed(u)
                     self._identities.pop(u, None)
-                    self._dirty.pop(u, None)
         except BaseException:  # the worker must still settle later onloads
             logger.exception("dropping users %s after their failed onload failed", users)
 
@@ -650,17 +601,11 @@ class AsyncKVCacheManager:
             self._reuse.freed(user)
             self.host.invalidate(user)
             self._identities.pop(user, None)
-            self._dirty.pop(user, None)
             self._tails.drop(user)
 
     def evict_gpu(self, users: list[int]) -> None:
-        """Drop only the GPU copy of users (their host chunks stay; dirty ones are written back
-        first), after in-flight offloads finish; the next request of such a user onloads from the
-        host tier."""
-        with self._index_lock:
-            write_backs = self._write_back_jobs([u for u in users if u in self._dirty])
-        if write_backs:
-            self.transfers.offload_async(write_backs, self.transfers._compute_event())
+        """Drop only the GPU copy of users (their host chunks stay), after in-flight offloads finish;
+        the next request of such a user onloads from the host tier."""
         self.transfers.join(list(users))
         with self._index_lock:
             for u in users:
@@ -675,15 +620,11 @@ class AsyncKVCacheManager:
     def _count_evictions(self) -> None:
         """Count the users the indexes evicted since the last call (and forget their identities)."""
         gpu_evicted, h = self.gpu.take_evicted(), len(self.host.take_evicted())
-        lost = 0
         for u in gpu_evicted:
             self._identities.pop(u, None)
             self._reuse.freed(u)
-            if u in self._dirty:  # evicted before its write-back
-                del self._dirty[u]
-                lost += 1
         if gpu_evicted or h:
-            self.stats.add(gpu_evictions=len(gpu_evicted), host_evictions=h, writeback_lost_users=lost)
+            self.stats.add(gpu_evictions=len(gpu_evicted), host_evictions=h)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -32,8 +32,6 @@ class CacheStats:
     candidate_tokens: int = 0
     offload_rejected_users: int = 0  # not admitted to the host tier (seen too rarely)
     offload_rejected_bytes: int = 0
-    writebacks: int = 0  # writeback "deferred": dirty users written back as they neared eviction
-    writeback_lost_users: int = 0  # dirty users evicted before their write-back (chunks past the host copy lost)
     prefetches: int = 0
     prefetch_hits: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

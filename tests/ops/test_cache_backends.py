@@ -121,32 +121,6 @@ def test_pinned_user_is_never_evicted(ext):
     assert mgr.contains(1) and mgr.pin_count(1) == 1
 
 
-def test_pin_holds_a_user_without_reordering_the_lru(ext):
-    mgr = ext.GpuPageManager(num_pages=6, page_size=4)
-    for user in (1, 2, 3):
-        cache_user(mgr, user, 8)
-    with pytest.raises(ValueError, match="pin: user 9 has no pages"):
-        mgr.pin([1, 9])
-    assert mgr.pin_count(1) == 0  # all-or-nothing
-    mgr.pin([1])
-    mgr.reserve([4], [0], [8])  # 1 is least recently used but pinned: 2 goes
-    assert mgr.contains(1) and not mgr.contains(2) and mgr.pin_count(1) == 1
-    mgr.release([1])
-    assert mgr.next_victims(1) == [1]  # still the least recently used
-
-
-def test_next_victims_lists_the_eviction_order_past_the_free_pages(ext):
-    mgr = ext.GpuPageManager(num_pages=8, page_size=4)
-    for user in (1, 2, 3):
-        cache_user(mgr, user, 8)  # 2 pages each, 2 pages free
-    assert mgr.next_victims(2) == []
-    assert mgr.next_victims(3) == [1]
-    assert mgr.next_victims(5) == [1, 2]
-    mgr.reserve([1], [8], [8])  # 1 in use (pinned, most recent)
-    assert mgr.next_victims(5) == [2, 3]
-    assert mgr.next_victims(100) == [2, 3]
-
-
 def test_users_of_the_call_are_not_evicted_for_it(ext):
     mgr = ext.GpuPageManager(num_pages=4, page_size=4)
     cache_user(mgr, 1, 8)

@@ -108,14 +108,6 @@ def test_compile_flag_turns_on_cuda_graphs_of_compiled_layers():
     assert s.cuda_graphs and not s.compile_layers
 
 
-def test_writeback_flag_reaches_the_cache_config_and_deferred_needs_kv_chunks():
-    s = settings_from_args(parse(["serve", "--writeback", "deferred"]))
-    assert s.writeback == "deferred" and s.kv_config(TINY).writeback == "deferred"
-    assert settings_from_args(parse(["serve"])).kv_config(TINY).writeback == "eager"
-    with pytest.raises(ValueError, match="writeback 'deferred' needs host_format 'kv', got 'hidden'"):
-        settings_from_args(parse(["serve", "--writeback", "deferred", "--host-format", "hidden"]))
-
-
 def test_bad_settings_are_rejected_with_the_offending_value():
     with pytest.raises(ValueError, match="max_batch_size must be positive, got 0"):
         settings_from_args(parse(["serve", "--max-batch-size", "0"]))

@@ -71,9 +71,9 @@ async def test_scores_equal_the_in_process_no_cache_model_and_reuse_the_cache(re
 
 
 @anyio
-@pytest.mark.parametrize(("host_format", "writeback"), [("kv", "eager"), ("hidden", "eager"), ("kv", "deferred")])
-async def test_200_concurrent_requests_from_20_users_with_eviction_match_the_no_cache_model(reference, host_format, writeback):
-    settings, payloads = eviction_workload(first_user=100, host_format=host_format, writeback=writeback)
+@pytest.mark.parametrize("host_format", ["kv", "hidden"])
+async def test_200_concurrent_requests_from_20_users_with_eviction_match_the_no_cache_model(reference, host_format):
+    settings, payloads = eviction_workload(first_user=100, host_format=host_format)
     async with serving(settings) as (app, client):
         responses = await post_per_user_in_order(client, payloads, concurrency=20)
         stats = app.state.runtime.manager.stats.snapshot()
@@ -85,7 +85,6 @@ async def test_200_concurrent_requests_from_20_users_with_eviction_match_the_no_
     assert stats["gpu_evictions"] > 0 and stats["host_evictions"] > 0, stats
     assert stats["gpu_hits"] > 0 and stats["host_hits"] > 0 and stats["bytes_onloaded"] > 0, stats
     assert (stats["hidden_chunks_onloaded"] > 0) == (host_format == "hidden"), stats
-    assert (stats["writebacks"] > 0) == (writeback == "deferred"), stats
     assert sum(b["cached_tokens"] for b in bodies) > 0
 
 
