@@ -11,7 +11,10 @@ host tier, identities and admission are the real ones at the shape's layout (lay
 chunk, history, cached and candidate tokens); only the model is narrow, since no kernel reads
 its width and the seed's K/V table would take GBs of host memory. The K/V pages hold whatever
 they held (no kernel wrote them). Not timed here: the graph replay and the logits' copy out
-(GPU launches; `hstu profile --device cuda` times them).
+(GPU launches; `hstu profile --device cuda` times them), nor the offload worker's chunk gather and
+store (a kernel and a DMA on a GPU: here they are left out, the worker's Python still runs). On a
+CPU those copies move megabytes a batch through the caches beside the model thread, which tripled
+its host time at batch 8 (0.75-0.88 against 0.28 ms: benchmarks/RESULTS.md, twenty-fifth session).
 
 Each profiled batch follows an untimed one that commits the users' cached prefix (a GPU hit
 extending it, as in `hstu profile`); requests are validated and hashed first, as the server's
@@ -20,6 +23,7 @@ front end does. Medians over --forwards batches per phase, then cProfile's top f
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import dataclasses
 import pstats
@@ -29,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+import hstu.ops.kvcache.transfers as transfers
 from hstu.engine import RankingEngine
 from hstu.model.batch import RankingRequest
 from hstu.scripts import report
@@ -49,6 +54,18 @@ def narrow(shape: BenchShape) -> BenchShape:
 def host_engine(shape: BenchShape, batch: int) -> RankingEngine:
     """A CPU engine whose graph buckets (uncaptured) fit the cached batch and its re-rank."""
     return profile_engine(shape, torch.device("cpu"), batch, cuda_graphs=True, capture=False)
+
+
+@contextlib.contextmanager
+def device_copies_left_out():
+    """The offload's chunk gather and host stores as no-ops (GPU work: a kernel and DMAs)."""
+    saved = transfers.gather_kvcache_all_layers, transfers.store_host_chunks, transfers.store_hidden_chunks
+    transfers.gather_kvcache_all_layers = lambda kv_pages, page_ids: page_ids.new_empty(0)
+    transfers.store_host_chunks = transfers.store_hidden_chunks = lambda arena, chunks, slot_ids: None
+    try:
+        yield
+    finally:
+        transfers.gather_kvcache_all_layers, transfers.store_host_chunks, transfers.store_hidden_chunks = saved
 
 
 def run_host_phases(engine: RankingEngine, requests: list[RankingRequest]) -> dict[str, float]:
@@ -91,7 +108,7 @@ def profile_host(shape: BenchShape, batch: int, n: int, top: int = 20, rerank: b
     another n (the profiler's overhead kept out of the medians)."""
     ids = FreshUserIds()
     engine = host_engine(shape, batch)
-    try:
+    with device_copies_left_out(), contextlib.closing(engine):
         for requests in _batches(engine, shape, batch, 3, ids, rerank):  # warm-up
             run_host_phases(engine, requests)
         times = [run_host_phases(engine, r) for r in _batches(engine, shape, batch, n, ids, rerank)]
@@ -100,8 +117,6 @@ def profile_host(shape: BenchShape, batch: int, n: int, top: int = 20, rerank: b
             prof.enable()
             run_host_phases(engine, requests)
             prof.disable()
-    finally:
-        engine.close()
     phases = {f"{p}_ms": statistics.median(t[p] for t in times) * 1e3 for p in HOST_PHASES}
     phases["total_ms"] = statistics.median(sum(t.values()) for t in times) * 1e3
     stats = pstats.Stats(prof)
