@@ -498,16 +498,21 @@ class TierTransfers:
                     except _CapacityError:
                         self.stats.add(offload_skipped=1)
                         continue
-                    self._count_evictions()
                     reserved.append((job, first, slots))
+                    h = job.hidden if self.hidden_arena is not None else None
+                    if h is None:  # K/V chunks first..first+count: one run of the user's pages
+                        page_rows.append(job.pages[first * ppc : (first + count) * ppc])
+                        slot_list += slots
+                        continue
                     for c, slot in zip(range(first, first + count), slots):
-                        h = job.hidden
-                        if h is not None and self.hidden_arena is not None and h.first_chunk <= c < h.end_chunk:
+                        if h.first_chunk <= c < h.end_chunk:
                             hidden_chunks.append(h.chunks[c - h.first_chunk])
                             hidden_slots.append(slot)
                         else:
                             page_rows.append(job.pages[c * ppc : (c + 1) * ppc])
                             slot_list.append(slot)
+                if reserved:
+                    self._count_evictions()
             if reserved:
                 c = self.config
                 nbytes = len(slot_list) * c.chunk_bytes + len(hidden_slots) * c.hidden_chunk_bytes
