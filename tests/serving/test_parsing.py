@@ -60,6 +60,40 @@ def test_columnar_errors_name_the_field_and_value(parser, change, words):
     assert all(w in info.value.detail for w in words), info.value.detail
 
 
+def _outcome(parser, raw: bytes):
+    try:
+        r = parser(raw).request
+        return tuple(getattr(r, f).tolist() for f in ("item_ids", "actions", "timestamps", "candidates", "contextual"))
+    except RankError as exc:
+        return (exc.status, exc.detail)
+
+
+@pytest.mark.parametrize(
+    "column",
+    ["[ ]", "[]", "[ 7 ]", "[7,\n 8 ,\t9]", "[-1, 2]", "[9223372036854775807]", "[-9223372036854775808]",
+     "[99999999999999999999]", "[1.0]", "[1e2]", "[true]", "[null]", '["1"]', "[[1]]", "[1, [2]]", "{}", "3", "null"],
+)
+def test_the_array_fast_path_parses_a_column_exactly_as_the_typed_decoder(parser, monkeypatch, column):
+    payload = columns(Timeline(3).payload(1, request_id="c"))
+    payload["item_ids"], payload["timestamps"] = [0], [0]
+    plain = json.dumps(payload)
+    raw = plain.replace('"actions": [' + str(payload["actions"][0]) + "]", '"actions": ' + column).encode()
+    assert raw != plain.encode()
+    fast = _outcome(parser, raw)
+    monkeypatch.setattr(RankBodyParser, "_columns_fast", lambda self, raw: None)  # the typed decoder alone
+    assert fast == _outcome(parser, raw)
+
+
+def test_long_columns_take_the_array_fast_path_with_the_same_request(parser, monkeypatch):
+    payload = columns(Timeline(5).payload(60, request_id="long"))
+    raw = json.dumps(payload, indent=1).encode()  # whitespace and newlines inside the arrays
+    assert parser._columns_fast(raw) is not None
+    fast = _outcome(parser, raw)
+    assert len(fast[0]) == 60
+    monkeypatch.setattr(RankBodyParser, "_columns_fast", lambda self, raw: None)
+    assert fast == _outcome(parser, raw)
+
+
 def test_bytes_that_are_not_json_are_400(parser):
     with pytest.raises(RankError) as info:
         parser(b'{"request_id": "x1", "user_id": 1, "item_ids": [1,')
