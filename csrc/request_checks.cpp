@@ -18,14 +18,24 @@
 //   The layout of model/identity.py: contextual token c = [contextual[c], 0]; event e's item token
 //   [item_ids[e], timestamps[e]], then its action token [actions[e], timestamps[e]].
 //   Little-endian int64 (every platform torch builds for); equal lengths are the caller's check.
+//
+// int_array(text) -> int64 [n], or None
+//   `text` (bytes of one JSON value) read as an array of integers in one pass: no Python int per
+//   value, where msgspec's lists and numpy's conversion of them took ~0.4 ms for a 4k-event
+//   columnar body. None for anything else: another JSON type anywhere, a value outside int64, or
+//   text that is not strict JSON (leading zeros, a trailing comma); the caller's typed decoder
+//   then decides and words the error.
 // The GIL stays held: each call takes microseconds (batch_features.cpp says why that matters).
 #include <torch/extension.h>
 #include <pybind11/numpy.h>
 
 #include "kv_checks.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -86,6 +96,59 @@ py::array_t<int64_t> token_records(const Ints& contextual, const Ints& item_ids,
   return out;
 }
 
+bool json_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+bool digit(char c) { return c >= '0' && c <= '9'; }
+
+py::object int_array(const py::bytes& text) {
+  char* data = nullptr;
+  Py_ssize_t size = 0;
+  if (PyBytes_AsStringAndSize(text.ptr(), &data, &size) != 0) throw py::error_already_set();
+  const char *p = data, *end = data + size;
+  auto skip = [&] {
+    while (p < end && json_space(*p)) ++p;
+  };
+  std::vector<int64_t> values;
+  skip();
+  if (p == end || *p != '[') return py::none();
+  ++p;
+  skip();
+  if (p < end && *p == ']') {
+    ++p;
+  } else {
+    values.reserve(static_cast<size_t>(size / 2));
+    for (;;) {
+      const bool negative = p < end && *p == '-';
+      if (negative) ++p;
+      if (p == end || !digit(*p)) return py::none();
+      if (*p == '0' && p + 1 < end && digit(p[1])) return py::none();  // a leading zero: not JSON
+      const uint64_t limit = negative ? uint64_t{1} << 63 : (uint64_t{1} << 63) - 1;
+      uint64_t v = 0;
+      for (; p < end && digit(*p); ++p) {
+        const uint64_t d = static_cast<uint64_t>(*p - '0');
+        if (v > (limit - d) / 10) return py::none();  // outside int64
+        v = v * 10 + d;
+      }
+      values.push_back(negative ? static_cast<int64_t>(0 - v) : static_cast<int64_t>(v));
+      skip();
+      if (p < end && *p == ',') {
+        ++p;
+        skip();
+        continue;
+      }
+      if (p < end && *p == ']') {
+        ++p;
+        break;
+      }
+      return py::none();
+    }
+  }
+  skip();
+  if (p != end) return py::none();
+  py::array_t<int64_t> out(static_cast<py::ssize_t>(values.size()));
+  std::copy(values.begin(), values.end(), out.mutable_data());
+  return std::move(out);
+}
+
 }  // namespace
 
 void bind_request_checks(py::module& m) {
@@ -96,6 +159,8 @@ void bind_request_checks(py::module& m) {
         "(csrc/request_checks.cpp lists the fields); (0, 0, 0) when every value is valid.");
   m.def("token_records", &token_records, py::arg("contextual"), py::arg("item_ids"), py::arg("actions"),
         py::arg("timestamps"), "int64 [C + 2E, 2] identity records of one history (model/identity.py's layout).");
+  m.def("int_array", &int_array, py::arg("text"),
+        "bytes of a JSON array of integers -> int64 array; None for any other value or one outside int64.");
 }
 
 }  // namespace hstu

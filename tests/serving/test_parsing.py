@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from hstu.ops._build import load_extension
 from hstu.serving.errors import RankError
 from hstu.serving.parsing import RankBodyParser
 from hstu.serving.schemas import RequestLimits, build_rank_columns_model, build_rank_request_model
@@ -70,8 +71,9 @@ def _outcome(parser, raw: bytes):
 
 @pytest.mark.parametrize(
     "column",
-    ["[ ]", "[]", "[ 7 ]", "[7,\n 8 ,\t9]", "[-1, 2]", "[9223372036854775807]", "[-9223372036854775808]",
-     "[99999999999999999999]", "[1.0]", "[1e2]", "[true]", "[null]", '["1"]', "[[1]]", "[1, [2]]", "{}", "3", "null"],
+    ["[ ]", "[]", "[ 7 ]", "[7,\n 8 ,\t9]", "[-1, 2]", "[-0]", "[9223372036854775807]", "[-9223372036854775808]",
+     "[9223372036854775808]", "[99999999999999999999]", "[1.0]", "[1e2]", "[true]", "[null]", '["1"]', "[[1]]",
+     "[1, [2]]", "{}", "3", "null"],
 )
 def test_the_array_fast_path_parses_a_column_exactly_as_the_typed_decoder(parser, monkeypatch, column):
     payload = columns(Timeline(3).payload(1, request_id="c"))
@@ -92,6 +94,22 @@ def test_long_columns_take_the_array_fast_path_with_the_same_request(parser, mon
     assert len(fast[0]) == 60
     monkeypatch.setattr(RankBodyParser, "_columns_fast", lambda self, raw: None)
     assert fast == _outcome(parser, raw)
+
+
+@pytest.mark.parametrize(
+    "text, values",
+    [(b"[1, 2,3]", [1, 2, 3]), (b" [ ] ", []), (b"[-0]", [0]), (b"[\n7\t]", [7]),
+     (b"[9223372036854775807, -9223372036854775808]", [2**63 - 1, -(2**63)]),
+     (b"[9223372036854775808]", None), (b"[-9223372036854775809]", None), (b"[01]", None), (b"[1,]", None),
+     (b"[1.5]", None), (b"[1e2]", None), (b"[true]", None), (b"[[1]]", None), (b"[-]", None), (b"3", None),
+     (b"[1] x", None), (b"", None)],
+)
+def test_int_array_reads_json_integer_arrays_and_declines_everything_else(text, values):
+    out = load_extension().int_array(text)
+    if values is None:
+        assert out is None
+    else:
+        assert out.dtype == np.int64 and out.tolist() == values
 
 
 def test_bytes_that_are_not_json_are_400(parser):
