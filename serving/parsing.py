@@ -13,8 +13,8 @@ A body the fast path refuses is validated again by the form's pydantic model (sc
 word the error exactly as before, naming field and value: errors are rare, valid requests never pay
 for pydantic. 400 when the bytes are not JSON. The columns form's three history columns are read
 straight into int64 arrays when they are plain integer arrays (_int_column, one C++ pass; anything
-else goes through the typed decoder): a 4,000-event body 0.20-0.21 against 0.48 ms through lists on the
-dev CPU; the events form ~1 ms; pydantic ~3.5 ms (scripts/bench_parse.py).
+else goes through the typed decoder): a 4,000-event body 0.20-0.21 against 0.48 ms through lists
+on the dev CPU; the events form ~1 ms; pydantic ~3.5 ms (scripts/bench_parse.py).
 """
 
 from __future__ import annotations
