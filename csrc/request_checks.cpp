@@ -25,6 +25,12 @@
 //   columnar body. None for anything else: another JSON type anywhere, a value outside int64, or
 //   text that is not strict JSON (leading zeros, a trailing comma); the caller's typed decoder
 //   then decides and words the error.
+//
+// event_columns(text) -> (item_ids, actions, timestamps) int64 [n] each, or None
+//   `text` (bytes of one JSON value) read as the events form's history, an array of objects each
+//   with exactly the keys "item_id", "action" and "timestamp" (any order) holding integers. None
+//   for anything else (another key, a missing or repeated one, an escape in a key, another value
+//   type, a value outside int64): the caller's typed decoder decides.
 // The GIL stays held: each call takes microseconds (batch_features.cpp says why that matters).
 #include <torch/extension.h>
 #include <pybind11/numpy.h>
@@ -34,6 +40,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -99,54 +106,113 @@ py::array_t<int64_t> token_records(const Ints& contextual, const Ints& item_ids,
 bool json_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 bool digit(char c) { return c >= '0' && c <= '9'; }
 
-py::object int_array(const py::bytes& text) {
+// A cursor over one JSON text; every reader returns false where the text is not what it expects.
+struct JsonCursor {
+  const char* p;
+  const char* end;
+
+  void skip() {
+    while (p < end && json_space(*p)) ++p;
+  }
+  bool take(char c) {  // c, then whitespace
+    if (p == end || *p != c) return false;
+    ++p;
+    skip();
+    return true;
+  }
+  bool integer(int64_t& out) {  // a JSON integer within int64, then whitespace
+    const bool negative = p < end && *p == '-';
+    if (negative) ++p;
+    if (p == end || !digit(*p)) return false;
+    if (*p == '0' && p + 1 < end && digit(p[1])) return false;  // a leading zero: not JSON
+    const uint64_t limit = negative ? uint64_t{1} << 63 : (uint64_t{1} << 63) - 1;
+    uint64_t v = 0;
+    for (; p < end && digit(*p); ++p) {
+      const uint64_t d = static_cast<uint64_t>(*p - '0');
+      if (v > (limit - d) / 10) return false;  // outside int64
+      v = v * 10 + d;
+    }
+    out = negative ? static_cast<int64_t>(0 - v) : static_cast<int64_t>(v);
+    skip();
+    return true;
+  }
+  bool key(std::string_view& out) {  // a member name without escapes, its colon, whitespace
+    if (p == end || *p != '"') return false;
+    const char* start = ++p;
+    while (p < end && *p != '"' && *p != '\\') ++p;
+    if (p == end || *p != '"') return false;
+    out = std::string_view(start, static_cast<size_t>(p - start));
+    ++p;
+    skip();
+    return take(':');
+  }
+  // '[' item (',' item)* ']' or '[' ']': item() reads one element
+  template <typename Item>
+  bool array(Item item) {
+    if (!take('[')) return false;
+    if (take(']')) return true;
+    for (;;) {
+      if (!item()) return false;
+      if (take(',')) continue;
+      return take(']');
+    }
+  }
+  bool done() {
+    skip();
+    return p == end;
+  }
+};
+
+JsonCursor cursor_of(const py::bytes& text) {
   char* data = nullptr;
   Py_ssize_t size = 0;
   if (PyBytes_AsStringAndSize(text.ptr(), &data, &size) != 0) throw py::error_already_set();
-  const char *p = data, *end = data + size;
-  auto skip = [&] {
-    while (p < end && json_space(*p)) ++p;
-  };
-  std::vector<int64_t> values;
-  skip();
-  if (p == end || *p != '[') return py::none();
-  ++p;
-  skip();
-  if (p < end && *p == ']') {
-    ++p;
-  } else {
-    values.reserve(static_cast<size_t>(size / 2));
-    for (;;) {
-      const bool negative = p < end && *p == '-';
-      if (negative) ++p;
-      if (p == end || !digit(*p)) return py::none();
-      if (*p == '0' && p + 1 < end && digit(p[1])) return py::none();  // a leading zero: not JSON
-      const uint64_t limit = negative ? uint64_t{1} << 63 : (uint64_t{1} << 63) - 1;
-      uint64_t v = 0;
-      for (; p < end && digit(*p); ++p) {
-        const uint64_t d = static_cast<uint64_t>(*p - '0');
-        if (v > (limit - d) / 10) return py::none();  // outside int64
-        v = v * 10 + d;
-      }
-      values.push_back(negative ? static_cast<int64_t>(0 - v) : static_cast<int64_t>(v));
-      skip();
-      if (p < end && *p == ',') {
-        ++p;
-        skip();
-        continue;
-      }
-      if (p < end && *p == ']') {
-        ++p;
-        break;
-      }
-      return py::none();
-    }
-  }
-  skip();
-  if (p != end) return py::none();
+  JsonCursor c{data, data + size};
+  c.skip();
+  return c;
+}
+
+py::array_t<int64_t> to_array(const std::vector<int64_t>& values) {
   py::array_t<int64_t> out(static_cast<py::ssize_t>(values.size()));
   std::copy(values.begin(), values.end(), out.mutable_data());
-  return std::move(out);
+  return out;
+}
+
+py::object int_array(const py::bytes& text) {
+  JsonCursor c = cursor_of(text);
+  std::vector<int64_t> values;
+  values.reserve(static_cast<size_t>(c.end - c.p) / 2);
+  const bool ok = c.array([&] {
+    int64_t v;
+    if (!c.integer(v)) return false;
+    values.push_back(v);
+    return true;
+  });
+  if (!ok || !c.done()) return py::none();
+  return to_array(values);
+}
+
+py::object event_columns(const py::bytes& text) {
+  JsonCursor c = cursor_of(text);
+  std::vector<int64_t> columns[3];  // item_id, action, timestamp
+  const bool ok = c.array([&] {
+    if (!c.take('{')) return false;
+    int64_t values[3];
+    bool seen[3] = {false, false, false};
+    for (int member = 0; member < 3; ++member) {
+      std::string_view name;
+      if (member > 0 && !c.take(',')) return false;
+      if (!c.key(name)) return false;
+      const int field = name == "item_id" ? 0 : name == "action" ? 1 : name == "timestamp" ? 2 : -1;
+      if (field < 0 || seen[field] || !c.integer(values[field])) return false;
+      seen[field] = true;
+    }
+    if (!c.take('}')) return false;  // (three distinct known keys were read: each exactly once)
+    for (int f = 0; f < 3; ++f) columns[f].push_back(values[f]);
+    return true;
+  });
+  if (!ok || !c.done()) return py::none();
+  return py::make_tuple(to_array(columns[0]), to_array(columns[1]), to_array(columns[2]));
 }
 
 }  // namespace
@@ -161,6 +227,8 @@ void bind_request_checks(py::module& m) {
         py::arg("timestamps"), "int64 [C + 2E, 2] identity records of one history (model/identity.py's layout).");
   m.def("int_array", &int_array, py::arg("text"),
         "bytes of a JSON array of integers -> int64 array; None for any other value or one outside int64.");
+  m.def("event_columns", &event_columns, py::arg("text"),
+        "bytes of the events form's history -> (item_ids, actions, timestamps) int64 arrays; None for anything else.");
 }
 
 }  // namespace hstu

@@ -82,17 +82,40 @@ def test_the_array_fast_path_parses_a_column_exactly_as_the_typed_decoder(parser
     raw = plain.replace('"actions": [' + str(payload["actions"][0]) + "]", '"actions": ' + column).encode()
     assert raw != plain.encode()
     fast = _outcome(parser, raw)
-    monkeypatch.setattr(RankBodyParser, "_columns_fast", lambda self, raw: None)  # the typed decoder alone
+    monkeypatch.setattr(RankBodyParser, "_arrays_fast", lambda self, raw, form: None)  # the typed decoder alone
     assert fast == _outcome(parser, raw)
+
+
+@pytest.mark.parametrize(
+    "history",
+    ['[]', '[ {"timestamp": 5, "action": 1, "item_id": 2} ]', '[{"item_id": 2, "action": 1}]',
+     '[{"item_id": 2, "action": 1, "timestamp": 5, "extra": 0}]', '[{"item_id": 2, "item_id": 3, "timestamp": 5}]',
+     '[{"item\\u005fid": 2, "action": 1, "timestamp": 5}]', '[{"item_id": true, "action": 1, "timestamp": 5}]',
+     '[{"item_id": 2.0, "action": 1, "timestamp": 5}]', '[{"item_id": 2, "action": 1, "timestamp": 99999999999999999999}]',
+     '[{"item_id": -2, "action": 1, "timestamp": 5}]', '[[2, 1, 5]]', '{}', 'null'],
+)
+def test_the_events_fast_path_parses_a_history_exactly_as_the_typed_decoder(parser, monkeypatch, history):
+    payload = Timeline(3).payload(1, request_id="e")
+    raw = json.dumps({**payload, "history": "HISTORY"}).replace('"HISTORY"', history).encode()
+    fast = _outcome(parser, raw)
+    monkeypatch.setattr(RankBodyParser, "_arrays_fast", lambda self, raw, form: None)  # the typed decoder alone
+    assert fast == _outcome(parser, raw)
+
+
+def test_long_histories_of_both_forms_take_the_array_fast_path(parser):
+    payload = Timeline(5).payload(60, request_id="long")
+    raw = json.dumps(payload, indent=1).encode()
+    assert parser._arrays_fast(raw, "events") is not None
+    np.testing.assert_array_equal(parser(raw).request.item_ids, [e["item_id"] for e in payload["history"]])
 
 
 def test_long_columns_take_the_array_fast_path_with_the_same_request(parser, monkeypatch):
     payload = columns(Timeline(5).payload(60, request_id="long"))
     raw = json.dumps(payload, indent=1).encode()  # whitespace and newlines inside the arrays
-    assert parser._columns_fast(raw) is not None
+    assert parser._arrays_fast(raw, "columns") is not None
     fast = _outcome(parser, raw)
     assert len(fast[0]) == 60
-    monkeypatch.setattr(RankBodyParser, "_columns_fast", lambda self, raw: None)
+    monkeypatch.setattr(RankBodyParser, "_arrays_fast", lambda self, raw, form: None)
     assert fast == _outcome(parser, raw)
 
 
