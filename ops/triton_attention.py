@@ -66,7 +66,9 @@ class AttentionConfig:
     """Tile shape and launch parameters of the kernel; silu is one of SILU_MODES (16-bit inputs
     only), warp_specialize asks Triton to split the unmasked key loop into producer and consumer
     warps; a batch whose units (row block x head) fill their waves over the SMs less than
-    balance_below runs as one balanced wave instead (_batch_plan; 0: never)."""
+    balance_below runs as one balanced wave instead (_batch_plan; 0: never), in lanes (a user's
+    row blocks side by side over the same keys) when that keeps more than lanes_above of the
+    lanes' steps busy (above 1: never)."""
 
     block_m: int
     block_n: int
@@ -75,10 +77,13 @@ class AttentionConfig:
     silu: str = "exact"
     warp_specialize: bool = False
     balance_below: float = 0.75
+    lanes_above: float = 1.01
 
     def __post_init__(self) -> None:
         if self.silu not in SILU_MODES:
             raise ValueError(f"AttentionConfig.silu must be one of {SILU_MODES}, got {self.silu!r}")
+        if not 0.0 <= self.lanes_above <= 1.01:
+            raise ValueError(f"AttentionConfig.lanes_above must be in [0, 1.01] (above 1: never), got {self.lanes_above}")
 
 
 def _silu_from_env() -> str:
@@ -88,10 +93,22 @@ def _silu_from_env() -> str:
     return mode
 
 
+def _lanes_from_env() -> float:
+    value = os.environ.get("HSTU_ATTENTION_LANES_ABOVE", "1.01")
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"HSTU_ATTENTION_LANES_ABOVE must be a number (above 1: never in lanes), got {value!r}") from None
+
+
 # Module-level instances, so torch.compile sees constants rather than dataclass construction.
+# HSTU_ATTENTION_LANES_ABOVE sets their lanes_above (an experiment knob for same-call comparisons).
 _SILU = _silu_from_env()
-_CONFIG_LARGE_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, silu=_SILU)
-_CONFIG_SMALL_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, silu=_SILU)
+_LANES_ABOVE = _lanes_from_env()
+_CONFIG_LARGE_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, silu=_SILU,
+                                     lanes_above=_LANES_ABOVE)
+_CONFIG_SMALL_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, silu=_SILU,
+                                     lanes_above=_LANES_ABOVE)
 
 
 def default_config(head_dim: int) -> AttentionConfig:
@@ -160,6 +177,7 @@ if triton is not None:
     def _batch_plan(
         Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, grid_programs,
         MAX_USERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BALANCE_BELOW: tl.constexpr,
+        LANES_ABOVE: tl.constexpr,
     ):
         """The batch's schedule, read from its metadata on the device, so that a CUDA graph replays
         each batch's own schedule rather than the captured one's.
@@ -173,11 +191,21 @@ if triton is not None:
         split of run AR, 11 programs per unit at batch 1, is about what this gives);
         forced_splits > 0 cuts every unit into about that many pieces (tests).
 
+        Lanes (a balanced batch whose lanes stay busy more than LANES_ABOVE of their steps): the
+        row blocks of one user and head read the same keys, but in the numbering above they sit
+        heads x unit_iters iterations apart, so the programs reading them reach a key tile at
+        different times and each reads it from DRAM again (ncu, run CR: batch 8 read its K/V about
+        twice, 16% L2 hits, against 85% for the uncached batch, whose units run side by side). In
+        lanes, iterations count (user, head, key tile) steps without the row block; `programs`
+        tuples of R programs (R: the batch's most row blocks of a user) take equal shares of those
+        steps, and program r of a tuple runs row block r of each step it takes (none where the
+        user has fewer blocks), so a user's row blocks read each key tile together.
+
         Returns per user (vectors over MAX_USERS) first row, end row, key count, row blocks,
         iterations per unit, first and end iteration and first row block (over the batch); the
-        total iterations, the number of programs that take a share, and whether each program takes
-        one unit whole (aligned: users' units may differ in length, so equal shares would cut
-        them)."""
+        total iterations, the number of programs (tuples of `lanes` programs in lanes) that take a
+        share, whether each program takes one unit whole (aligned: users' units may differ in
+        length, so equal shares would cut them), and the lanes R (1: not in lanes)."""
         users = tl.arange(0, MAX_USERS)
         live = users < num_users
         q_lo = tl.load(Q_OFF + users, mask=live, other=0)
@@ -196,7 +224,19 @@ if triton is not None:
         programs = tl.where(full, units, tl.minimum(num_sms, total))
         programs = tl.where(forced_splits > 0, tl.minimum(units * forced_splits, total), programs)
         programs = tl.maximum(tl.minimum(programs, grid_programs), 1)
-        return q_lo, q_hi, kv, blocks, unit_iters, starts, ends, first_block, total, programs, aligned
+        # lanes: steps (user, head, key tile) numbered without the row block
+        lanes = tl.max(blocks, axis=0)
+        steps = tl.where(blocks > 0, num_heads * unit_iters, 0)
+        step_ends = tl.cumsum(steps, axis=0)
+        total_steps = tl.max(step_ends, axis=0)
+        in_lanes = (~full) & (forced_splits <= 0) & (lanes > 1) & (lanes <= num_sms)
+        in_lanes = in_lanes & (total.to(tl.float32) > LANES_ABOVE * (lanes * total_steps).to(tl.float32))
+        starts = tl.where(in_lanes, step_ends - steps, starts)
+        ends = tl.where(in_lanes, step_ends, ends)
+        total = tl.where(in_lanes, total_steps, total)
+        programs = tl.where(in_lanes, tl.maximum(tl.minimum(num_sms // lanes, total_steps), 1), programs)
+        lanes = tl.where(in_lanes, lanes, 1)
+        return q_lo, q_hi, kv, blocks, unit_iters, starts, ends, first_block, total, programs, aligned, lanes
 
     @triton.jit
     def _at(values, one_hot):
@@ -304,55 +344,61 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         MAX_USERS: tl.constexpr,
         BALANCE_BELOW: tl.constexpr,
+        LANES_ABOVE: tl.constexpr,
         IEEE: tl.constexpr,
         SILU: tl.constexpr,
         WARP_SPECIALIZE: tl.constexpr,
     ):
-        # Program g takes iterations [g * total // programs, (g + 1) * total // programs): whole
-        # units go to OUT; a unit cut at the share's start or end goes to the program's slot 2g or
-        # 2g + 1 of PART ([slot, BLOCK_M, BLOCK_D] float32 for one head) and _sum_pieces_kernel
-        # adds its pieces.
+        # Program g (of tuple t = g // lanes, lane r = g % lanes; t = g, r = 0 outside lanes) takes
+        # iterations [t * total // programs, (t + 1) * total // programs) (row block r of each step
+        # in lanes): whole units go to OUT; a unit cut at the share's start or end goes to the
+        # program's slot 2g or 2g + 1 of PART ([slot, BLOCK_M, BLOCK_D] float32 for one head) and
+        # _sum_pieces_kernel adds its pieces.
         g = tl.program_id(0)
-        q_lo, q_hi, kv, blocks, unit_iters, starts, ends, first_block, total, programs, aligned = _batch_plan(
+        q_lo, q_hi, kv, blocks, unit_iters, starts, ends, first_block, total, programs, aligned, lanes = _batch_plan(
             Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, grid_programs,
-            MAX_USERS, BLOCK_M, BLOCK_N, BALANCE_BELOW,
+            MAX_USERS, BLOCK_M, BLOCK_N, BALANCE_BELOW, LANES_ABOVE,
         )
         users = tl.arange(0, MAX_USERS)
-        it = (g.to(tl.int64) * total // programs).to(tl.int32)
-        end = ((g.to(tl.int64) + 1) * total // programs).to(tl.int32)
+        t = g // lanes
+        r = g % lanes
+        it = (t.to(tl.int64) * total // programs).to(tl.int32)
+        end = ((t.to(tl.int64) + 1) * total // programs).to(tl.int32)
         if aligned:  # program g takes unit g whole (units numbered user after user, head fastest)
             at_ub = users == tl.sum(((first_block + blocks) * num_heads <= g).to(tl.int32), axis=0)
             ub_iters = _at(unit_iters, at_ub)
             it = _at(starts, at_ub) + (g - _at(first_block, at_ub) * num_heads) * ub_iters
             end = it + ub_iters
-        end = tl.where(g < programs, end, it)  # programs past the batch's count take nothing
+        end = tl.where(t < programs, end, it)  # programs past the batch's count take nothing
         first = g * 0 + 1
         while it < end:
             b = tl.sum((ends <= it).to(tl.int32), axis=0)
             mine = users == b
             per_unit = _at(unit_iters, mine)
             local = it - _at(starts, mine)
-            unit = local // per_unit
+            unit = local // per_unit  # row block x heads + head; in lanes just the head
             ki = local % per_unit
             take = tl.minimum(end - it, per_unit - ki)
-            acc, rows, io_mask = _attend_block(
-                Q, K, V, KV, PT, Q_POS,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                layer_offset, page_stride, kv_stride, token_stride, max_pages, head_dim,
-                b, unit % num_heads, _at(q_lo, mine) + unit // num_heads * BLOCK_M, _at(q_hi, mine), _at(kv, mine),
-                ki * BLOCK_N, (ki + take) * BLOCK_N, ki == 0,
-                SCALE, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, SILU, WARP_SPECIALIZE,
-            )
-            acc = acc * INV_SCALE_LEN
             h = unit % num_heads
-            dd = tl.arange(0, BLOCK_D)
-            if (ki == 0) & (take == per_unit):
-                out_ptrs = OUT + rows[:, None] * stride_ot + h * stride_oh + dd[None, :]
-                tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=io_mask)
-            else:
-                slot = 2 * g + 1 - first
-                offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_D + dd[None, :]
-                tl.store(PART + slot.to(tl.int64) * (BLOCK_M * BLOCK_D) + offs, acc, mask=io_mask)
+            block = unit // num_heads + r
+            if block < _at(blocks, mine):  # a lane past the user's row blocks has nothing here
+                acc, rows, io_mask = _attend_block(
+                    Q, K, V, KV, PT, Q_POS,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                    layer_offset, page_stride, kv_stride, token_stride, max_pages, head_dim,
+                    b, h, _at(q_lo, mine) + block * BLOCK_M, _at(q_hi, mine), _at(kv, mine),
+                    ki * BLOCK_N, (ki + take) * BLOCK_N, ki == 0,
+                    SCALE, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, SILU, WARP_SPECIALIZE,
+                )
+                acc = acc * INV_SCALE_LEN
+                dd = tl.arange(0, BLOCK_D)
+                if (ki == 0) & (take == per_unit):
+                    out_ptrs = OUT + rows[:, None] * stride_ot + h * stride_oh + dd[None, :]
+                    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=io_mask)
+                else:
+                    slot = 2 * g + 1 - first
+                    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_D + dd[None, :]
+                    tl.store(PART + slot.to(tl.int64) * (BLOCK_M * BLOCK_D) + offs, acc, mask=io_mask)
             it += take
             first = first * 0
 
@@ -367,13 +413,14 @@ if triton is not None:
         BLOCK_R: tl.constexpr,
         MAX_USERS: tl.constexpr,
         BALANCE_BELOW: tl.constexpr,
+        LANES_ABOVE: tl.constexpr,
     ):
         """One program per BLOCK_R rows of a possible unit (row block x head), so that the pieces
         of the few units of a small batch are read by many programs at once: a unit cut between
         programs gets the sum of its pieces; a whole unit, or none, returns at once."""
-        q_lo, q_hi, kv, blocks, unit_iters, starts, ends, first_block, total, programs, aligned = _batch_plan(
+        q_lo, q_hi, kv, blocks, unit_iters, starts, ends, first_block, total, programs, aligned, lanes = _batch_plan(
             Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, grid_programs,
-            MAX_USERS, BLOCK_M, BLOCK_N, BALANCE_BELOW,
+            MAX_USERS, BLOCK_M, BLOCK_N, BALANCE_BELOW, LANES_ABOVE,
         )
         if aligned:
             return
@@ -386,24 +433,26 @@ if triton is not None:
         mine = tl.arange(0, MAX_USERS) == tl.sum((first_block + blocks <= block).to(tl.int32), axis=0)
         per_unit = _at(unit_iters, mine)
         local_block = block - _at(first_block, mine)
-        unit_start = _at(starts, mine) + (local_block * num_heads + h) * per_unit
-        g_first = _program_of(unit_start, total, programs)
-        g_last = _program_of(unit_start + per_unit - 1, total, programs)
-        if g_first == g_last:
+        # in lanes the unit's steps are its head's, taken by lane local_block of each tuple
+        unit_start = _at(starts, mine) + (tl.where(lanes > 1, 0, local_block * num_heads) + h) * per_unit
+        lane = tl.where(lanes > 1, local_block, 0)
+        t_first = _program_of(unit_start, total, programs)
+        t_last = _program_of(unit_start + per_unit - 1, total, programs)
+        if t_first == t_last:
             return
         r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of the unit's tile
         rows = _at(q_lo, mine) + local_block * BLOCK_M + r
         dd = tl.arange(0, BLOCK_D)
         mask = (rows < _at(q_hi, mine))[:, None] & (dd < head_dim)[None, :]
         offs = r[:, None] * BLOCK_D + dd[None, :]
-        # g_first's piece is its last (slot 2g + 1) unless its share starts at the unit; every later
-        # program's piece is its first (slot 2g).
-        starts_here = (g_first.to(tl.int64) * total // programs).to(tl.int32) == unit_start
-        slot = 2 * g_first + 1 - starts_here.to(tl.int32)
+        # t_first's piece is its program's last (slot 2g + 1) unless its share starts at the unit;
+        # every later tuple's piece is its program's first (slot 2g).
+        starts_here = (t_first.to(tl.int64) * total // programs).to(tl.int32) == unit_start
+        slot = 2 * (t_first * lanes + lane) + 1 - starts_here.to(tl.int32)
         acc = tl.load(PART + slot.to(tl.int64) * (BLOCK_M * BLOCK_D) + offs, mask=mask, other=0.0)
-        zero = g_first.to(tl.int64) * 0  # an int64 tensor: the loop index may be a plain int
-        for g in range(g_first + 1, g_last + 1):
-            acc += tl.load(PART + (zero + 2 * g) * (BLOCK_M * BLOCK_D) + offs, mask=mask, other=0.0)
+        zero = t_first.to(tl.int64) * 0  # an int64 tensor: the loop index may be a plain int
+        for t in range(t_first + 1, t_last + 1):
+            acc += tl.load(PART + (zero + 2 * (t * lanes + lane)) * (BLOCK_M * BLOCK_D) + offs, mask=mask, other=0.0)
         tl.store(OUT + rows[:, None] * stride_ot + h * stride_oh + dd[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
 
     def _launch_attention(
@@ -426,6 +475,7 @@ if triton is not None:
         silu: int = 0,
         warp_specialize: bool = False,
         balance_below: float = 0.75,
+        lanes_above: float = 1.01,
     ) -> torch.Tensor:
         T, H, d = q.shape
         L, P, _, page_size, Hc, dc = kv_cache.shape
@@ -442,6 +492,7 @@ if triton is not None:
         part = torch.empty((slots, block_m, block_d), dtype=torch.float32, device=q.device)
         # the constants both kernels' _batch_plan reads: they must agree on the schedule
         plan = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BALANCE_BELOW=balance_below,
+                    LANES_ABOVE=lanes_above,
                     MAX_USERS=max(64, triton.next_power_of_2(B + 1)))  # >= 64: one compile up to 63 users
         _paged_hstu_attention_kernel[(programs,)](
             q, k, v, kv_cache, page_table, kv_lens, q_offsets, q_pos, out, part,
@@ -480,7 +531,7 @@ if triton is not None:
     @_paged_hstu_attention_op.register_fake
     def _paged_hstu_attention_fake(q, k, v, kv_cache, layer, page_table, kv_lens, q_offsets, q_pos, max_q, scale_len,
                                    block_m, block_n, num_warps, num_stages, num_splits, silu=0, warp_specialize=False,
-                                   balance_below=0.75):
+                                   balance_below=0.75, lanes_above=1.01):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -520,7 +571,7 @@ def paged_hstu_attention_triton(
     args = (
         q, k, v, kv_cache, layer, meta.page_table, meta.kv_lens, meta.q_offsets, meta.q_pos, meta.max_q, scale_len,
         cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, num_splits,
-        SILU_MODES.index(cfg.silu), cfg.warp_specialize, cfg.balance_below,
+        SILU_MODES.index(cfg.silu), cfg.warp_specialize, cfg.balance_below, cfg.lanes_above,
     )
     if torch.compiler.is_compiling():
         return torch.ops.hstu.paged_hstu_attention(*args)

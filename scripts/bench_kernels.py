@@ -161,12 +161,12 @@ def _sweep() -> list[ta.AttentionConfig]:
     # 152 bytes of spills per thread with the JIT's divisibility (~1.5 KB without it, the figure of
     # sessions 14-15; the 128 x 256 float32 accumulator and the Q tile live in registers).
     # (128 x 64 with 3 stages needs 256 KB of shared memory, over the H200's 227 KB: dropped)
-    # 64 x 32 with 4 warps and 2 stages: 96 KB of shared memory and 255 registers, so two programs
-    # (two warpgroups) fit a SM, where the default's one warpgroup leaves the tensor pipe idle 62% of
-    # batch 8's kernel (ncu, run CR)
+    # (64 x 32 with 4 warps, two programs a SM, ran batch 8 in 307-352 us against 174: run CU)
     tiles = [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3),
-             (128, 64, 16, 2), (128, 128, 8, 1), (64, 32, 4, 2), (64, 32, 4, 3)]
+             (128, 64, 16, 2), (128, 128, 8, 1)]
     configs = [ta.AttentionConfig(*t, silu="tanh") for t in tiles]
+    # a balanced batch's row blocks side by side in lanes over the same keys (L2 reuse of K/V)
+    configs += [ta.AttentionConfig(128, 64, 8, 2, silu="tanh", lanes_above=0.8)]
     configs += [ta.AttentionConfig(128, 64, 8, 2, silu=mode) for mode in ("exact", "fast")]
     # the balanced wave (stream-K) never, and for batches filling their waves less than 50% / 90%
     # (the default: 75%, batch 1, the re-rank and batch 8 balanced: run AV, 169 -> 163 us at batch 8);
@@ -245,12 +245,13 @@ def main() -> None:
     parser.add_argument("--copy-gib", type=float, default=1.0, help="size of the ceiling copies")
     parser.add_argument("--sections", nargs="+", choices=("copies", "attention"), default=["copies", "attention"],
                         help="what to measure besides the ceilings (always measured: the ratios need them)")
-    parser.add_argument("--tiles", nargs="+", metavar="M,N,WARPS,STAGES",
-                        help="sweep only these tile configs (tanh SiLU) instead of the whole sweep")
+    parser.add_argument("--tiles", nargs="+", metavar="M,N,WARPS,STAGES[,LANES_ABOVE]",
+                        help="sweep only these tile configs (tanh SiLU) instead of the whole sweep; a fifth field "
+                             "sets AttentionConfig.lanes_above")
     args = parser.parse_args()
     sweep = None
     if args.tiles:
-        sweep = [ta.AttentionConfig(*(int(x) for x in t.split(",")), silu="tanh") for t in args.tiles]
+        sweep = [_tile_config(t) for t in args.tiles]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.manual_seed(0)
     t0 = time.time()
@@ -290,10 +291,18 @@ def bench_copies(cache: torch.Tensor) -> dict:
     return res
 
 
+def _tile_config(spec: str) -> ta.AttentionConfig:
+    """M,N,WARPS,STAGES[,LANES_ABOVE] with the tanh SiLU."""
+    fields = spec.split(",")
+    extra = {"lanes_above": float(fields[4])} if len(fields) > 4 else {}
+    return ta.AttentionConfig(*(int(x) for x in fields[:4]), silu="tanh", **extra)
+
+
 def _config_name(c: dict) -> str:
     ws = " ws" if c.get("warp_specialize") else ""
     balance = f" b{c['balance_below']:g}" if c.get("balance_below", 0.75) != 0.75 else ""
-    return f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} {c.get('silu', 'exact')}{ws}{balance}"
+    lanes = f" lanes>{c['lanes_above']:g}" if c.get("lanes_above", 1.01) <= 1 else ""
+    return f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} {c.get('silu', 'exact')}{ws}{balance}{lanes}"
 
 
 def format_summary(res: dict, gpu: str) -> str:

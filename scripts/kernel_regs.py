@@ -63,7 +63,7 @@ def compile_config(block_m: int, block_n: int, num_warps: int, num_stages: int, 
     pointers.update({"PT": "*i32", "KV_LENS": "*i32", "Q_OFF": "*i32", "Q_POS": "*i64", "PART": "*fp32"})
     constants = dict(
         SCALE=head_dim**-0.5, INV_SCALE_LEN=1 / 4352, PAGE_SIZE=32, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim), MAX_USERS=64, BALANCE_BELOW=0.5, IEEE=dtype == "fp32",
+        BLOCK_D=triton.next_power_of_2(head_dim), MAX_USERS=64, BALANCE_BELOW=0.5, LANES_ABOVE=0.8, IEEE=dtype == "fp32",
         SILU=0 if dtype == "fp32" else ta.SILU_MODES.index(silu), WARP_SPECIALIZE=False,
     )
     signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}

@@ -325,6 +325,22 @@ def test_triton_attention_bf16_within_2x_of_torch_reference_error(case_idx, num_
     assert err <= 2 * ref_err, f"triton {err:.2e} vs bf16 torch reference {ref_err:.2e}"
 
 
+@pytest.mark.parametrize("case_idx", range(len(ATTN_CASES)))
+def test_triton_attention_in_lanes_within_2x_of_torch_reference_error(case_idx):
+    """The lane schedule (AttentionConfig.lanes_above: a balanced batch's row blocks side by side
+    over the same keys) on every case, forced on wherever a batch is balanced."""
+    import dataclasses
+
+    from hstu.ops.triton_attention import default_config, paged_hstu_attention_triton
+
+    c, exact, ref_err = attention_case(case_idx)
+    poison_allocator(4 * c.q.numel() * 16)
+    config = dataclasses.replace(default_config(c.q.shape[2]), lanes_above=0.0)
+    out = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=config)
+    err = rel_err(out, exact)
+    assert err <= 2 * ref_err, f"triton in lanes {err:.2e} vs bf16 torch reference {ref_err:.2e}"
+
+
 @pytest.mark.parametrize("num_splits", [0, 3])
 def test_triton_attention_padded_like_a_graph_bucket_matches_the_batch(num_splits):
     """A CUDA graph runs the batch padded to its bucket (rows past T, user slots past B with

@@ -65,7 +65,8 @@ _SCRIPT = textwrap.dedent(
         cand = [rng.randint(0, 6) for _ in range(B)]
         sms = rng.choice([1, 3, 7, 132])
         ta._num_sms = lambda device, sms=sms: sms
-        cfg = ta.AttentionConfig(16, rng.choice([16, 32]), 4, 1, balance_below=rng.choice([0.0, 0.5, 1.0]))
+        cfg = ta.AttentionConfig(16, rng.choice([16, 32]), 4, 1, balance_below=rng.choice([0.0, 0.5, 1.0]),
+                                 lanes_above=rng.choice([0.0, 0.8, 1.01]))
         splits = rng.choice([0, 0, 1, 2, 5])
         c = make_paged_case(hist, cached, cand, page_size=rng.choice([8, 16]), head_dim=16, heads=rng.choice([1, 3]),
                             dtype=torch.float32, seed=100 + i)
@@ -73,6 +74,25 @@ _SCRIPT = textwrap.dedent(
                                              num_splits=splits)
         err = rel_err(out, reference_fp64(c))
         assert err < 1e-5, (i, hist, cached, cand, sms, cfg, splits, err)
+
+    # Lanes (a user's row blocks side by side over the same keys): users of equal and of unequal row
+    # blocks (lanes idle past a user's blocks), shares cutting units, every SM count; against the
+    # stream schedule, which must give the same sums.
+    lane_cases = [
+        ([70, 70, 70], [20, 20, 20], [9, 9, 9]),  # three users of 4 row blocks (59 rows, 16-row blocks)
+        ([90, 40, 65], [10, 38, 0], [6, 0, 30]),  # 6, 1 and 6 row blocks
+        ([33], [0], [40]),  # one user, 5 row blocks
+    ]
+    for i, (hist, cached, cand) in enumerate(lane_cases):
+        for sms in (2, 5, 11, 132):
+            ta._num_sms = lambda device, sms=sms: sms
+            c = make_paged_case(hist, cached, cand, page_size=8, head_dim=16, heads=2, dtype=torch.float32, seed=200 + i)
+            ref = reference_fp64(c)
+            for lanes_above in (0.0, 1.01):
+                cfg = ta.AttentionConfig(16, 16, 4, 1, balance_below=1.0, lanes_above=lanes_above)
+                out = ta.paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=cfg)
+                err = rel_err(out, ref)
+                assert err < 1e-5, ("lanes", i, sms, lanes_above, err)
 
     # Padded as a CUDA graph bucket pads it (rows past T, empty user slots): the same rows, bit for bit.
     c = make_paged_case([70], [48], [9], page_size=16, head_dim=32, heads=2, dtype=torch.float32, seed=9)
