@@ -15,7 +15,8 @@ Shapes and dtypes:
 Kernel: the work is units (a block of BLOCK_M query rows of one user, for one head), each a walk
 over K/V tiles of BLOCK_N keys gathered row by row through the page table (fp32 accumulation, SiLU
 weights cast to the value dtype for the second matmul; only tiles across the causal boundary are
-masked), after one load of its Q tile. Because there is no softmax, a unit's key range can be cut
+masked), after one load of its Q tile (AttentionConfig.tma: the unmasked tiles one page each through
+a TMA descriptor instead; an experiment, off by default). Because there is no softmax, a unit's key range can be cut
 into pieces whose partial outputs simply add. When the units fill their waves over the SMs well
 enough (AttentionConfig.balance_below), each program runs one unit; otherwise (by default under
 three quarters: at the seed shapes batch 1's 12 units on 132 SMs, the batch-8 re-rank's 64, batch
@@ -43,6 +44,8 @@ run AP). HSTU_ATTENTION_SILU overrides the default (an experiment knob for same-
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -71,7 +74,9 @@ class AttentionConfig:
     warps; a batch whose units (row block x head) fill their waves over the SMs less than
     balance_below runs as one balanced wave instead (_batch_plan; 0: never), in lanes (a user's
     row blocks side by side over the same keys) when that keeps more than lanes_above of the
-    lanes' steps busy (above 1: never)."""
+    lanes' steps busy (above 1: never). tma: the unmasked key tiles come through a TMA descriptor
+    over the cache, one page a tile (block_n must equal the page size, the head dim a power of 2),
+    instead of per-thread gathers (cp.async): the bytes move without the warps' address work."""
 
     block_m: int
     block_n: int
@@ -81,6 +86,7 @@ class AttentionConfig:
     warp_specialize: bool = False
     balance_below: float = 0.75
     lanes_above: float = 0.8
+    tma: bool = False
 
     def __post_init__(self) -> None:
         if self.silu not in SILU_MODES:
@@ -105,13 +111,15 @@ def _lanes_from_env() -> float:
 
 
 # Module-level instances, so torch.compile sees constants rather than dataclass construction.
-# HSTU_ATTENTION_LANES_ABOVE sets their lanes_above (an experiment knob for same-call comparisons).
+# HSTU_ATTENTION_LANES_ABOVE sets their lanes_above and HSTU_ATTENTION_TMA=1 their tma (experiment
+# knobs for same-call comparisons).
 _SILU = _silu_from_env()
 _LANES_ABOVE = _lanes_from_env()
+_TMA = os.environ.get("HSTU_ATTENTION_TMA", "0") == "1"
 _CONFIG_LARGE_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, silu=_SILU,
-                                     lanes_above=_LANES_ABOVE)
+                                     lanes_above=_LANES_ABOVE, tma=_TMA)
 _CONFIG_SMALL_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, silu=_SILU,
-                                     lanes_above=_LANES_ABOVE)
+                                     lanes_above=_LANES_ABOVE, tma=_TMA)
 
 
 def default_config(head_dim: int) -> AttentionConfig:
@@ -254,9 +262,9 @@ if triton is not None:
 
     @triton.jit
     def _attend_block(
-        Q, K, V, KV, PT, Q_POS,
+        Q, K, V, KV, KV_DESC, PT, Q_POS,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-        layer_offset, page_stride, kv_stride, token_stride, max_pages, head_dim,
+        layer_offset, page_stride, kv_stride, token_stride, max_pages, head_dim, layer_row0,
         b, h, row0, q_end, kv_len, key_lo, key_cap, with_self,
         SCALE: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
@@ -266,6 +274,7 @@ if triton is not None:
         IEEE: tl.constexpr,
         SILU: tl.constexpr,
         WARP_SPECIALIZE: tl.constexpr,
+        USE_TMA: tl.constexpr,
     ):
         """Float32 attention sums of rows row0.. (< q_end) of user b, head h, over the keys in
         [key_lo, key_cap) each row sees, plus each candidate's own key when with_self."""
@@ -289,15 +298,24 @@ if triton is not None:
         pt_row = PT + b.to(tl.int64) * max_pages
 
         # Tiles every row sees in full: no mask.
-        for start in tl.range(key_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-            keys = start + tl.arange(0, BLOCK_N)
-            page = tl.load(pt_row + keys // PAGE_SIZE).to(tl.int64)
-            ptrs = kv_base + page[:, None] * page_stride + (keys % PAGE_SIZE)[:, None] * token_stride + dd[None, :]
-            k_tile = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
-            v_tile = tl.load(ptrs + kv_stride, mask=d_ok[None, :], other=0.0)
-            s = _dot(q, tl.trans(k_tile), IEEE) * SCALE
-            w = _silu(s, SILU).to(v_tile.dtype)
-            acc += _dot(w, v_tile, IEEE)
+        if USE_TMA:  # one page a tile: rows of the [L * P * 2 * PAGE_SIZE, H * d] view, keys then values
+            for start in tl.range(key_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+                row = layer_row0 + tl.load(pt_row + start // PAGE_SIZE) * (2 * PAGE_SIZE)
+                k_tile = KV_DESC.load([row, h * BLOCK_D])
+                v_tile = KV_DESC.load([row + PAGE_SIZE, h * BLOCK_D])
+                s = _dot(q, tl.trans(k_tile), IEEE) * SCALE
+                w = _silu(s, SILU).to(v_tile.dtype)
+                acc += _dot(w, v_tile, IEEE)
+        else:
+            for start in tl.range(key_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+                keys = start + tl.arange(0, BLOCK_N)
+                page = tl.load(pt_row + keys // PAGE_SIZE).to(tl.int64)
+                ptrs = kv_base + page[:, None] * page_stride + (keys % PAGE_SIZE)[:, None] * token_stride + dd[None, :]
+                k_tile = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+                v_tile = tl.load(ptrs + kv_stride, mask=d_ok[None, :], other=0.0)
+                s = _dot(q, tl.trans(k_tile), IEEE) * SCALE
+                w = _silu(s, SILU).to(v_tile.dtype)
+                acc += _dot(w, v_tile, IEEE)
 
         # Tiles across the causal boundary (or the end of the history): masked.
         for start in range(full_hi, key_hi, BLOCK_N):
@@ -334,10 +352,10 @@ if triton is not None:
     # compile (seen as 3 s latency spikes in the seed replay).
     @triton.jit(do_not_specialize=["max_pages", "num_users", "forced_splits", "grid_programs"])
     def _paged_hstu_attention_kernel(
-        Q, K, V, KV, PT, KV_LENS, Q_OFF, Q_POS, OUT, PART,
+        Q, K, V, KV, KV_DESC, PT, KV_LENS, Q_OFF, Q_POS, OUT, PART,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh,
-        layer_offset, page_stride, kv_stride, token_stride,
+        layer_offset, page_stride, kv_stride, token_stride, layer_row0,
         max_pages, head_dim, num_users, num_heads, num_sms, forced_splits, grid_programs,
         SCALE: tl.constexpr,
         INV_SCALE_LEN: tl.constexpr,
@@ -351,6 +369,7 @@ if triton is not None:
         IEEE: tl.constexpr,
         SILU: tl.constexpr,
         WARP_SPECIALIZE: tl.constexpr,
+        USE_TMA: tl.constexpr,
     ):
         # Program g (of tuple t = g // lanes, lane r = g % lanes; t = g, r = 0 outside lanes) takes
         # iterations [t * total // programs, (t + 1) * total // programs) (row block r of each step
@@ -386,12 +405,12 @@ if triton is not None:
             block = unit // num_heads + r
             if block < _at(blocks, mine):  # a lane past the user's row blocks has nothing here
                 acc, rows, io_mask = _attend_block(
-                    Q, K, V, KV, PT, Q_POS,
+                    Q, K, V, KV, KV_DESC, PT, Q_POS,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                    layer_offset, page_stride, kv_stride, token_stride, max_pages, head_dim,
+                    layer_offset, page_stride, kv_stride, token_stride, max_pages, head_dim, layer_row0,
                     b, h, _at(q_lo, mine) + block * BLOCK_M, _at(q_hi, mine), _at(kv, mine),
                     ki * BLOCK_N, (ki + take) * BLOCK_N, ki == 0,
-                    SCALE, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, SILU, WARP_SPECIALIZE,
+                    SCALE, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, SILU, WARP_SPECIALIZE, USE_TMA,
                 )
                 acc = acc * INV_SCALE_LEN
                 dd = tl.arange(0, BLOCK_D)
@@ -458,6 +477,17 @@ if triton is not None:
             acc += tl.load(PART + (zero + 2 * (t * lanes + lane)) * (BLOCK_M * BLOCK_D) + offs, mask=mask, other=0.0)
         tl.store(OUT + rows[:, None] * stride_ot + h * stride_oh + dd[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
 
+    def _kv_descriptor(kv_cache: torch.Tensor, block_n: int, block_d: int):
+        """A TMA descriptor over the cache as [L * P * 2 * page_size, H * d] rows, one page's keys
+        (or values) of one head a [block_n, block_d] box. Built per call (a host object the launch
+        passes by value); its base is the cache's, which a CUDA graph keeps."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        L, P, _, page_size, H, d = kv_cache.shape
+        if block_n != page_size or block_d != d:
+            raise ValueError(f"TMA tiles need block_n == page_size ({block_n} vs {page_size}) and a power-of-2 head dim ({d})")
+        return TensorDescriptor.from_tensor(kv_cache.view(L * P * 2 * page_size, H * d), block_shape=[block_n, block_d])
+
     def _launch_attention(
         q: torch.Tensor,
         k: torch.Tensor,
@@ -479,6 +509,7 @@ if triton is not None:
         warp_specialize: bool = False,
         balance_below: float = 0.75,
         lanes_above: float = 0.8,
+        tma: bool = False,
     ) -> torch.Tensor:
         T, H, d = q.shape
         L, P, _, page_size, Hc, dc = kv_cache.shape
@@ -497,11 +528,13 @@ if triton is not None:
         plan = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BALANCE_BELOW=balance_below,
                     LANES_ABOVE=lanes_above,
                     MAX_USERS=max(64, triton.next_power_of_2(B + 1)))  # >= 64: one compile up to 63 users
+        kv_desc = _kv_descriptor(kv_cache, block_n, block_d) if tma else None
         _paged_hstu_attention_kernel[(programs,)](
-            q, k, v, kv_cache, page_table, kv_lens, q_offsets, q_pos, out, part,
+            q, k, v, kv_cache, kv_desc, page_table, kv_lens, q_offsets, q_pos, out, part,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1),
             layer * kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            layer * P * 2 * page_size,
             max_pages, d, B, H, sms, num_splits, programs,
             SCALE=1.0 / math.sqrt(d),
             INV_SCALE_LEN=1.0 / scale_len,
@@ -510,6 +543,7 @@ if triton is not None:
             IEEE=q.dtype == torch.float32,
             SILU=0 if q.dtype == torch.float32 else silu,
             WARP_SPECIALIZE=warp_specialize,
+            USE_TMA=tma,
             num_warps=num_warps,
             num_stages=num_stages,
         )
@@ -534,7 +568,7 @@ if triton is not None:
     @_paged_hstu_attention_op.register_fake
     def _paged_hstu_attention_fake(q, k, v, kv_cache, layer, page_table, kv_lens, q_offsets, q_pos, max_q, scale_len,
                                    block_m, block_n, num_warps, num_stages, num_splits, silu=0, warp_specialize=False,
-                                   balance_below=0.75, lanes_above=0.8):
+                                   balance_below=0.75, lanes_above=0.8, tma=False):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -549,6 +583,19 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
         raise ValueError(f"q/k/v/kv_cache dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}, {kv_cache.dtype}")
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("q, k, v need unit stride over the head dim")
+
+
+def _tma_fits(page_size: int, head_dim: int) -> bool:
+    """TMA tiles are one page of one head: a power-of-2 page of 16-256 keys, a power-of-2 head dim <= 256."""
+    return all(16 <= n <= 256 and n & (n - 1) == 0 for n in (page_size, head_dim))
+
+
+@functools.lru_cache(maxsize=64)
+def _tma_fitted(cfg: AttentionConfig, page_size: int, head_dim: int) -> AttentionConfig:
+    """cfg with one page a key tile when TMA tiles fit the cache, else without TMA."""
+    if _tma_fits(page_size, head_dim):
+        return dataclasses.replace(cfg, block_n=page_size)
+    return dataclasses.replace(cfg, tma=False)
 
 
 def paged_hstu_attention_triton(
@@ -571,10 +618,12 @@ def paged_hstu_attention_triton(
     """
     _check(q, k, v, kv_cache, layer)
     cfg = config or default_config(q.shape[2])
+    if cfg.tma and (cfg.block_n != kv_cache.shape[3] or not _tma_fits(kv_cache.shape[3], q.shape[2])):
+        cfg = _tma_fitted(cfg, kv_cache.shape[3], q.shape[2])
     args = (
         q, k, v, kv_cache, layer, meta.page_table, meta.kv_lens, meta.q_offsets, meta.q_pos, meta.max_q, scale_len,
         cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, num_splits,
-        SILU_MODES.index(cfg.silu), cfg.warp_specialize, cfg.balance_below, cfg.lanes_above,
+        SILU_MODES.index(cfg.silu), cfg.warp_specialize, cfg.balance_below, cfg.lanes_above, cfg.tma,
     )
     if torch.compiler.is_compiling():
         return torch.ops.hstu.paged_hstu_attention(*args)

@@ -168,6 +168,8 @@ def _sweep() -> list[ta.AttentionConfig]:
     # a balanced batch's units in the stream order, without lanes (the default until run CW: batch 8
     # 176 against 162 us, the re-rank 149 against 125, H100)
     configs += [ta.AttentionConfig(128, 64, 8, 2, silu="tanh", lanes_above=1.01)]
+    # TMA key tiles, one page (32 keys) each: no per-thread address work; 3 and 4 stages fit (160 / 192 KB)
+    configs += [ta.AttentionConfig(128, 32, 8, s, silu="tanh", tma=True) for s in (2, 3, 4)]
     configs += [ta.AttentionConfig(128, 64, 8, 2, silu=mode) for mode in ("exact", "fast")]
     # the balanced wave (stream-K) never, and for batches filling their waves less than 50% / 90%
     # (the default: 75%, batch 1, the re-rank and batch 8 balanced: run AV, 169 -> 163 us at batch 8);
@@ -246,9 +248,9 @@ def main() -> None:
     parser.add_argument("--copy-gib", type=float, default=1.0, help="size of the ceiling copies")
     parser.add_argument("--sections", nargs="+", choices=("copies", "attention"), default=["copies", "attention"],
                         help="what to measure besides the ceilings (always measured: the ratios need them)")
-    parser.add_argument("--tiles", nargs="+", metavar="M,N,WARPS,STAGES[,LANES_ABOVE]",
+    parser.add_argument("--tiles", nargs="+", metavar="M,N,WARPS,STAGES[,LANES_ABOVE][t]",
                         help="sweep only these tile configs (tanh SiLU) instead of the whole sweep; a fifth field "
-                             "sets AttentionConfig.lanes_above")
+                             "sets AttentionConfig.lanes_above, a trailing t TMA key tiles (N = the page size, 32)")
     args = parser.parse_args()
     sweep = None
     if args.tiles:
@@ -293,10 +295,11 @@ def bench_copies(cache: torch.Tensor) -> dict:
 
 
 def _tile_config(spec: str) -> ta.AttentionConfig:
-    """M,N,WARPS,STAGES[,LANES_ABOVE] with the tanh SiLU."""
-    fields = spec.split(",")
+    """M,N,WARPS,STAGES[,LANES_ABOVE][t] with the tanh SiLU; a trailing t: TMA key tiles (N must be the page size)."""
+    tma = spec.endswith("t")
+    fields = spec.removesuffix("t").split(",")
     extra = {"lanes_above": float(fields[4])} if len(fields) > 4 else {}
-    return ta.AttentionConfig(*(int(x) for x in fields[:4]), silu="tanh", **extra)
+    return ta.AttentionConfig(*(int(x) for x in fields[:4]), silu="tanh", tma=tma, **extra)
 
 
 def _config_name(c: dict) -> str:
@@ -304,7 +307,8 @@ def _config_name(c: dict) -> str:
     balance = f" b{c['balance_below']:g}" if c.get("balance_below", 0.75) != 0.75 else ""
     lanes_above = c.get("lanes_above", 0.8)
     lanes = " no lanes" if lanes_above > 1 else (f" lanes>{lanes_above:g}" if lanes_above != 0.8 else "")
-    return f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} {c.get('silu', 'exact')}{ws}{balance}{lanes}"
+    tma = " tma" if c.get("tma") else ""
+    return f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} {c.get('silu', 'exact')}{ws}{balance}{lanes}{tma}"
 
 
 def format_summary(res: dict, gpu: str) -> str:

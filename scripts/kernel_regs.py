@@ -34,7 +34,7 @@ _REGS = re.compile(r"Used (\d+) registers")
 _DIVISIBLE = (
     "Q", "K", "V", "KV", "PT", "KV_LENS", "Q_OFF", "Q_POS", "OUT", "PART", "stride_qt", "stride_qh", "stride_kt",
     "stride_kh", "stride_vt", "stride_vh", "stride_ot", "stride_oh", "layer_offset", "page_stride", "kv_stride",
-    "token_stride", "head_dim",
+    "token_stride", "head_dim", "layer_row0",
 )
 
 
@@ -50,7 +50,7 @@ def ptxas_path() -> Path:
 
 
 def compile_config(block_m: int, block_n: int, num_warps: int, num_stages: int, *, head_dim: int = 256,
-                   dtype: str = "bf16", silu: str = "tanh", arch: int = 90) -> dict:
+                   dtype: str = "bf16", silu: str = "tanh", arch: int = 90, tma: bool = False) -> dict:
     """The kernel for one tile config at `head_dim`: shared memory bytes, registers and spill bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -64,8 +64,13 @@ def compile_config(block_m: int, block_n: int, num_warps: int, num_stages: int, 
     constants = dict(
         SCALE=head_dim**-0.5, INV_SCALE_LEN=1 / 4352, PAGE_SIZE=32, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim), MAX_USERS=64, BALANCE_BELOW=0.5, LANES_ABOVE=0.8, IEEE=dtype == "fp32",
-        SILU=0 if dtype == "fp32" else ta.SILU_MODES.index(silu), WARP_SPECIALIZE=False,
+        SILU=0 if dtype == "fp32" else ta.SILU_MODES.index(silu), WARP_SPECIALIZE=False, USE_TMA=tma,
     )
+    if tma:  # TMA tiles are one page of one head: block_n must be the page size
+        constants["PAGE_SIZE"] = block_n
+        pointers["KV_DESC"] = f"tensordesc<{dtype}[{block_n}, {constants['BLOCK_D']}]>"
+    else:
+        constants["KV_DESC"] = None
     signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in _DIVISIBLE}
     kernel = triton.compile(
@@ -90,6 +95,7 @@ def compile_config(block_m: int, block_n: int, num_warps: int, num_stages: int, 
         "spill_load_bytes": int(spills.group(2)) if spills else 0,
         "wgmma": ptx_text.count("wgmma.mma_async"),
         "cp_async": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx_text)),
+        "tma": ptx_text.count("cp.async.bulk.tensor"),
     }
 
 
@@ -99,13 +105,14 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=256)
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--tma", action="store_true", help="the TMA-descriptor key loop (AttentionConfig.tma)")
     args = parser.parse_args()
-    print(f"{'config':<16}{'smem':>8}{'regs':>6}{'spill st':>10}{'spill ld':>10}{'wgmma':>7}{'cp.async':>10}")
+    print(f"{'config':<16}{'smem':>8}{'regs':>6}{'spill st':>10}{'spill ld':>10}{'wgmma':>7}{'cp.async':>10}{'tma':>5}")
     for spec in args.configs:
         bm, bn, w, s = (int(x) for x in spec.split(","))
-        r = compile_config(bm, bn, w, s, head_dim=args.head_dim, dtype=args.dtype, arch=args.arch)
+        r = compile_config(bm, bn, w, s, head_dim=args.head_dim, dtype=args.dtype, arch=args.arch, tma=args.tma)
         print(f"{spec:<16}{r['shared_bytes']:>8}{r['registers'] or '-':>6}{r['spill_store_bytes']:>10}"
-              f"{r['spill_load_bytes']:>10}{r['wgmma']:>7}{r['cp_async']:>10}")
+              f"{r['spill_load_bytes']:>10}{r['wgmma']:>7}{r['cp_async']:>10}{r['tma']:>5}")
 
 
 if __name__ == "__main__":

@@ -341,6 +341,26 @@ def test_triton_attention_in_lanes_within_2x_of_torch_reference_error(case_idx):
     assert err <= 2 * ref_err, f"triton in lanes {err:.2e} vs bf16 torch reference {ref_err:.2e}"
 
 
+@pytest.mark.parametrize("case_idx", range(len(ATTN_CASES)))
+@pytest.mark.parametrize("stages", [2, 3])
+def test_triton_attention_tma_tiles_within_2x_of_torch_reference_error(case_idx, stages):
+    """TMA key tiles (AttentionConfig.tma: one page a tile through a descriptor over the cache) on
+    every case, with block_n the case's page size."""
+    import dataclasses
+
+    from hstu.ops.triton_attention import default_config, paged_hstu_attention_triton
+
+    c, exact, ref_err = attention_case(case_idx)
+    poison_allocator(4 * c.q.numel() * 16)
+    page_size = c.kv_cache.shape[3]
+    if page_size * c.q.shape[2] * 4 * stages + 128 * c.q.shape[2] * 2 > 227 * 1024:
+        pytest.skip(f"{stages} stages of {page_size}-key tiles at head dim {c.q.shape[2]} exceed shared memory")
+    config = dataclasses.replace(default_config(c.q.shape[2]), block_n=page_size, num_stages=stages, tma=True)
+    out = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=config)
+    err = rel_err(out, exact)
+    assert err <= 2 * ref_err, f"triton with TMA tiles {err:.2e} vs bf16 torch reference {ref_err:.2e}"
+
+
 @pytest.mark.parametrize("num_splits", [0, 3])
 def test_triton_attention_padded_like_a_graph_bucket_matches_the_batch(num_splits):
     """A CUDA graph runs the batch padded to its bucket (rows past T, user slots past B with

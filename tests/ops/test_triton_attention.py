@@ -1,8 +1,9 @@
 """The Triton paged HSTU attention kernel on the CPU, through Triton's interpreter.
 
 The interpreter runs the kernel's logic (page-table walk, causal and candidate masks, the batch's
-schedule read on the device: one unit per program, the balanced wave that cuts units, forced pieces,
-with their partial sums; random batches under each; a batch padded like a CUDA graph bucket) on
+schedule read on the device: one unit per program, the balanced wave that cuts units, in lanes or
+not, forced pieces, with their partial sums; random batches under each; TMA key tiles; a batch
+padded like a CUDA graph bucket) on
 CPU tensors; it needs TRITON_INTERPRET=1 before the kernel module is
 imported, so the checks run in a fresh interpreter process. Skipped where triton is missing. The
 interpreter of Triton 3.6 cannot take a tensor as a loop bound under numpy >= 2.4 (3.9's can), and
@@ -93,6 +94,23 @@ _SCRIPT = textwrap.dedent(
                 out = ta.paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=cfg)
                 err = rel_err(out, ref)
                 assert err < 1e-5, ("lanes", i, sms, lanes_above, err)
+
+    # TMA key tiles (AttentionConfig.tma: one page a tile through a descriptor), in lanes and not,
+    # float32 and bfloat16 (its bound as above), a forced split too.
+    for i, (hist, cached, cand, ps, d, h) in enumerate([
+        ([70, 70, 70], [20, 20, 20], [9, 9, 9], 16, 32, 2),
+        ([90, 40, 65], [10, 38, 0], [6, 0, 30], 16, 16, 3),
+        ([300], [256], [40], 32, 64, 1),
+    ]):
+        for sms, lanes_above, splits in ((3, 0.0, 0), (132, 0.0, 0), (132, 1.01, 0), (132, 0.8, 2)):
+            ta._num_sms = lambda device, sms=sms: sms
+            for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+                c = make_paged_case(hist, cached, cand, page_size=ps, head_dim=d, heads=h, dtype=dtype, seed=300 + i)
+                cfg = ta.AttentionConfig(16, ps, 4, 1, balance_below=1.0, lanes_above=lanes_above, tma=True)
+                out = ta.paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=cfg,
+                                                     num_splits=splits)
+                err = rel_err(out, reference_fp64(c))
+                assert err < tol, ("tma", i, sms, lanes_above, splits, dtype, err)
 
     # Padded as a CUDA graph bucket pads it (rows past T, empty user slots): the same rows, bit for bit.
     c = make_paged_case([70], [48], [9], page_size=16, head_dim=32, heads=2, dtype=torch.float32, seed=9)

@@ -1,0 +1,26 @@
+"""AttentionConfig's checks and the TMA tile fit, without triton (plain Python)."""
+
+import pytest
+
+from hstu.ops import triton_attention as ta
+
+
+def test_config_rejects_unknown_silu_and_lanes_out_of_range():
+    with pytest.raises(ValueError, match="silu"):
+        ta.AttentionConfig(128, 64, 8, 2, silu="relu")
+    with pytest.raises(ValueError, match="lanes_above"):
+        ta.AttentionConfig(128, 64, 8, 2, lanes_above=1.5)
+
+
+def test_tma_tiles_take_the_page_size_or_fall_back():
+    cfg = ta.AttentionConfig(128, 64, 8, 2, tma=True)
+    assert ta._tma_fitted(cfg, 32, 256) == ta.AttentionConfig(128, 32, 8, 2, tma=True)
+    # a page under 16 keys, or a head dim that is not a power of 2: the gathered tiles
+    assert ta._tma_fitted(cfg, 8, 256) == ta.AttentionConfig(128, 64, 8, 2, tma=False)
+    assert ta._tma_fitted(cfg, 32, 40) == ta.AttentionConfig(128, 64, 8, 2, tma=False)
+
+
+def test_lanes_knob_must_be_a_number(monkeypatch):
+    monkeypatch.setenv("HSTU_ATTENTION_LANES_ABOVE", "often")
+    with pytest.raises(ValueError, match="HSTU_ATTENTION_LANES_ABOVE"):
+        ta._lanes_from_env()
