@@ -24,7 +24,7 @@ three quarters: at the seed shapes batch 1's 12 units on 132 SMs, the batch-8 re
 programs takes equal shares of all the batch's tiles, cutting units where the shares end
 (stream-K), and a second kernel adds the float32 pieces of every cut unit. In that wave a user's
 row blocks run side by side by default (lanes, AttentionConfig.lanes_above): programs in tuples, one
-a row block, take the same keys at the same time, so each K/V tile is read from DRAM about once
+a row block, take the same keys at the same time, so the L2 can serve a tile's repeated reads
 (H100, run CW: batch 8 176 -> 162 us a layer, the re-rank 149 -> 125). Every program reads
 this schedule from the batch's metadata on the device (_batch_plan), so a CUDA graph captured for
 a row bucket still schedules each batch by its own users and rows.
@@ -115,7 +115,10 @@ def _lanes_from_env() -> float:
 # knobs for same-call comparisons).
 _SILU = _silu_from_env()
 _LANES_ABOVE = _lanes_from_env()
-_TMA = os.environ.get("HSTU_ATTENTION_TMA", "0") == "1"
+_TMA = os.environ.get("HSTU_ATTENTION_TMA", "0")
+if _TMA not in ("0", "1"):
+    raise ValueError(f"HSTU_ATTENTION_TMA must be 0 or 1, got {_TMA!r}")
+_TMA = _TMA == "1"
 _CONFIG_LARGE_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, silu=_SILU,
                                      lanes_above=_LANES_ABOVE, tma=_TMA)
 _CONFIG_SMALL_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, silu=_SILU,
