@@ -71,7 +71,8 @@ SILU_MODES = ("exact", "fast", "tanh")
 class AttentionConfig:
     """Tile shape and launch parameters of the kernel; silu is one of SILU_MODES (16-bit inputs
     only), warp_specialize asks Triton to split the unmasked key loop into producer and consumer
-    warps; a batch whose units (row block x head) fill their waves over the SMs less than
+    warps (Triton 3.6 does so on Blackwell only: on Hopper the compiled TTGIR keeps one partition);
+    a batch whose units (row block x head) fill their waves over the SMs less than
     balance_below runs as one balanced wave instead (_batch_plan; 0: never), in lanes (a user's
     row blocks side by side over the same keys) when that keeps more than lanes_above of the
     lanes' steps busy (above 1: never). tma: the unmasked key tiles come through a TMA descriptor
