@@ -67,31 +67,21 @@ class _ColumnsBody(msgspec.Struct, forbid_unknown_fields=True):
     prefix_digest: str | None = None
 
 
-class _RawEventsBody(msgspec.Struct, forbid_unknown_fields=True):
+class _RawEventsBody(_EventsBody, forbid_unknown_fields=True):
     """_EventsBody with the history left as JSON text (msgspec still checks its syntax), read
     straight into three int64 columns by the extension's event_columns."""
 
-    user_id: int
     history: msgspec.Raw
-    candidates: list[int]
-    contextual: list[int] | None = None
-    request_id: str | None = None
 
 
-class _RawColumnsBody(msgspec.Struct, forbid_unknown_fields=True):
+class _RawColumnsBody(_ColumnsBody, forbid_unknown_fields=True):
     """_ColumnsBody with the three history columns left as JSON text (msgspec still checks their
     syntax), read straight into int64 arrays by the extension's int_array: no Python int object
     per event."""
 
-    user_id: int
     item_ids: msgspec.Raw
     actions: msgspec.Raw
     timestamps: msgspec.Raw
-    candidates: list[int]
-    contextual: list[int] | None = None
-    request_id: str | None = None
-    prefix_length: int | None = None
-    prefix_digest: str | None = None
 
 
 _DECODERS = {"events": msgspec.json.Decoder(_EventsBody), "columns": msgspec.json.Decoder(_ColumnsBody)}
