@@ -25,6 +25,7 @@ Usage: python3 scripts/bench_kernels.py --out kernels.json [--sections ceilings 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -157,9 +158,10 @@ def _sweep() -> list[ta.AttentionConfig]:
     """Tile configs with the tanh SiLU, then the default tiles with the other SiLU forms. (Run AP
     swept every tile config with each form, and Triton's warp specialisation, which changed
     nothing: benchmarks/RESULTS.md.)"""
-    # ptxas (Triton 3.9, sm_90a; scripts/kernel_regs.py) on the default tiles: 255 registers and
-    # 152 bytes of spills per thread with the JIT's divisibility (~1.5 KB without it, the figure of
-    # sessions 14-15; the 128 x 256 float32 accumulator and the Q tile live in registers).
+    # ptxas (Triton 3.6, sm_90a; scripts/kernel_regs.py) on the default tiles: 255 registers and
+    # 188 / 240 bytes of spill stores / loads per thread with the JIT's divisibility (152 / 200 before
+    # the lane branch; ~1.5 KB without the divisibility, the figure of sessions 14-15; the 128 x 256
+    # float32 accumulator and the Q tile live in registers).
     # (128 x 64 with 3 stages needs 256 KB of shared memory, over the H200's 227 KB: dropped)
     # (64 x 32 with 4 warps, two programs a SM, ran batch 8 in 307-352 us against 174: run CU)
     tiles = [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3),
@@ -302,11 +304,16 @@ def _tile_config(spec: str) -> ta.AttentionConfig:
     return ta.AttentionConfig(*(int(x) for x in fields[:4]), silu="tanh", tma=tma, **extra)
 
 
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ta.AttentionConfig) if f.default is not dataclasses.MISSING}
+
+
 def _config_name(c: dict) -> str:
+    """The config's tiles, then whatever departs from AttentionConfig's defaults."""
     ws = " ws" if c.get("warp_specialize") else ""
-    balance = f" b{c['balance_below']:g}" if c.get("balance_below", 0.75) != 0.75 else ""
-    lanes_above = c.get("lanes_above", 0.8)
-    lanes = " no lanes" if lanes_above > 1 else (f" lanes>{lanes_above:g}" if lanes_above != 0.8 else "")
+    balance_below = c.get("balance_below", _DEFAULTS["balance_below"])
+    balance = f" b{balance_below:g}" if balance_below != _DEFAULTS["balance_below"] else ""
+    lanes_above = c.get("lanes_above", _DEFAULTS["lanes_above"])
+    lanes = " no lanes" if lanes_above > 1 else (f" lanes>{lanes_above:g}" if lanes_above != _DEFAULTS["lanes_above"] else "")
     tma = " tma" if c.get("tma") else ""
     return f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} {c.get('silu', 'exact')}{ws}{balance}{lanes}{tma}"
 
