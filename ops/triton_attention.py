@@ -596,10 +596,11 @@ def _tma_fits(page_size: int, head_dim: int) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _tma_fitted(cfg: AttentionConfig, page_size: int, head_dim: int) -> AttentionConfig:
-    """cfg with one page a key tile when TMA tiles fit the cache, else without TMA."""
-    if _tma_fits(page_size, head_dim):
-        return dataclasses.replace(cfg, block_n=page_size)
-    return dataclasses.replace(cfg, tma=False)
+    """cfg with one page a key tile when TMA tiles fit the cache, else without TMA (memoised: a
+    launch asks for the same few)."""
+    if not _tma_fits(page_size, head_dim):
+        return dataclasses.replace(cfg, tma=False)
+    return cfg if cfg.block_n == page_size else dataclasses.replace(cfg, block_n=page_size)
 
 
 def paged_hstu_attention_triton(
@@ -622,7 +623,7 @@ def paged_hstu_attention_triton(
     """
     _check(q, k, v, kv_cache, layer)
     cfg = config or default_config(q.shape[2])
-    if cfg.tma and (cfg.block_n != kv_cache.shape[3] or not _tma_fits(kv_cache.shape[3], q.shape[2])):
+    if cfg.tma:
         cfg = _tma_fitted(cfg, kv_cache.shape[3], q.shape[2])
     args = (
         q, k, v, kv_cache, layer, meta.page_table, meta.kv_lens, meta.q_offsets, meta.q_pos, meta.max_q, scale_len,
