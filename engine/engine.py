@@ -57,11 +57,13 @@ if _LOGITS_OUT not in ("copy", "kernel"):
     raise ValueError(f"HSTU_LOGITS_OUT must be 'copy' or 'kernel', got {_LOGITS_OUT!r}")
 _LOGITS_BY_KERNEL = _LOGITS_OUT == "kernel"
 
-# Row buckets of the CUDA graphs. Past 4096 rows too: an eager batch is host-bound well beyond that
-# (on the H200 a batch of 8 recomputing 1024 tokens each, 10k rows, spent 12 ms launching 8 ms of
-# kernels), and split host-tier batches and misses land there; padding costs only the linear
-# layers' work on the padded rows (attention skips them).
-DEFAULT_GRAPH_BUCKETS = (256, 512, 1024, 2048, 4096, 6144, 8192, 12288, 16384)
+# Row buckets of the CUDA graphs, at most 1.5x apart: a batch computes its bucket's rows, and the
+# seed replay's cached batches (mixed users: 256-12k rows) padded 28% more rows with buckets 2x apart
+# (256, 512, 1024, ...) against 17% with these, on the linear layers, norms and pointwise ops
+# (attention skips padded rows). Past 4096 rows too: an eager batch is host-bound well beyond
+# that (on the H200 a batch of 8 recomputing 1024 tokens each, 10k rows, spent 12 ms launching 8
+# ms of kernels), and split host-tier batches and misses land there.
+DEFAULT_GRAPH_BUCKETS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 # With torch.compile'd layers each (layer, bucket) compiles once at start-up: fewer buckets.
 DEFAULT_COMPILED_GRAPH_BUCKETS = (256, 512, 1024, 2048, 4096)
 # host_split "compute_front" adds one: a batch of 8's best front (~2.3-2.4k tokens a user at the
@@ -70,10 +72,28 @@ DEFAULT_COMPILED_GRAPH_BUCKETS = (256, 512, 1024, 2048, 4096)
 FRONT_GRAPH_BUCKET = 24576
 
 
+def buckets_from_env() -> tuple[int, ...] | None:
+    """HSTU_GRAPH_BUCKETS="256,512,...": the row buckets instead of the defaults (a deployment's
+    row counts differ from the seed workload's; also same-call comparisons); None when unset."""
+    text = os.environ.get("HSTU_GRAPH_BUCKETS", "").strip()
+    if not text:
+        return None
+    try:
+        buckets = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise ValueError(f"HSTU_GRAPH_BUCKETS must be comma-separated row counts, got {text!r}") from None
+    if not buckets or buckets[0] < 1:
+        raise ValueError(f"HSTU_GRAPH_BUCKETS must name row counts >= 1, got {text!r}")
+    return buckets
+
+
 def default_graph_buckets(compile: bool = False, host_split: str = "load_front") -> tuple[int, ...]:
-    """The row buckets enable_cuda_graphs captures when none are given."""
-    buckets = DEFAULT_COMPILED_GRAPH_BUCKETS if compile else DEFAULT_GRAPH_BUCKETS
-    return buckets + (FRONT_GRAPH_BUCKET,) if host_split == "compute_front" and not compile else buckets
+    """The row buckets enable_cuda_graphs captures when none are given (HSTU_GRAPH_BUCKETS, else
+    the defaults above)."""
+    buckets = buckets_from_env() or (DEFAULT_COMPILED_GRAPH_BUCKETS if compile else DEFAULT_GRAPH_BUCKETS)
+    if host_split == "compute_front" and not compile and FRONT_GRAPH_BUCKET > buckets[-1]:
+        return buckets + (FRONT_GRAPH_BUCKET,)
+    return buckets
 
 
 _NO_CANDIDATES = np.zeros(0, dtype=np.int64)  # a front pass's requests rank nothing

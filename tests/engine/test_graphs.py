@@ -302,3 +302,19 @@ def test_compute_front_adds_a_bucket_for_a_batch_of_eights_front():
     assert default_graph_buckets() == DEFAULT_GRAPH_BUCKETS
     assert default_graph_buckets(host_split="compute_front")[-1] == FRONT_GRAPH_BUCKET > DEFAULT_GRAPH_BUCKETS[-1]
     assert FRONT_GRAPH_BUCKET not in default_graph_buckets(compile=True, host_split="compute_front")
+
+
+def test_graph_buckets_from_the_environment(monkeypatch):
+    from hstu.engine.engine import DEFAULT_GRAPH_BUCKETS, FRONT_GRAPH_BUCKET, default_graph_buckets
+
+    assert all(b / a <= 1.5 for a, b in zip(DEFAULT_GRAPH_BUCKETS, DEFAULT_GRAPH_BUCKETS[1:]))
+    monkeypatch.setenv("HSTU_GRAPH_BUCKETS", "1024, 256,512,256")
+    assert default_graph_buckets() == (256, 512, 1024)
+    assert default_graph_buckets(compile=True) == (256, 512, 1024)
+    assert default_graph_buckets(host_split="compute_front") == (256, 512, 1024, FRONT_GRAPH_BUCKET)
+    monkeypatch.setenv("HSTU_GRAPH_BUCKETS", "256,4k")
+    with pytest.raises(ValueError, match="'256,4k'"):
+        default_graph_buckets()
+    monkeypatch.setenv("HSTU_GRAPH_BUCKETS", "0,256")
+    with pytest.raises(ValueError, match=">= 1"):
+        default_graph_buckets()
