@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hstu.model.config import HSTUConfig
+from hstu.ops.gated_norm import gated_layer_norm
 
 
 class HSTULayer(nn.Module):
@@ -60,7 +61,8 @@ class HSTULayer(nn.Module):
     def finish(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Residual output from attention [T, H, d_v] and gate u."""
         a = attn.reshape(x.shape[0], -1)
-        gated = self.attn_norm(a) * u
+        norm = self.attn_norm
+        gated = gated_layer_norm(a, u, norm.weight, norm.bias, norm.eps)
         if self.meta_stu:
             gated = torch.cat([u, a, gated], dim=-1)
         return self.output(gated) + x
