@@ -57,7 +57,6 @@ functions eagerly over the same static buffers: the padding path, tested where C
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -69,10 +68,6 @@ Replay = Callable[[], object]
 
 
 _STAGING_SLOTS = 3  # batches in flight on the host side per bucket, plus one being copied
-# HSTU_GRAPH_HEAD_START=1: a batch with nothing to onload replays segment 0 (embedding + layer 0), then
-# one graph of the other layers and the head, instead of `whole`: the GPU starts once the small
-# first graph is launched while the host launches the rest (an experiment knob, off until measured)
-_HEAD_START = os.environ.get("HSTU_GRAPH_HEAD_START", "0") == "1"
 _WAIT_SETS = 4  # waits_in_graph: event sets (and waited captures per bucket), more than batches in flight
 
 
@@ -91,9 +86,6 @@ class _Bucket:
     # waits_in_graph: the whole forward with each layer's onload wait inside, one per event set
     waited: list[Replay] = field(default_factory=list)
     waited_logits: list[torch.Tensor] = field(default_factory=list)
-    # head_start: layers 1.. and the head, replayed after segment 0 instead of `whole`
-    rest: Replay | None = None
-    rest_logits: torch.Tensor | None = None
     next_slot: int = 0
 
 
@@ -142,7 +134,6 @@ class ForwardGraphs:
         # waits_in_graph: one external event per layer, recorded once now so that it exists when a
         # capture waits on it (torch skips the wait on an event never recorded: no node is made)
         self.waits_in_graph = waits_in_graph
-        self.head_start = _HEAD_START
         # [set][layer] (None without CUDA: one set, nothing to wait for), and per set an event after
         # the last replay that waited on it
         self.layer_ready: list[list | None] = [None]
@@ -264,22 +255,10 @@ class ForwardGraphs:
 
             replay, h = self._record(segment)
             segments.append(replay)
-            if i == 0:
-                first_out = h
-        rest, rest_logits = None, None
-        if self.head_start and len(fns) > 1:
-
-            def after_first() -> torch.Tensor:
-                h = first_out
-                for i in range(1, len(fns)):
-                    h = layer(i, h)
-                return head(h)
-
-            rest, rest_logits = self._record(after_first)
         copied = [None] * len(staging)
         return _Bucket(
             rows, device_buffer, meta, staging, staged_inputs, copied, replay_whole, whole_logits, segments, h, waited,
-            waited_logits, rest, rest_logits,
+            waited_logits,
         )
 
     def _record(self, fn: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
@@ -354,12 +333,6 @@ class ForwardGraphs:
                 self._set_done[j].record()
             logits = bucket.waited_logits[j]
             self.waited_replays += 1
-        elif before_layer is None and bucket.rest is not None:  # head_start
-            bucket.segments[0]()
-            if after_launch is not None:
-                after_launch()
-            bucket.rest()
-            logits = bucket.rest_logits
         elif before_layer is None:
             bucket.whole()
             logits = bucket.whole_logits
