@@ -4,7 +4,7 @@ Why: done as two torch ops it is two kernels a layer, a LayerNorm writing a [T, 
 multiply reading it back with the gate u. u is a column slice of the projection's output (row
 stride 4 N), which torch's elementwise kernels do not vectorise. At the seed shapes' batch 8 on an
 H100 (run DB) the pair took ~20 us of a ~280 us layer; one kernel reads a and u once and writes
-the product once.
+the product once: ~9 us (run DC; e2e batch 8 3.65 -> 3.25 ms cached, 17.8 -> 16.3 uncached).
 
 Shapes: a [T, N] contiguous; u [T, N] with unit stride over N (any row stride); weight and bias
 [N]. Returns [T, N] in a's dtype: LayerNorm statistics and the product in float32, one rounding

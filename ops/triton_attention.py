@@ -16,7 +16,7 @@ Kernel: the work is units (a block of BLOCK_M query rows of one user, for one he
 over K/V tiles of BLOCK_N keys gathered row by row through the page table (fp32 accumulation, SiLU
 weights cast to the value dtype for the second matmul; only tiles across the causal boundary are
 masked), after one load of its Q tile (AttentionConfig.tma: the unmasked tiles one page each through
-a TMA descriptor instead; an experiment, off by default). Because there is no softmax, a unit's key range can be cut
+a TMA descriptor instead; an experiment, off: slower at page 32, run DA). Because there is no softmax, a unit's key range can be cut
 into pieces whose partial outputs simply add. When the units fill their waves over the SMs well
 enough (AttentionConfig.balance_below), each program runs one unit; otherwise (by default under
 three quarters: at the seed shapes batch 1's 12 units on 132 SMs, the batch-8 re-rank's 64, batch
@@ -77,7 +77,9 @@ class AttentionConfig:
     row blocks side by side over the same keys) when that keeps more than lanes_above of the
     lanes' steps busy (above 1: never). tma: the unmasked key tiles come through a TMA descriptor
     over the cache, one page a tile (block_n must equal the page size, the head dim a power of 2),
-    instead of per-thread gathers (cp.async): the bytes move without the warps' address work."""
+    instead of per-thread gathers (cp.async): the bytes move without the warps' address work. Off:
+    at the seed shapes (page 32) it ran 12-16% slower at batch 8 and 9-13% slower uncached than the
+    gathered 64-key tiles on an H100 (run DA), as a 32-key tile halves the work between barriers."""
 
     block_m: int
     block_n: int
