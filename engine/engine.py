@@ -59,7 +59,7 @@ _LOGITS_BY_KERNEL = _LOGITS_OUT == "kernel"
 
 # Row buckets of the CUDA graphs, at most 1.5x apart: a batch computes its bucket's rows, and the
 # seed replay's cached batches (mixed users: 256-12k rows) padded 28% more rows with buckets 2x apart
-# (256, 512, 1024, ...) against 17% with these, on the linear layers, norms and pointwise ops
+# (256, 512, 1024, ...) against 16% with these, on the linear layers, norms and pointwise ops
 # (attention skips padded rows). Past 4096 rows too: an eager batch is host-bound well beyond
 # that (on the H200 a batch of 8 recomputing 1024 tokens each, 10k rows, spent 12 ms launching 8
 # ms of kernels), and split host-tier batches and misses land there.
