@@ -1,5 +1,7 @@
 """End-to-end section of `hstu bench`: the cached and uncached engines (same seeded weights) and
-the timed uncached / cached_gpu / cached_host / cached_rerank passes with their self-checks."""
+the timed uncached / cached_gpu / cached_host (/ cached_host_planned) / cached_rerank forwards,
+taking turns (one of each a round, so the machine's drift over the section falls on each alike),
+with their self-checks; and the split sweep (one pass per fraction)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from hstu.ops.kvcache.host_tier import prefilled_host_user
 from hstu.ops.kvcache.planner import FixedSplit, predict, predict_front
 from hstu.scripts.bench_shapes import BenchShape, make_requests
 from hstu.scripts.compare import compare_logits
-from hstu.scripts.timing import Timer, summarize
+from hstu.scripts.timing import TimedRun, Timer, summarize
 from hstu.scripts.workload import FreshUserIds, as_users
 
 
@@ -149,76 +151,94 @@ class EndToEnd:
         return lambda: model.rank(state["requests"])
 
     def run(self, batch: int, timer: Timer, warmup: int, repeats: int) -> dict[str, Any]:
+        """The uncached, cached_gpu, cached_host (and cached_host_planned, with the planner) and
+        cached_rerank forwards of one batch size, timed taking turns (Timer.measure_interleaved),
+        each with its own users and state."""
         shape, mgr = self.shape, self.cached_mgr
         prefix, full = make_requests(shape, self.model_config, batch)
-        state: dict[str, Any] = {}
         out: dict[str, Any] = {}
-        fresh_full = self.fresh_full(full, state)
-
-        def prefilled(drop_gpu: bool) -> Callable[[], None]:
-            return self.prefilled(prefix, full, state, drop_gpu)
-
-        def prefilled_whole() -> None:  # the whole history cached: the re-rank computes candidates only
-            ids = self.ids.take(len(full))
-            self.cached.rank(as_users(full, ids))
-            mgr.drain()
-            state["requests"] = as_users(full, ids)
-
-        def rank_with(model: RankingEngine) -> Callable[[], list[RankOutput]]:
-            return self.ranking(model, state)
-
         failures: list[str] = []
         dtype = self.model_config.dtype
 
-        def check_graphs(name: str, model: RankingEngine, before: int) -> int:
-            replays = self._replays(model) - before
-            if self.cuda_graphs and replays < repeats:
-                failures.append(f"e2e/{name}: CUDA graphs enabled but only {replays} graph replays in {repeats} timed forwards")
-            return replays
+        def prefilled_whole(state: dict[str, Any]) -> Callable[[], None]:
+            def setup() -> None:  # the whole history cached: the re-rank computes candidates only
+                ids = self.ids.take(len(full))
+                self.cached.rank(as_users(full, ids))
+                mgr.drain()
+                state["requests"] = as_users(full, ids)
+                state["before"] = mgr.stats.snapshot()
 
-        before = self._replays(self.uncached)
-        times, uncached_out = timer.measure(rank_with(self.uncached), fresh_full, warmup, repeats)
-        failures += _check_outputs("e2e/uncached", uncached_out, 0, batch)
-        out["uncached"] = {**summarize(times), "cuda_graph_replays": check_graphs("uncached", self.uncached, before)}
+            return setup
 
-        passes = [("cached_gpu", False, "gpu_hits", None), ("cached_host", True, "host_hits", None)]
+        # (name, engine, setup of a state, host tier in the timed forward, cost model during it)
+        passes: list[tuple[str, RankingEngine, Callable, str | None, Any]] = [
+            ("uncached", self.uncached, lambda st: self.fresh_full(full, st), None, None),
+            ("cached_gpu", self.cached, lambda st: self.prefilled(prefix, full, st, False), "gpu_hits", None),
+            ("cached_host", self.cached, lambda st: self.prefilled(prefix, full, st, True), "host_hits", None),
+        ]
         if self.cost is not None:  # the host tier again, the planner choosing onload vs recompute
-            passes.append(("cached_host_planned", True, "host_hits", self.cost))
-        for name, drop_gpu, tier, cost in passes:
-            replays = self._replays(self.cached)
-            probe = CacheWaitProbe(self.cached)
-            mgr.cost_model = cost
-            try:
-                times, cached_out = timer.measure(
-                    probe.timed(rank_with(self.cached)), prefilled(drop_gpu), warmup, repeats
-                )
-            finally:
-                mgr.cost_model = None
-            replays = check_graphs(name, self.cached, replays)
-            mgr.drain()
-            delta = {k: v - state["before"][k] for k, v in mgr.stats.snapshot().items()}
+            passes.append(("cached_host_planned", self.cached, lambda st: self.prefilled(prefix, full, st, True),
+                           "host_hits", self.cost))
+        passes.append(("cached_rerank", self.cached, prefilled_whole, None, None))
+
+        states = {name: {"replays": 0} for name, *_ in passes}
+        probes = {name: CacheWaitProbe(model) for name, model, *_ in passes if model is self.cached}
+
+        def timed(name: str, model: RankingEngine, cost: Any) -> Callable[[], list[RankOutput]]:
+            state, rank = states[name], self.ranking(model, states[name])
+            fn = probes[name].timed(rank) if name in probes else rank
+
+            def call() -> list[RankOutput]:
+                replays = self._replays(model)
+                mgr.cost_model = cost
+                try:
+                    return fn()
+                finally:
+                    mgr.cost_model = None
+                    state["replays"] += self._replays(model) - replays
+
+            return call
+
+        def after(name: str, model: RankingEngine) -> Callable[[], None]:
+            def read() -> None:  # the cache's counters of this forward, its offloads settled
+                if model is self.cached:
+                    mgr.drain()
+                    states[name]["delta"] = {k: v - states[name]["before"][k] for k, v in mgr.stats.snapshot().items()}
+
+            return read
+
+        runs = [TimedRun(timed(name, model, cost), setup(states[name]), after(name, model))
+                for name, model, setup, _, cost in passes]
+        measured = dict(zip((p[0] for p in passes), timer.measure_interleaved(runs, warmup, repeats)))
+        for name, _, _, _, _ in passes:
+            if self.cuda_graphs and states[name]["replays"] < repeats:
+                failures.append(f"e2e/{name}: CUDA graphs enabled but only {states[name]['replays']} graph replays "
+                                f"in {warmup + repeats} forwards")
+        times, uncached_out = measured["uncached"]
+        failures += _check_outputs("e2e/uncached", uncached_out, 0, batch)
+        out["uncached"] = {**summarize(times), "cuda_graph_replays": states["uncached"]["replays"]}
+        reference = [o.logits for o in uncached_out]
+        for name, _, _, tier, cost in passes[1:-1]:
+            times, cached_out = measured[name]
+            delta = states[name]["delta"]
             if cost is None:  # the planner may reuse less than the whole cached prefix
                 failures += _check_outputs(f"e2e/{name}", cached_out, shape.cached_tokens, batch)
             if delta[tier] != batch:
                 failures.append(f"e2e/{name}: expected {batch} {tier} in the last timed forward, stats delta {delta}")
             out[name] = {
                 **summarize(times),
-                **probe.per_forward_ms(repeats),
-                "cuda_graph_replays": replays,
+                **probes[name].per_forward_ms(repeats),
+                "cuda_graph_replays": states[name]["replays"],
                 "bytes_onloaded_per_forward": delta["bytes_onloaded"],
                 "onloaded_tokens_per_forward": delta["tokens_onloaded"],
                 "recomputed_tokens_per_forward": delta["tokens_recomputed"],
-                "max_abs_diff_vs_uncached": _compare(
-                    f"e2e/{name} vs uncached", cached_out, [o.logits for o in uncached_out], dtype, failures
-                ),
+                "max_abs_diff_vs_uncached": _compare(f"e2e/{name} vs uncached", cached_out, reference, dtype, failures),
             }
-        times, rerank_out = timer.measure(rank_with(self.cached), prefilled_whole, warmup, repeats)
+        times, rerank_out = measured["cached_rerank"]
         failures += _check_outputs("e2e/cached_rerank", rerank_out, shape.history_tokens, batch)
         out["cached_rerank"] = {
             **summarize(times),
-            "max_abs_diff_vs_uncached": _compare(
-                "e2e/cached_rerank vs uncached", rerank_out, [o.logits for o in uncached_out], dtype, failures
-            ),
+            "max_abs_diff_vs_uncached": _compare("e2e/cached_rerank vs uncached", rerank_out, reference, dtype, failures),
         }
         if batch == 1:
             reference = [self.uncached.forward_no_cache(full)]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -44,15 +45,35 @@ class Timer:
         self, fn: Callable[[], Any], setup: Callable[[], None] | None, warmup: int, repeats: int
     ) -> tuple[list[float], Any]:
         """Milliseconds of `repeats` timed calls after `warmup` untimed ones; setup() runs untimed before each."""
-        times, result = [], None
+        return self.measure_interleaved([TimedRun(fn, setup)], warmup, repeats)[0]
+
+    def measure_interleaved(self, runs: Sequence["TimedRun"], warmup: int, repeats: int) -> list[tuple[list[float], Any]]:
+        """measure() of several runs taking turns, one call each a round: (times, last result) per run.
+        Why: measured one after another, runs compared for a ratio drifted apart with the machine's
+        state over the section (on an H100 the same pure onload of a batch-1 host-tier prefix timed
+        2.39 ms in one pass and 2.75 ms in a later one, run DE); taking turns, drift falls on each alike."""
+        times: list[list[float]] = [[] for _ in runs]
+        results: list[Any] = [None] * len(runs)
         for i in range(warmup + repeats):
-            if setup is not None:
-                setup()
-            self.sync()
-            ms, result = self._once(fn)
-            if i >= warmup:
-                times.append(ms)
-        return times, result
+            for k, run in enumerate(runs):
+                if run.setup is not None:
+                    run.setup()
+                self.sync()
+                ms, results[k] = self._once(run.fn)
+                if run.after is not None:
+                    run.after()
+                if i >= warmup:
+                    times[k].append(ms)
+        return list(zip(times, results))
+
+
+@dataclass(frozen=True)
+class TimedRun:
+    """One timed call with its untimed setup (before) and after (e.g. reading counters); either may be None."""
+
+    fn: Callable[[], Any]
+    setup: Callable[[], None] | None = None
+    after: Callable[[], None] | None = None
 
 
 def summarize(times: list[float]) -> dict[str, Any]:

@@ -34,3 +34,18 @@ def test_summary_reports_median_extremes_and_every_time():
 def test_an_empty_summary_is_rejected():
     with pytest.raises(ValueError, match="empty"):
         summarize([])
+
+
+def test_interleaved_runs_take_turns_and_keep_their_own_times_and_results():
+    from hstu.scripts.timing import TimedRun
+
+    calls = []
+
+    def run(name: str) -> TimedRun:
+        return TimedRun(lambda: calls.append(name) or name + str(len(calls)), lambda: calls.append(f"setup {name}"),
+                        lambda: calls.append(f"after {name}"))
+
+    measured = Timer(CPU).measure_interleaved([run("a"), run("b")], 1, 2)
+    assert calls == ["setup a", "a", "after a", "setup b", "b", "after b"] * 3
+    assert [len(times) for times, _ in measured] == [2, 2]
+    assert [result for _, result in measured] == ["a14", "b17"], "each run's last result"
