@@ -1,7 +1,7 @@
 """End-to-end section of `hstu bench`: the cached and uncached engines (same seeded weights) and
 the timed uncached / cached_gpu / cached_host (/ cached_host_planned) / cached_rerank forwards,
 taking turns (one of each a round, so the machine's drift over the section falls on each alike),
-with their self-checks; and the split sweep (one pass per fraction)."""
+with their self-checks; and the split sweep (its forwards taking turns likewise)."""
 
 from __future__ import annotations
 
@@ -150,6 +150,20 @@ class EndToEnd:
     def ranking(model: RankingEngine, state: dict[str, Any]) -> Callable[[], list[RankOutput]]:
         return lambda: model.rank(state["requests"])
 
+    def with_cost(self, fn: Callable[[], Any], cost: Any) -> Callable[[], Any]:
+        """fn with the cached manager's planner set to `cost` during the call only (the forwards
+        around it, timed in turn, keep theirs: None)."""
+        mgr = self.cached_mgr
+
+        def call() -> Any:
+            mgr.cost_model = cost
+            try:
+                return fn()
+            finally:
+                mgr.cost_model = None
+
+        return call
+
     def run(self, batch: int, timer: Timer, warmup: int, repeats: int) -> dict[str, Any]:
         """The uncached, cached_gpu, cached_host (and cached_host_planned, with the planner) and
         cached_rerank forwards of one batch size, timed taking turns (Timer.measure_interleaved),
@@ -188,13 +202,13 @@ class EndToEnd:
             state, rank = states[name], self.ranking(model, states[name])
             fn = probes[name].timed(rank) if name in probes else rank
 
+            fn = self.with_cost(fn, cost)
+
             def call() -> list[RankOutput]:
                 replays = self._replays(model)
-                mgr.cost_model = cost
                 try:
                     return fn()
                 finally:
-                    mgr.cost_model = None
                     state["replays"] += self._replays(model) - replays
 
             return call
@@ -266,43 +280,53 @@ def split_sweep(e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: i
     host) ranked with a fixed share f of each prefix onloaded and the rest recomputed, for each f
     in SPLIT_FRACTIONS; beside it the same batch with those f prefix tokens already on the GPU
     (the split's compute alone, no onload), the uncached batch, and what the cost model predicts
-    for each split. Where the measured curve has its minimum is what the planner should pick."""
+    for each split, all timed taking turns. Where the measured curve has its minimum is what the
+    planner should pick."""
     shape, mgr = e2e.shape, e2e.cached_mgr
     prefix, full = make_requests(shape, e2e.model_config, batch)
     chunk, cached = shape.chunk_tokens, shape.cached_tokens
     failures: list[str] = []
-    state: dict[str, Any] = {}
 
-    def prefilled(tokens: int, drop_gpu: bool) -> Callable[[], None]:
+    def prefilled(tokens: int, drop_gpu: bool, state: dict[str, Any]) -> Callable[[], None]:
         """Users whose first `tokens` history tokens (contextual ones included) are cached."""
         first = prefix
         if tokens < cached:
             first = [r.first_events((tokens - shape.num_contextual) // 2, e2e.model_config) for r in prefix]
         return e2e.prefilled(first, full, state, drop_gpu)
 
-    def rank(model: RankingEngine) -> Callable[[], list[RankOutput]]:
-        return e2e.ranking(model, state)
-
-    times, reference = timer.measure(rank(e2e.uncached), e2e.fresh_full(full, state), warmup, repeats)
-    uncached_ms = summarize(times)["median_ms"]
-    out: dict[str, Any] = {"uncached_ms": uncached_ms, "splits": []}
     users = [prefilled_host_user(mgr.config, cached, shape.history_tokens, shape.num_candidates)] * batch
     L = e2e.model_config.num_layers
     front = mgr.config.host_split == "compute_front"
+    onloads = {f: FixedSplit(f).choose(users, L, chunk).onload_tokens for f in SPLIT_FRACTIONS}
+    # (name, engine, setup, cost model during the timed forward), timed taking turns
+    runs: list[tuple[str, RankingEngine, Callable[[dict], Callable[[], None]], Any]] = [
+        ("uncached", e2e.uncached, lambda st: e2e.fresh_full(full, st), None)
+    ]
     for f in SPLIT_FRACTIONS:
-        onload = FixedSplit(f).choose(users, L, chunk).onload_tokens
+        runs.append((f"host {f}", e2e.cached, lambda st: prefilled(cached, True, st), FixedSplit(f)))
+        if 0 < onloads[f][0] < cached:  # the split's compute with its onloaded share already on the GPU
+            runs.append((f"gpu {f}", e2e.cached, lambda st, t=onloads[f][0]: prefilled(t, False, st), None))
+    states = {name: {} for name, *_ in runs}
+    measured = dict(zip(
+        (name for name, *_ in runs),
+        timer.measure_interleaved(
+            [TimedRun(e2e.with_cost(e2e.ranking(model, states[name]), cost), setup(states[name]), mgr.drain)
+             for name, model, setup, cost in runs],
+            warmup, repeats,
+        ),
+    ))
+    times, reference = measured["uncached"]
+    uncached_ms = summarize(times)["median_ms"]
+    out: dict[str, Any] = {"uncached_ms": uncached_ms, "splits": []}
+    for f in SPLIT_FRACTIONS:
+        onload = onloads[f]
         row: dict[str, Any] = {"fraction": f, "onload_tokens_per_user": onload[0]}
-        mgr.cost_model = FixedSplit(f)
-        try:
-            times, outputs = timer.measure(rank(e2e.cached), prefilled(cached, True), warmup, repeats)
-        finally:
-            mgr.cost_model = None
+        times, outputs = measured[f"host {f}"]
         row["host_tier_ms"] = summarize(times)["median_ms"]
         row["host_tier_vs_uncached"] = uncached_ms / row["host_tier_ms"]
         _compare(f"split {f} vs uncached", outputs, [o.logits for o in reference], e2e.model_config.dtype, failures)
-        if 0 < onload[0] < cached:  # the split's compute with its onloaded share already on the GPU
-            times, _ = timer.measure(rank(e2e.cached), prefilled(onload[0], False), warmup, repeats)
-            row["gpu_prefix_ms"] = summarize(times)["median_ms"]
+        if f"gpu {f}" in measured:
+            row["gpu_prefix_ms"] = summarize(measured[f"gpu {f}"][0])["median_ms"]
         if e2e.cost is not None:
             buckets = e2e.cached.graph_buckets
             predicted = (
