@@ -200,9 +200,7 @@ class EndToEnd:
 
         def timed(name: str, model: RankingEngine, cost: Any) -> Callable[[], list[RankOutput]]:
             state, rank = states[name], self.ranking(model, states[name])
-            fn = probes[name].timed(rank) if name in probes else rank
-
-            fn = self.with_cost(fn, cost)
+            fn = self.with_cost(probes[name].timed(rank) if name in probes else rank, cost)
 
             def call() -> list[RankOutput]:
                 replays = self._replays(model)
