@@ -79,7 +79,8 @@ class AttentionConfig:
     over the cache, one page a tile (block_n must equal the page size, the head dim a power of 2),
     instead of per-thread gathers (cp.async): the bytes move without the warps' address work. Off:
     at the seed shapes (page 32) it ran 12-16% slower at batch 8 and 9-13% slower uncached than the
-    gathered 64-key tiles on an H100 (run DA), as a 32-key tile halves the work between barriers."""
+    gathered 64-key tiles on an H100 (run DA), likely as a 32-key tile halves the work between
+    barriers (not profiled)."""
 
     block_m: int
     block_n: int
