@@ -161,11 +161,32 @@ def _grid_programs(rows: int, users: int, heads: int, block_m: int, num_sms: int
     return max(num_sms, units * min(max(num_splits, 1), MAX_SPLITS))
 
 
+def _align_tail_from_env() -> float:
+    value = os.environ.get("HSTU_ATTENTION_ALIGN_TAIL", "0")
+    try:
+        tail = float(value)
+    except ValueError:
+        tail = -1.0
+    if not 0 <= tail < float("inf"):
+        raise ValueError(f"HSTU_ATTENTION_ALIGN_TAIL must be a number >= 0 (0: off), got {value!r}")
+    return tail
+
+
 # Triton 3.6's interpreter (TRITON_INTERPRET=1, the CPU test path) runs tl.dot on bf16's uint16
 # storage; there the operands are upcast first, which computes the same products (bf16 x bf16 is
 # exact in float32) with the same float32 accumulation.
 if triton is not None:
     _UPCAST_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+    # HSTU_ATTENTION_ALIGN_TAIL=T > 0 (an experiment, off until measured on a GPU): a batch whose
+    # units fill their waves runs one unit a program (aligned) only while its longest unit is at
+    # most T x an SM's even share of the batch's iterations; else that unit is the wave's tail and
+    # the batch runs balanced. Why: in the seed replay's mixed batches a miss's short causal row
+    # blocks and a hit's 4k-key ones share one wave. A model of the schedule (iterations as time,
+    # run DA's batches) put the cached pass's attention at 1.43x its ideal aligned and 1.15x with
+    # T = 1, the uncached pass (full waves of equal users) unchanged. The same model overstated
+    # the balanced schedule's gain at batch 8 (27% against 4% measured, run AV): the kernel is
+    # partly bandwidth-bound, so this needs a measurement.
+    _ALIGN_TAIL = tl.constexpr(_align_tail_from_env())
 
     @triton.jit
     def _dot(a, b, IEEE: tl.constexpr):
@@ -238,6 +259,8 @@ if triton is not None:
         units = tl.sum(blocks, axis=0) * num_heads
         waves = tl.cdiv(tl.maximum(units, 1), num_sms)
         full = units.to(tl.float32) >= BALANCE_BELOW * (waves * num_sms).to(tl.float32)
+        if _ALIGN_TAIL > 0:  # the longest unit as the wave's tail (see _ALIGN_TAIL)
+            full = full & (tl.max(unit_iters, axis=0).to(tl.float32) * num_sms <= _ALIGN_TAIL * total.to(tl.float32))
         aligned = full & (forced_splits <= 0)
         programs = tl.where(full, units, tl.minimum(num_sms, total))
         programs = tl.where(forced_splits > 0, tl.minimum(units * forced_splits, total), programs)

@@ -24,3 +24,14 @@ def test_lanes_knob_must_be_a_number(monkeypatch):
     monkeypatch.setenv("HSTU_ATTENTION_LANES_ABOVE", "often")
     with pytest.raises(ValueError, match="HSTU_ATTENTION_LANES_ABOVE"):
         ta._lanes_from_env()
+
+
+def test_align_tail_knob_is_off_by_default_and_must_be_a_number(monkeypatch):
+    monkeypatch.delenv("HSTU_ATTENTION_ALIGN_TAIL", raising=False)
+    assert ta._align_tail_from_env() == 0.0
+    monkeypatch.setenv("HSTU_ATTENTION_ALIGN_TAIL", "1.5")
+    assert ta._align_tail_from_env() == 1.5
+    for bad in ("often", "-1", "inf"):
+        monkeypatch.setenv("HSTU_ATTENTION_ALIGN_TAIL", bad)
+        with pytest.raises(ValueError, match=f"HSTU_ATTENTION_ALIGN_TAIL.*{bad}"):
+            ta._align_tail_from_env()

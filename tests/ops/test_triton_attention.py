@@ -131,3 +131,55 @@ def test_triton_kernel_matches_fp64_reference_in_interpreter():
         [sys.executable, "-c", _SCRIPT.format(root=root)], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
+_TAIL_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import triton
+    import triton.language as tl
+    sys.path.insert(0, {root!r})
+    from tests.ops.paged_cases import make_paged_case, reference_fp64, rel_err
+    from hstu.ops import triton_attention as ta
+
+    @triton.jit
+    def probe(Q_OFF, KV_LENS, OUT, num_users, num_heads, num_sms, MAX_USERS: tl.constexpr):
+        plan = ta._batch_plan(Q_OFF, KV_LENS, num_users, num_heads, num_sms, 0, 1 << 20, MAX_USERS, 16, 16, 0.5, 1.01)
+        tl.store(OUT, plan[10].to(tl.int32))  # aligned
+
+    def aligned(c, sms):
+        out = torch.zeros(1, dtype=torch.int32)
+        probe[(1,)](c.meta.q_offsets, c.meta.kv_lens, out, c.meta.kv_lens.shape[0], c.q.shape[1], sms, MAX_USERS=8)
+        return bool(out.item())
+
+    # A wave of equal users stays aligned; one long hit beside short misses is the wave's tail.
+    equal = make_paged_case([40, 40, 40], [20, 20, 20], [4, 4, 4], page_size=8, head_dim=16, heads=2,
+                            dtype=torch.float32, seed=1)
+    tail = make_paged_case([300, 20, 24, 18], [290, 0, 0, 0], [6, 3, 2, 5], page_size=8, head_dim=16, heads=2,
+                           dtype=torch.float32, seed=2)
+    assert ta._ALIGN_TAIL == 0 and aligned(equal, 6) and aligned(tail, 10), "off: both aligned"
+    ta._ALIGN_TAIL = tl.constexpr(1.0)
+    assert aligned(equal, 6) and not aligned(tail, 10), "on: the tail batch runs balanced"
+    for c, sms in ((equal, 6), (tail, 10), (tail, 3), (tail, 132)):
+        ta._num_sms = lambda device, sms=sms: sms
+        cfg = ta.AttentionConfig(16, 16, 4, 1, balance_below=0.5, lanes_above=1.01)
+        out = ta.paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=cfg)
+        err = rel_err(out, reference_fp64(c))
+        assert err < 1e-5, (sms, err)
+    print("ok")
+    """
+)
+
+
+def test_align_tail_sends_a_wave_with_one_long_unit_to_the_balanced_schedule_in_interpreter():
+    """HSTU_ATTENTION_ALIGN_TAIL (off by default): the plan of a full wave whose longest unit
+    exceeds an SM's even share is balanced, one of equal units stays aligned, and either's sums
+    match the float64 reference."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("HSTU_ATTENTION_ALIGN_TAIL", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TAIL_SCRIPT.format(root=root)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
