@@ -114,15 +114,19 @@ def _lanes_from_env() -> float:
         raise ValueError(f"HSTU_ATTENTION_LANES_ABOVE must be a number (above 1: never in lanes), got {value!r}") from None
 
 
+def _flag_from_env(name: str) -> bool:
+    value = os.environ.get(name, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 # Module-level instances, so torch.compile sees constants rather than dataclass construction.
 # HSTU_ATTENTION_LANES_ABOVE sets their lanes_above and HSTU_ATTENTION_TMA=1 their tma (experiment
 # knobs for same-call comparisons).
 _SILU = _silu_from_env()
 _LANES_ABOVE = _lanes_from_env()
-_TMA = os.environ.get("HSTU_ATTENTION_TMA", "0")
-if _TMA not in ("0", "1"):
-    raise ValueError(f"HSTU_ATTENTION_TMA must be 0 or 1, got {_TMA!r}")
-_TMA = _TMA == "1"
+_TMA = _flag_from_env("HSTU_ATTENTION_TMA")
 _CONFIG_LARGE_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, silu=_SILU,
                                      lanes_above=_LANES_ABOVE, tma=_TMA)
 _CONFIG_SMALL_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, silu=_SILU,
@@ -187,6 +191,13 @@ if triton is not None:
     # the balanced schedule's gain at batch 8 (27% against 4% measured, run AV): the kernel is
     # partly bandwidth-bound, so this needs a measurement.
     _ALIGN_TAIL = tl.constexpr(_align_tail_from_env())
+    # HSTU_ATTENTION_LONG_FIRST=1 (an experiment, off until measured on a GPU): in the aligned
+    # schedule program g of a user's units takes them last row block first. A history's causal row
+    # blocks grow in length block by block, and the GPU starts programs in order, so the longest
+    # came last and made the tail of a batch of several waves: the schedule model above put the
+    # uncached batch of 8 (4,354 rows a user, 8 waves) at 1.115x its ideal time, 1.002x reversed,
+    # and the uncached seed replay's batches at 1.41x, 1.31x reversed.
+    _LONG_FIRST = tl.constexpr(_flag_from_env("HSTU_ATTENTION_LONG_FIRST"))
 
     @triton.jit
     def _dot(a, b, IEEE: tl.constexpr):
@@ -419,7 +430,10 @@ if triton is not None:
         if aligned:  # program g takes unit g whole (units numbered user after user, head fastest)
             at_ub = users == tl.sum(((first_block + blocks) * num_heads <= g).to(tl.int32), axis=0)
             ub_iters = _at(unit_iters, at_ub)
-            it = _at(starts, at_ub) + (g - _at(first_block, at_ub) * num_heads) * ub_iters
+            local = g - _at(first_block, at_ub) * num_heads  # the unit's index within its user
+            if _LONG_FIRST:  # the user's last row block (its longest causal one) first
+                local = (_at(blocks, at_ub) - 1 - local // num_heads) * num_heads + local % num_heads
+            it = _at(starts, at_ub) + local * ub_iters
             end = it + ub_iters
         end = tl.where(t < programs, end, it)  # programs past the batch's count take nothing
         first = g * 0 + 1

@@ -35,3 +35,11 @@ def test_align_tail_knob_is_off_by_default_and_must_be_a_number(monkeypatch):
         monkeypatch.setenv("HSTU_ATTENTION_ALIGN_TAIL", bad)
         with pytest.raises(ValueError, match=f"HSTU_ATTENTION_ALIGN_TAIL.*{bad}"):
             ta._align_tail_from_env()
+
+
+def test_flag_knobs_take_only_0_or_1(monkeypatch):
+    monkeypatch.setenv("HSTU_ATTENTION_LONG_FIRST", "yes")
+    with pytest.raises(ValueError, match="HSTU_ATTENTION_LONG_FIRST must be 0 or 1, got 'yes'"):
+        ta._flag_from_env("HSTU_ATTENTION_LONG_FIRST")
+    monkeypatch.setenv("HSTU_ATTENTION_LONG_FIRST", "1")
+    assert ta._flag_from_env("HSTU_ATTENTION_LONG_FIRST") is True

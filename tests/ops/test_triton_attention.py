@@ -167,18 +167,33 @@ _TAIL_SCRIPT = textwrap.dedent(
         out = ta.paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=cfg)
         err = rel_err(out, reference_fp64(c))
         assert err < 1e-5, (sms, err)
+
+    # HSTU_ATTENTION_LONG_FIRST: aligned programs take each user's row blocks last first; the same sums.
+    ta._ALIGN_TAIL = tl.constexpr(0.0)
+    causal = make_paged_case([90, 50], [0, 10], [5, 7], page_size=8, head_dim=16, heads=2, dtype=torch.float32, seed=3)
+    for long_first in (False, True):
+        ta._LONG_FIRST = tl.constexpr(long_first)
+        for c, sms in ((equal, 3), (tail, 10), (causal, 4), (causal, 132)):
+            assert sms == 132 or aligned(c, sms), (long_first, sms)
+            ta._num_sms = lambda device, sms=sms: sms
+            cfg = ta.AttentionConfig(16, 16, 4, 1, balance_below=0.5, lanes_above=1.01)
+            out = ta.paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=cfg)
+            err = rel_err(out, reference_fp64(c))
+            assert err < 1e-5, ("long first", long_first, sms, err)
     print("ok")
     """
 )
 
 
-def test_align_tail_sends_a_wave_with_one_long_unit_to_the_balanced_schedule_in_interpreter():
+def test_align_tail_and_long_first_schedules_in_interpreter():
     """HSTU_ATTENTION_ALIGN_TAIL (off by default): the plan of a full wave whose longest unit
     exceeds an SM's even share is balanced, one of equal units stays aligned, and either's sums
-    match the float64 reference."""
+    match the float64 reference; HSTU_ATTENTION_LONG_FIRST (off by default): aligned batches
+    taking each user's row blocks last first give the same sums."""
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, TRITON_INTERPRET="1")
     env.pop("HSTU_ATTENTION_ALIGN_TAIL", None)
+    env.pop("HSTU_ATTENTION_LONG_FIRST", None)
     proc = subprocess.run(
         [sys.executable, "-c", _TAIL_SCRIPT.format(root=root)], env=env, capture_output=True, text=True, timeout=600
     )
