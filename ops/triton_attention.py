@@ -196,7 +196,7 @@ if triton is not None:
     # blocks grow in length block by block, and the GPU starts programs in order, so the longest
     # came last and made the tail of a batch of several waves: the schedule model above put the
     # uncached batch of 8 (4,354 rows a user, 8 waves) at 1.115x its ideal time, 1.002x reversed,
-    # and the uncached seed replay's batches at 1.41x, 1.31x reversed.
+    # and the uncached seed replay's batches at 1.40x, 1.31x reversed.
     _LONG_FIRST = tl.constexpr(_flag_from_env("HSTU_ATTENTION_LONG_FIRST"))
 
     @triton.jit
