@@ -11,7 +11,8 @@ One run measures, as medians of triton.testing.do_bench (CUDA events, L2 flushed
   attention  paged HSTU attention at the seed shapes (8 layers, 4 heads x 256, page 32, bf16,
              history 4096 with 3968 cached -> 128 new + 256 candidates; batch 1 and 8; then the
              re-rank of an unchanged history, 4096 cached + 256 candidates, and the uncached
-             batch, 4096 new + 256 candidates, both at batch 8): useful TFLOP/s (masked-out work
+             batch, 4096 new + 256 candidates, both at batch 8; and mixed5, a batch of the seed replay
+             whose hits and misses share one wave): useful TFLOP/s (masked-out work
              not counted) over the matmul ceiling, timed as CUDA-graph replays of the 8 layers
              (per layer), for the default tile config, a sweep of tile configs, SiLU forms and
              thresholds of the balanced schedule (each checked against the torch
@@ -133,25 +134,34 @@ def bench_offload(arena: torch.Tensor, chunks: int, stream) -> dict:
     return {"chunks": chunks, "ms": ms, "GBps": moved / (ms * 1e-3) / GB}
 
 
-# (name, batch, tokens cached per user): every user has HISTORY tokens and CANDIDATES candidates.
-ATTENTION_SHAPES = (("batch1", 1, CACHED), ("batch8", 8, CACHED), ("rerank8", 8, HISTORY), ("uncached8", 8, 0))
+# (name, users): each user (history tokens, of them cached, candidates)
+ATTENTION_SHAPES = (
+    ("batch1", ((HISTORY, CACHED, CANDIDATES),)),
+    ("batch8", ((HISTORY, CACHED, CANDIDATES),) * 8),
+    ("rerank8", ((HISTORY, HISTORY, CANDIDATES),) * 8),
+    ("uncached8", ((HISTORY, 0, CANDIDATES),) * 8),
+    # a batch of the seed replay (run DA, cached pass, batch 80): hits of 1.1k, 2.6k and 3.5k keys beside two misses,
+    # 104 units in one wave of 132 SMs, where the longest units are the wave's tail (scripts/schedule_model.py)
+    ("mixed5", ((1128, 978, 304), (330, 0, 75), (2564, 2474, 424), (928, 0, 278), (3482, 3290, 106))),
+)
 
 
-def seed_metadata(batch: int, num_pages: int, cached: int = CACHED) -> KVCacheMetadata:
-    """Seed batch: each user has HISTORY tokens (`cached` reused), HISTORY-cached new rows, CANDIDATES."""
-    rng = np.random.default_rng(batch)
-    need = -(-HISTORY // PAGE)
-    perm = rng.permutation(num_pages)[: batch * need]
-    pages = [perm[b * need : (b + 1) * need].tolist() for b in range(batch)]
-    return KVCacheMetadata.from_pages(
-        pages, [HISTORY] * batch, [cached] * batch, [CANDIDATES] * batch, PAGE
-    ).to("cuda")
+def seed_metadata(users: tuple[tuple[int, int, int], ...], num_pages: int) -> KVCacheMetadata:
+    """The batch's metadata: user b has users[b] = (history tokens, cached of them, candidates), its
+    pages drawn at random (a seeded permutation) from the cache's."""
+    rng = np.random.default_rng(len(users))
+    need = [-(-n // PAGE) for n, _, _ in users]
+    perm = rng.permutation(num_pages)[: sum(need)]
+    ends = np.cumsum(need)
+    pages = [perm[e - k : e].tolist() for k, e in zip(need, ends)]
+    history, cached, candidates = (list(x) for x in zip(*users))
+    return KVCacheMetadata.from_pages(pages, history, cached, candidates, PAGE).to("cuda")
 
 
-def useful_flops(batch: int, cached: int = CACHED) -> float:
+def useful_flops(users: tuple[tuple[int, int, int], ...]) -> float:
     """2 matmuls x 2 FLOP per multiply-add over the keys each row sees."""
-    seen = sum(p + 1 for p in range(cached, HISTORY)) + CANDIDATES * (HISTORY + 1)
-    return 4.0 * HEADS * HEAD_DIM * batch * seen
+    seen = sum(sum(p + 1 for p in range(c, n)) + m * (n + 1) for n, c, m in users)
+    return 4.0 * HEADS * HEAD_DIM * seen
 
 
 def _sweep() -> list[ta.AttentionConfig]:
@@ -188,13 +198,14 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
-def bench_attention(cache: torch.Tensor, batch: int, cached: int = CACHED, sweep: list | None = None) -> dict:
+def bench_attention(cache: torch.Tensor, users: tuple[tuple[int, int, int], ...], sweep: list | None = None) -> dict:
     """GPU time per layer from CUDA-graph replays of all 8 layers (what the paged block runs:
     per-layer graphs), plus the eager time of one call (host overhead of the op included)."""
-    meta = seed_metadata(batch, cache.shape[1], cached)
+    meta = seed_metadata(users, cache.shape[1])
     T = int(meta.q_pos.shape[0])
     q, k, v = (torch.randn((T, HEADS, HEAD_DIM), device="cuda", dtype=DTYPE) for _ in range(3))
-    flops = useful_flops(batch, cached)
+    flops = useful_flops(users)
+    batch = len(users)
     scale_len = HISTORY + CANDIDATES
     m = meta
     ref = paged_hstu_attention_torch(
@@ -215,7 +226,7 @@ def bench_attention(cache: torch.Tensor, batch: int, cached: int = CACHED, sweep
             return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         return {"ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12, "rel_err_vs_torch": err}
 
-    out = {"batch": batch, "cached": cached, "rows": T, "useful_GFLOP": flops / 1e9}
+    out = {"batch": batch, "users": [list(u) for u in users], "rows": T, "useful_GFLOP": flops / 1e9}
     cfg = ta.default_config(HEAD_DIM)
     out["default"] = {"config": asdict(cfg), **measure(None, 0)}
     layer = [0]
@@ -272,7 +283,7 @@ def main() -> None:
         res.update(bench_copies(cache))
     if "attention" in args.sections:
         logger.info("attention")
-        res["attention"] = {name: bench_attention(cache, b, cached, sweep) for name, b, cached in ATTENTION_SHAPES}
+        res["attention"] = {name: bench_attention(cache, users, sweep) for name, users in ATTENTION_SHAPES}
     res["wall_s"] = time.time() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
