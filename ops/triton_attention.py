@@ -198,6 +198,14 @@ if triton is not None:
     # uncached batch of 8 (4,354 rows a user, 8 waves) at 1.115x its ideal time, 1.002x reversed,
     # and the uncached seed replay's batches at 1.40x, 1.31x reversed.
     _LONG_FIRST = tl.constexpr(_flag_from_env("HSTU_ATTENTION_LONG_FIRST"))
+    # HSTU_ATTENTION_CAUSAL_SHARES=1 (an experiment, off until measured on a GPU): outside lanes,
+    # iterations are counted per row block as the keys its rows see (_block_iters: a history row
+    # block's last row's position, the whole history for candidates) instead of every unit of a
+    # user at its whole history, so the balanced wave's shares are equal in work, not in accounted
+    # tiles, and an aligned unit's span is its own. The schedule model put the balanced schedule so
+    # at 1.03x / 1.01x its ideal on the seed replay's cached / uncached batches (1.43x / 1.40x as
+    # the kernel chooses now).
+    _CAUSAL_SHARES = tl.constexpr(_flag_from_env("HSTU_ATTENTION_CAUSAL_SHARES"))
 
     @triton.jit
     def _dot(a, b, IEEE: tl.constexpr):
@@ -225,7 +233,7 @@ if triton is not None:
 
     @triton.jit
     def _batch_plan(
-        Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, grid_programs,
+        Q_OFF, KV_LENS, Q_POS, num_users, num_heads, num_sms, forced_splits, grid_programs,
         MAX_USERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BALANCE_BELOW: tl.constexpr,
         LANES_ABOVE: tl.constexpr,
     ):
@@ -267,6 +275,16 @@ if triton is not None:
         starts = ends - blocks * num_heads * unit_iters
         first_block = tl.cumsum(blocks, axis=0) - blocks
         total = tl.max(ends, axis=0)
+        c = kv  # (causal shares: the first new history row's position, its rows before its candidates; kv: none)
+        if _CAUSAL_SHARES:  # each row block's units at the key tiles its rows see
+            first_pos = tl.load(Q_POS + q_lo, mask=live & (q_hi > q_lo), other=-1).to(tl.int32)
+            c = tl.where(first_pos >= 0, first_pos, kv)
+            work = tl.zeros([MAX_USERS], dtype=tl.int32)
+            for j in range(0, tl.max(blocks, axis=0)):
+                work += tl.where(j < blocks, num_heads * _block_iters(j, c, kv, BLOCK_M, BLOCK_N), 0)
+            ends = tl.cumsum(work, axis=0)
+            starts = ends - work
+            total = tl.max(ends, axis=0)
         units = tl.sum(blocks, axis=0) * num_heads
         waves = tl.cdiv(tl.maximum(units, 1), num_sms)
         full = units.to(tl.float32) >= BALANCE_BELOW * (waves * num_sms).to(tl.float32)
@@ -288,7 +306,36 @@ if triton is not None:
         total = tl.where(in_lanes, total_steps, total)
         programs = tl.where(in_lanes, tl.maximum(tl.minimum(num_sms // lanes, total_steps), 1), programs)
         lanes = tl.where(in_lanes, lanes, 1)
-        return q_lo, q_hi, kv, blocks, unit_iters, starts, ends, first_block, total, programs, aligned, lanes
+        return q_lo, q_hi, kv, blocks, unit_iters, starts, ends, first_block, total, programs, aligned, lanes, c
+
+    @triton.jit
+    def _block_iters(j, c, kv, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Causal shares: the key tiles row block j of a user sees, its new history starting at
+        position c (c = kv: no new history), kv keys in all: through its last row's position, the
+        whole history once the block holds candidates."""
+        return tl.maximum((tl.minimum(kv, c + (j + 1) * BLOCK_M) + BLOCK_N - 1) // BLOCK_N, 1)
+
+    @triton.jit
+    def _block_span(j, c, kv, num_heads, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Causal shares: (the user's iterations before row block j, block j's iterations a unit)."""
+        before = j * 0
+        for i in range(0, j):
+            before += num_heads * _block_iters(i, c, kv, BLOCK_M, BLOCK_N)
+        return before, _block_iters(j, c, kv, BLOCK_M, BLOCK_N)
+
+    @triton.jit
+    def _block_at(local, c, kv, blocks, num_heads, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Causal shares: (row block holding the user's iteration `local`, the iterations before
+        it, its iterations a unit)."""
+        at, before, per, seen = local * 0, local * 0, local * 0 + 1, local * 0
+        for j in range(0, blocks):
+            span = _block_iters(j, c, kv, BLOCK_M, BLOCK_N)
+            hit = (local >= seen) & (local < seen + num_heads * span)
+            at = tl.where(hit, j, at)
+            before = tl.where(hit, seen, before)
+            per = tl.where(hit, span, per)
+            seen += num_heads * span
+        return at, before, per
 
     @triton.jit
     def _at(values, one_hot):
@@ -418,8 +465,8 @@ if triton is not None:
         # program's slot 2g or 2g + 1 of PART ([slot, BLOCK_M, BLOCK_D] float32 for one head) and
         # _sum_pieces_kernel adds its pieces.
         g = tl.program_id(0)
-        q_lo, q_hi, kv, blocks, unit_iters, starts, ends, first_block, total, programs, aligned, lanes = _batch_plan(
-            Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, grid_programs,
+        q_lo, q_hi, kv, blocks, unit_iters, starts, ends, first_block, total, programs, aligned, lanes, c = _batch_plan(
+            Q_OFF, KV_LENS, Q_POS, num_users, num_heads, num_sms, forced_splits, grid_programs,
             MAX_USERS, BLOCK_M, BLOCK_N, BALANCE_BELOW, LANES_ABOVE,
         )
         users = tl.arange(0, MAX_USERS)
@@ -433,7 +480,12 @@ if triton is not None:
             local = g - _at(first_block, at_ub) * num_heads  # the unit's index within its user
             if _LONG_FIRST:  # the user's last row block (its longest causal one) first
                 local = (_at(blocks, at_ub) - 1 - local // num_heads) * num_heads + local % num_heads
-            it = _at(starts, at_ub) + local * ub_iters
+            if _CAUSAL_SHARES:  # the unit's own span
+                before, ub_iters = _block_span(local // num_heads, _at(c, at_ub), _at(kv, at_ub), num_heads,
+                                               BLOCK_M, BLOCK_N)
+                it = _at(starts, at_ub) + before + (local % num_heads) * ub_iters
+            else:
+                it = _at(starts, at_ub) + local * ub_iters
             end = it + ub_iters
         end = tl.where(t < programs, end, it)  # programs past the batch's count take nothing
         first = g * 0 + 1
@@ -444,9 +496,17 @@ if triton is not None:
             local = it - _at(starts, mine)
             unit = local // per_unit  # row block x heads + head; in lanes just the head
             ki = local % per_unit
-            take = tl.minimum(end - it, per_unit - ki)
             h = unit % num_heads
             block = unit // num_heads + r
+            if _CAUSAL_SHARES:  # outside lanes, the row block's own span
+                at, before, per = _block_at(local, _at(c, mine), _at(kv, mine), _at(blocks, mine), num_heads,
+                                            BLOCK_M, BLOCK_N)
+                outside = lanes == 1
+                per_unit = tl.where(outside, per, per_unit)
+                h = tl.where(outside, (local - before) // per, h)
+                ki = tl.where(outside, (local - before) % per, ki)
+                block = tl.where(outside, at, block)
+            take = tl.minimum(end - it, per_unit - ki)
             if block < _at(blocks, mine):  # a lane past the user's row blocks has nothing here
                 acc, rows, io_mask = _attend_block(
                     Q, K, V, KV, KV_DESC, PT, Q_POS,
@@ -470,7 +530,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["num_users", "forced_splits", "grid_programs"])
     def _sum_pieces_kernel(
-        PART, OUT, KV_LENS, Q_OFF,
+        PART, OUT, KV_LENS, Q_OFF, Q_POS,
         stride_ot, stride_oh,
         head_dim, num_users, num_heads, num_sms, forced_splits, grid_programs,
         BLOCK_M: tl.constexpr,
@@ -484,8 +544,8 @@ if triton is not None:
         """One program per BLOCK_R rows of a possible unit (row block x head), so that the pieces
         of the few units of a small batch are read by many programs at once: a unit cut between
         programs gets the sum of its pieces; a whole unit, or none, returns at once."""
-        q_lo, q_hi, kv, blocks, unit_iters, starts, ends, first_block, total, programs, aligned, lanes = _batch_plan(
-            Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, grid_programs,
+        q_lo, q_hi, kv, blocks, unit_iters, starts, ends, first_block, total, programs, aligned, lanes, c = _batch_plan(
+            Q_OFF, KV_LENS, Q_POS, num_users, num_heads, num_sms, forced_splits, grid_programs,
             MAX_USERS, BLOCK_M, BLOCK_N, BALANCE_BELOW, LANES_ABOVE,
         )
         if aligned:
@@ -501,6 +561,11 @@ if triton is not None:
         local_block = block - _at(first_block, mine)
         # in lanes the unit's steps are its head's, taken by lane local_block of each tuple
         unit_start = _at(starts, mine) + (tl.where(lanes > 1, 0, local_block * num_heads) + h) * per_unit
+        if _CAUSAL_SHARES:  # outside lanes, the row block's own span
+            before, per = _block_span(local_block, _at(c, mine), _at(kv, mine), num_heads, BLOCK_M, BLOCK_N)
+            outside = lanes == 1
+            unit_start = tl.where(outside, _at(starts, mine) + before + h * per, unit_start)
+            per_unit = tl.where(outside, per, per_unit)
         lane = tl.where(lanes > 1, local_block, 0)
         t_first = _program_of(unit_start, total, programs)
         t_last = _program_of(unit_start + per_unit - 1, total, programs)
@@ -593,7 +658,7 @@ if triton is not None:
         )
         block_r = min(8, block_m)
         _sum_pieces_kernel[((triton.cdiv(T, block_m) + B) * H * (block_m // block_r),)](
-            part, out, kv_lens, q_offsets,
+            part, out, kv_lens, q_offsets, q_pos,
             out.stride(0), out.stride(1),
             d, B, H, sms, num_splits, programs,
             **plan,

@@ -15,6 +15,9 @@ and the model overstated the balanced schedule's gain at batch 8 (27% against 4%
 AV), so treat its ratios as an upper bound on what a schedule can gain.
 
     python -m hstu.scripts.schedule_model out/replay/replay.json [--sms 132]
+
+Rows: now; align_tail=1 (HSTU_ATTENTION_ALIGN_TAIL=1); long_first (HSTU_ATTENTION_LONG_FIRST=1);
+both; all three (and HSTU_ATTENTION_CAUSAL_SHARES=1: balanced shares of the work itself).
 """
 
 from __future__ import annotations
@@ -65,9 +68,12 @@ def aligned_makespan(units: list[Unit], sms: int) -> int:
     return max(free)
 
 
-def balanced_makespan(units: list[Unit], sms: int) -> int:
+def balanced_makespan(units: list[Unit], sms: int, causal_shares: bool = False) -> int:
     """min(sms, accounted iterations) programs, each a contiguous equal share of the accounted
-    iterations; a unit's actual iterations are its first ones (keys past its causal end skipped)."""
+    iterations; a unit's actual iterations are its first ones (keys past its causal end skipped).
+    causal_shares: each unit accounted at its actual iterations (HSTU_ATTENTION_CAUSAL_SHARES)."""
+    if causal_shares:
+        units = [Unit(u.actual, u.actual) for u in units]
     total = sum(u.accounted for u in units)
     programs = max(min(sms, total), 1)
     bounds = [p * total // programs for p in range(programs + 1)]
@@ -93,7 +99,8 @@ def schedule(units: list[Unit], sms: int, align_tail: float = 0.0, balance_below
     return "aligned" if full else "balanced"
 
 
-def model(batches: list[list[dict]], sms: int, align_tail: float = 0.0, long_first: bool = False) -> float:
+def model(batches: list[list[dict]], sms: int, align_tail: float = 0.0, long_first: bool = False,
+          causal_shares: bool = False) -> float:
     """The batches' summed makespans over their summed ideal times (work / sms)."""
     spent = ideal = 0.0
     for batch in batches:
@@ -102,7 +109,7 @@ def model(batches: list[list[dict]], sms: int, align_tail: float = 0.0, long_fir
         if schedule(units, sms, align_tail) == "aligned":
             spent += aligned_makespan(units, sms)
         else:
-            spent += balanced_makespan(units_of(batch), sms)
+            spent += balanced_makespan(units_of(batch), sms, causal_shares)
     return spent / ideal if ideal else float("nan")
 
 
@@ -120,11 +127,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--sms", type=int, default=132)
     args = parser.parse_args(argv)
     doc = json.loads(args.replay_json.read_text())
-    rows = {"now": (0.0, False), "align_tail=1": (1.0, False), "long_first": (0.0, True), "both": (1.0, True)}
+    rows = {"now": (0.0, False, False), "align_tail=1": (1.0, False, False), "long_first": (0.0, True, False),
+            "both": (1.0, True, False), "all three": (1.0, True, True)}
     report = {}
     for name, requests in doc["requests"].items():
         batches = batches_of(requests)
-        report[name] = {row: model(batches, args.sms, tail, first) for row, (tail, first) in rows.items()}
+        report[name] = {row: model(batches, args.sms, *knobs) for row, knobs in rows.items()}
     print(f"{'pass':<10}" + "".join(f"{row:>14}" for row in rows))
     for name, ratios in report.items():
         print(f"{name:<10}" + "".join(f"{ratios[row]:>14.3f}" for row in rows))

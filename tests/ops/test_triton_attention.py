@@ -144,14 +144,20 @@ _TAIL_SCRIPT = textwrap.dedent(
     from hstu.ops import triton_attention as ta
 
     @triton.jit
-    def probe(Q_OFF, KV_LENS, OUT, num_users, num_heads, num_sms, MAX_USERS: tl.constexpr):
-        plan = ta._batch_plan(Q_OFF, KV_LENS, num_users, num_heads, num_sms, 0, 1 << 20, MAX_USERS, 16, 16, 0.5, 1.01)
+    def probe(Q_OFF, KV_LENS, Q_POS, OUT, num_users, num_heads, num_sms, MAX_USERS: tl.constexpr):
+        plan = ta._batch_plan(Q_OFF, KV_LENS, Q_POS, num_users, num_heads, num_sms, 0, 1 << 20, MAX_USERS, 16, 16,
+                              0.5, 1.01)
         tl.store(OUT, plan[10].to(tl.int32))  # aligned
+        tl.store(OUT + 1, plan[8])  # total iterations
+
+    def planned(c, sms):
+        out = torch.zeros(2, dtype=torch.int32)
+        probe[(1,)](c.meta.q_offsets, c.meta.kv_lens, c.meta.q_pos, out, c.meta.kv_lens.shape[0], c.q.shape[1], sms,
+                    MAX_USERS=8)
+        return bool(out[0].item()), int(out[1].item())
 
     def aligned(c, sms):
-        out = torch.zeros(1, dtype=torch.int32)
-        probe[(1,)](c.meta.q_offsets, c.meta.kv_lens, out, c.meta.kv_lens.shape[0], c.q.shape[1], sms, MAX_USERS=8)
-        return bool(out.item())
+        return planned(c, sms)[0]
 
     # A wave of equal users stays aligned; one long hit beside short misses is the wave's tail.
     equal = make_paged_case([40, 40, 40], [20, 20, 20], [4, 4, 4], page_size=8, head_dim=16, heads=2,
@@ -180,20 +186,46 @@ _TAIL_SCRIPT = textwrap.dedent(
             out = ta.paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=cfg)
             err = rel_err(out, reference_fp64(c))
             assert err < 1e-5, ("long first", long_first, sms, err)
+
+    # HSTU_ATTENTION_CAUSAL_SHARES: iterations counted per row block as the keys its rows see; a
+    # miss's early row blocks count fewer, a re-rank's (no new history) all of the history.
+    rerank = make_paged_case([60, 45], [60, 45], [20, 9], page_size=8, head_dim=16, heads=2, dtype=torch.float32, seed=4)
+    accounted = planned(causal, 132)[1]
+    ta._CAUSAL_SHARES = tl.constexpr(True)
+    # causal: user 0 (90 new rows + 5 candidates, 6 blocks of 16) sees 1, 2, .., 6 tiles of 16 keys by block;
+    # user 1 (40 new rows from position 10 + 7 candidates, 3 blocks) 2, 3, 4; 2 heads
+    assert planned(causal, 132)[1] == 2 * (1 + 2 + 3 + 4 + 5 + 6) + 2 * (2 + 3 + 4) < accounted
+    assert planned(rerank, 132)[1] == 2 * 2 * 4 + 2 * 1 * 3  # whole histories: 4 and 3 tiles
+    for long_first in (False, True):
+        ta._LONG_FIRST = tl.constexpr(long_first)
+        for c in (equal, tail, causal, rerank):
+            # (SMs, balance_below, forced pieces, lanes_above): balanced waves of 1, 10 and 132 SMs, in lanes
+            # too; aligned (balance_below 0); forced pieces
+            for sms, balance_below, splits, lanes_above in ((1, 0.5, 0, 1.01), (10, 0.5, 0, 1.01), (132, 0.5, 0, 0.0),
+                                                            (132, 0.5, 0, 1.01), (3, 0.0, 0, 1.01), (7, 0.5, 3, 1.01)):
+                ta._num_sms = lambda device, sms=sms: sms
+                cfg = ta.AttentionConfig(16, 16, 4, 1, balance_below=balance_below, lanes_above=lanes_above)
+                out = ta.paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len,
+                                                     config=cfg, num_splits=splits)
+                err = rel_err(out, reference_fp64(c))
+                assert err < 1e-5, ("causal shares", long_first, sms, balance_below, splits, lanes_above, err)
     print("ok")
     """
 )
 
 
-def test_align_tail_and_long_first_schedules_in_interpreter():
+def test_align_tail_long_first_and_causal_shares_schedules_in_interpreter():
     """HSTU_ATTENTION_ALIGN_TAIL (off by default): the plan of a full wave whose longest unit
     exceeds an SM's even share is balanced, one of equal units stays aligned, and either's sums
     match the float64 reference; HSTU_ATTENTION_LONG_FIRST (off by default): aligned batches
-    taking each user's row blocks last first give the same sums."""
+    taking each user's row blocks last first give the same sums; HSTU_ATTENTION_CAUSAL_SHARES
+    (off by default): the plan counts each row block's own key tiles, and every schedule (aligned,
+    balanced, lanes, forced pieces, long first) gives the same sums."""
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, TRITON_INTERPRET="1")
     env.pop("HSTU_ATTENTION_ALIGN_TAIL", None)
     env.pop("HSTU_ATTENTION_LONG_FIRST", None)
+    env.pop("HSTU_ATTENTION_CAUSAL_SHARES", None)
     proc = subprocess.run(
         [sys.executable, "-c", _TAIL_SCRIPT.format(root=root)], env=env, capture_output=True, text=True, timeout=600
     )

@@ -24,6 +24,7 @@ def test_makespans_of_a_tail_and_of_an_even_wave():
     assert sm.balanced_makespan(units, 8) == 2  # 15 iterations in shares of 1-2
     causal = [sm.Unit(8, 8)] + [sm.Unit(8, 1)] * 7  # accounted alike, so the shares cannot see the difference
     assert sm.balanced_makespan(causal, 8) == 8
+    assert sm.balanced_makespan(causal, 8, causal_shares=True) == 2  # counted at their work, they even out
     even = [sm.Unit(4, 4)] * 8
     assert sm.aligned_makespan(even, 4) == 8 == sm.balanced_makespan(even, 4)
 
