@@ -386,24 +386,20 @@ if triton is not None:
         pt_row = PT + b.to(tl.int64) * max_pages
 
         # Tiles every row sees in full: no mask.
-        if USE_TMA:  # one page a tile: rows of the [L * P * 2 * PAGE_SIZE, H * d] view, keys then values
-            for start in tl.range(key_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        for start in tl.range(key_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            if USE_TMA:  # one page a tile: rows of the [L * P * 2 * PAGE_SIZE, H * d] view, keys then values
                 row = layer_row0 + tl.load(pt_row + start // PAGE_SIZE) * (2 * PAGE_SIZE)
                 k_tile = KV_DESC.load([row, h * BLOCK_D])
                 v_tile = KV_DESC.load([row + PAGE_SIZE, h * BLOCK_D])
-                s = _dot(q, tl.trans(k_tile), IEEE) * SCALE
-                w = _silu(s, SILU).to(v_tile.dtype)
-                acc += _dot(w, v_tile, IEEE)
-        else:
-            for start in tl.range(key_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            else:
                 keys = start + tl.arange(0, BLOCK_N)
                 page = tl.load(pt_row + keys // PAGE_SIZE).to(tl.int64)
                 ptrs = kv_base + page[:, None] * page_stride + (keys % PAGE_SIZE)[:, None] * token_stride + dd[None, :]
                 k_tile = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
                 v_tile = tl.load(ptrs + kv_stride, mask=d_ok[None, :], other=0.0)
-                s = _dot(q, tl.trans(k_tile), IEEE) * SCALE
-                w = _silu(s, SILU).to(v_tile.dtype)
-                acc += _dot(w, v_tile, IEEE)
+            s = _dot(q, tl.trans(k_tile), IEEE) * SCALE
+            w = _silu(s, SILU).to(v_tile.dtype)
+            acc += _dot(w, v_tile, IEEE)
 
         # Tiles across the causal boundary (or the end of the history): masked.
         for start in range(full_hi, key_hi, BLOCK_N):
