@@ -19,10 +19,10 @@ itself and an AOTInductor package stays free of a Python-only op.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from hstu.ops import knobs
 
 try:
     import triton
@@ -30,10 +30,7 @@ try:
 except ImportError:  # CPU-only installs: the torch ops serve.
     triton = None
 
-_FUSED = os.environ.get("HSTU_FUSED_GATE", "1")
-if _FUSED not in ("0", "1"):
-    raise ValueError(f"HSTU_FUSED_GATE must be 0 or 1, got {_FUSED!r}")
-_FUSED = _FUSED == "1"
+_FUSED = knobs.flag("HSTU_FUSED_GATE", default=True)
 
 
 def gated_layer_norm_torch(a: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

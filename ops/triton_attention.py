@@ -52,6 +52,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hstu.ops import knobs
+
 try:
     import triton
     import triton.language as tl
@@ -107,18 +109,7 @@ def _silu_from_env() -> str:
 
 
 def _lanes_from_env() -> float:
-    value = os.environ.get("HSTU_ATTENTION_LANES_ABOVE", "0.8")
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"HSTU_ATTENTION_LANES_ABOVE must be a number (above 1: never in lanes), got {value!r}") from None
-
-
-def _flag_from_env(name: str) -> bool:
-    value = os.environ.get(name, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return knobs.number("HSTU_ATTENTION_LANES_ABOVE", 0.8, "above 1: never in lanes")
 
 
 # Module-level instances, so torch.compile sees constants rather than dataclass construction.
@@ -126,7 +117,7 @@ def _flag_from_env(name: str) -> bool:
 # knobs for same-call comparisons).
 _SILU = _silu_from_env()
 _LANES_ABOVE = _lanes_from_env()
-_TMA = _flag_from_env("HSTU_ATTENTION_TMA")
+_TMA = knobs.flag("HSTU_ATTENTION_TMA")
 _CONFIG_LARGE_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, silu=_SILU,
                                      lanes_above=_LANES_ABOVE, tma=_TMA)
 _CONFIG_SMALL_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, silu=_SILU,
@@ -166,14 +157,7 @@ def _grid_programs(rows: int, users: int, heads: int, block_m: int, num_sms: int
 
 
 def _align_tail_from_env() -> float:
-    value = os.environ.get("HSTU_ATTENTION_ALIGN_TAIL", "0")
-    try:
-        tail = float(value)
-    except ValueError:
-        tail = -1.0
-    if not 0 <= tail < float("inf"):
-        raise ValueError(f"HSTU_ATTENTION_ALIGN_TAIL must be a number >= 0 (0: off), got {value!r}")
-    return tail
+    return knobs.number("HSTU_ATTENTION_ALIGN_TAIL", 0.0, "0: off", minimum=0.0)
 
 
 # Triton 3.6's interpreter (TRITON_INTERPRET=1, the CPU test path) runs tl.dot on bf16's uint16
@@ -197,7 +181,7 @@ if triton is not None:
     # came last and made the tail of a batch of several waves: the schedule model above put the
     # uncached batch of 8 (4,354 rows a user, 8 waves) at 1.115x its ideal time, 1.002x reversed,
     # and the uncached seed replay's batches at 1.40x, 1.31x reversed.
-    _LONG_FIRST = tl.constexpr(_flag_from_env("HSTU_ATTENTION_LONG_FIRST"))
+    _LONG_FIRST = tl.constexpr(knobs.flag("HSTU_ATTENTION_LONG_FIRST"))
     # HSTU_ATTENTION_CAUSAL_SHARES=1 (an experiment, off until measured on a GPU): outside lanes,
     # iterations are counted per row block as the keys its rows see (_block_iters: a history row
     # block's last row's position, the whole history for candidates) instead of every unit of a
@@ -205,7 +189,7 @@ if triton is not None:
     # tiles, and an aligned unit's span is its own. The schedule model put the balanced schedule so
     # at 1.03x / 1.01x its ideal on the seed replay's cached / uncached batches (1.43x / 1.40x as
     # the kernel chooses now).
-    _CAUSAL_SHARES = tl.constexpr(_flag_from_env("HSTU_ATTENTION_CAUSAL_SHARES"))
+    _CAUSAL_SHARES = tl.constexpr(knobs.flag("HSTU_ATTENTION_CAUSAL_SHARES"))
 
     @triton.jit
     def _dot(a, b, IEEE: tl.constexpr):

@@ -2,6 +2,7 @@
 
 import pytest
 
+from hstu.ops import knobs
 from hstu.ops import triton_attention as ta
 
 
@@ -40,6 +41,6 @@ def test_align_tail_knob_is_off_by_default_and_must_be_a_number(monkeypatch):
 def test_flag_knobs_take_only_0_or_1(monkeypatch):
     monkeypatch.setenv("HSTU_ATTENTION_LONG_FIRST", "yes")
     with pytest.raises(ValueError, match="HSTU_ATTENTION_LONG_FIRST must be 0 or 1, got 'yes'"):
-        ta._flag_from_env("HSTU_ATTENTION_LONG_FIRST")
+        knobs.flag("HSTU_ATTENTION_LONG_FIRST")
     monkeypatch.setenv("HSTU_ATTENTION_LONG_FIRST", "1")
-    assert ta._flag_from_env("HSTU_ATTENTION_LONG_FIRST") is True
+    assert knobs.flag("HSTU_ATTENTION_LONG_FIRST") is True
