@@ -170,8 +170,9 @@ def _sweep() -> list[ta.AttentionConfig]:
     nothing: benchmarks/RESULTS.md.)"""
     # ptxas (Triton 3.6, sm_90a; scripts/kernel_regs.py) on the default tiles: 255 registers and
     # 188 / 240 bytes of spill stores / loads per thread with the JIT's divisibility (152 / 200 before
-    # the lane branch; ~1.5 KB without the divisibility, the figure of sessions 14-15; the 128 x 256
-    # float32 accumulator and the Q tile live in registers).
+    # the lane branch; ~1.5 KB without the divisibility, the figure of sessions 14-15). The QK^T
+    # wgmma reads Q from shared memory and PV takes W from registers: the spills are the 128 x 256
+    # float32 accumulator's beside the gather addressing (session 27's PTX).
     # (128 x 64 with 3 stages needs 256 KB of shared memory, over the H200's 227 KB: dropped)
     # (64 x 32 with 4 warps, two programs a SM, ran batch 8 in 307-352 us against 174: run CU)
     tiles = [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3),
