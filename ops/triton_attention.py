@@ -40,6 +40,9 @@ take "exact" (the fp32 oracle is 1e-5). 16-bit inputs default to "tanh": on the 
 shapes it ran the kernel 1.41x faster than "exact" (fast: 1.25x) with the same error against the
 torch implementation (2.6e-3) and inside the 2x bf16 bound of the tests (benchmarks/RESULTS.md,
 run AP). HSTU_ATTENTION_SILU overrides the default (an experiment knob for same-call comparisons).
+The tensor cores idle while the SiLU runs: Triton 3.6 waits each Q K^T right after issuing it,
+and that wait also covers the W V before it, so FlashAttention-3's order (tile j + 1's SiLU while
+tile j's W V runs) cannot be written here. scripts/overlap_probe.py measures that order in Gluon.
 """
 
 from __future__ import annotations

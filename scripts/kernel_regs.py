@@ -49,6 +49,23 @@ def ptxas_path() -> Path:
     raise FileNotFoundError(f"no ptxas under {bin_dir}")
 
 
+def ptxas_report(ptx_text: str, arch: int = 90) -> dict:
+    """Registers and spill bytes per thread that ptxas reports for one kernel's PTX (sm_<arch>a)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(ptx_text)
+        report = subprocess.run(
+            [str(ptxas_path()), f"-arch=sm_{arch}a", "-v", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True, text=True, check=True,
+        ).stderr
+    spills, regs = _SPILL.search(report), _REGS.search(report)
+    return {
+        "registers": int(regs.group(1)) if regs else None,
+        "spill_store_bytes": int(spills.group(1)) if spills else 0,
+        "spill_load_bytes": int(spills.group(2)) if spills else 0,
+    }
+
+
 def compile_config(block_m: int, block_n: int, num_warps: int, num_stages: int, *, head_dim: int = 256,
                    dtype: str = "bf16", silu: str = "tanh", arch: int = 90, tma: bool = False) -> dict:
     """The kernel for one tile config at `head_dim`: shared memory bytes, registers and spill bytes."""
@@ -78,21 +95,11 @@ def compile_config(block_m: int, block_n: int, num_warps: int, num_stages: int, 
         target=GPUTarget("cuda", arch, 32),
         options={"num_warps": num_warps, "num_stages": num_stages},
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "k.ptx"
-        ptx.write_text(kernel.asm["ptx"])
-        report = subprocess.run(
-            [str(ptxas_path()), f"-arch=sm_{arch}a", "-v", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
-            capture_output=True, text=True, check=True,
-        ).stderr
-    spills, regs = _SPILL.search(report), _REGS.search(report)
     ptx_text = kernel.asm["ptx"]
     return {
         "config": (block_m, block_n, num_warps, num_stages),
         "shared_bytes": kernel.metadata.shared,
-        "registers": int(regs.group(1)) if regs else None,
-        "spill_store_bytes": int(spills.group(1)) if spills else 0,
-        "spill_load_bytes": int(spills.group(2)) if spills else 0,
+        **ptxas_report(ptx_text, arch),
         "wgmma": ptx_text.count("wgmma.mma_async"),
         "cp_async": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx_text)),
         "tma": ptx_text.count("cp.async.bulk.tensor"),

@@ -1,0 +1,294 @@
+"""A probe, not a product kernel: does FlashAttention-3's overlap inside one warpgroup speed up
+the paged HSTU attention's key loop at the seed shapes?
+
+Why this exists: ncu put the tensor pipe of the production kernel (ops/triton_attention.py)
+active 32-46% of its time, with neither DRAM nor the pipe the limit (RESULTS.md, run CR). Its
+key loop runs Q K^T, waits, SiLU on the special-function units, then W V: the tensor cores idle
+through every SiLU. FA3 issues tile j + 1's Q K^T and tile j's W V back to back and computes tile
+j + 1's SiLU while W V runs. Triton 3.6 cannot express that order: its wgmma pipeliner waits every
+dot whose result the loop itself uses right after issuing it (WGMMAPipeline.cpp, rule 2), and
+the wait counts groups in order, so the W V before it is waited too (checked in the TTGIR of such
+a loop, twenty-eighth session). Gluon (triton.experimental.gluon, in Triton 3.6) exposes
+warpgroup_mma and warpgroup_mma_wait(num_outstanding) directly, so both orders can be written.
+
+Two kernels over the same work, the cached part of the production kernel's unmasked loop: each
+program takes one unit (a 128-row block of one user and head), every row seeing the user's first
+kv_len // 64 * 64 cached keys (no causal mask, no candidate self keys), K/V gathered through the
+page table with cp.async into two stages, float32 accumulation, SiLU by tanh.approx as the
+production default:
+  serial   Q K^T, wait, SiLU, W V, wait (the production kernel's order);
+  overlap  Q K^T of tile j + 1 and W V of tile j issued together, tile j + 1's SiLU while W V runs.
+Layout assumed: kv_cache [L, P, 2, page_size, H, d] contiguous (K at 0, V at 1), q [T, H, d] with
+unit stride over d, head dim 256, page size 32 (a 64-key tile spans two pages), bf16.
+
+    python -m hstu.scripts.overlap_probe                 (on a Hopper GPU: checks, then times both)
+    python -m hstu.scripts.overlap_probe --compile-only  (any machine with Triton: ptxas registers/spills)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+except ImportError:  # no Triton (or no Gluon): the probe cannot run here
+    gluon = None
+
+BLOCK_M, BLOCK_N, HEAD_DIM, PAGE_SIZE, WARPS = 128, 64, 256, 32, 8
+
+if gluon is not None:
+
+    @gluon.jit
+    def _silu(s):
+        half = 0.5 * s
+        t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [half], dtype=gl.float32, is_pure=True,
+                                      pack=1)
+        return half + half * t
+
+    @gluon.jit
+    def _issue_kv(k_buf, v_buf, kv_base, pt_row, start, page_stride, token_stride, kv_stride,
+                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, load: gl.constexpr):
+        """cp.async of the K and V tiles of keys start.. (< start + BLOCK_N) into one stage, one group."""
+        keys = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load))
+        dd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, load))
+        page = gl.load(pt_row + keys // PAGE_SIZE).to(gl.int64)
+        rows = page * page_stride + (keys % PAGE_SIZE) * token_stride
+        ptrs = kv_base + gl.expand_dims(rows, 1) + gl.expand_dims(dd, 0)
+        async_copy.async_copy_global_to_shared(k_buf, ptrs)
+        async_copy.async_copy_global_to_shared(v_buf, ptrs + kv_stride)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _probe_kernel(
+        Q, KV, PT, UNITS, OUT,
+        stride_qt, stride_qh, stride_ot, stride_oh, layer_offset, page_stride, token_stride, kv_stride, max_pages,
+        SCALE: gl.constexpr, INV_SCALE_LEN: gl.constexpr, OVERLAP: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    ):
+        # UNITS[g] = (user, first row, row end, head, full key tiles)
+        g = gl.program_id(0)
+        b = gl.load(UNITS + g * 5)
+        row0 = gl.load(UNITS + g * 5 + 1)
+        q_end = gl.load(UNITS + g * 5 + 2)
+        h = gl.load(UNITS + g * 5 + 3)
+        n = gl.load(UNITS + g * 5 + 4)
+
+        load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [gl.num_warps(), 1], [16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [gl.num_warps(), 1], [16, HEAD_DIM, 16])
+        w_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
+        q_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.bfloat16)
+        kv_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
+
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], q_shared)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HEAD_DIM], kv_shared)
+        v_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HEAD_DIM], kv_shared)
+
+        kv_base = KV + layer_offset + h * HEAD_DIM
+        pt_row = PT + b.to(gl.int64) * max_pages
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load))
+        dd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, load))
+        q_ptrs = Q + gl.expand_dims(rows * stride_qt + h * stride_qh, 1) + gl.expand_dims(dd, 0)
+        q_smem.store(gl.load(q_ptrs, mask=gl.expand_dims(rows < q_end, 1), other=0.0))
+
+        _issue_kv(k_smem.index(0), v_smem.index(0), kv_base, pt_row, 0, page_stride, token_stride, kv_stride,
+                  BLOCK_N, HEAD_DIM, PAGE_SIZE, load)
+        if n > 1:
+            _issue_kv(k_smem.index(1), v_smem.index(1), kv_base, pt_row, BLOCK_N, page_stride, token_stride,
+                      kv_stride, BLOCK_N, HEAD_DIM, PAGE_SIZE, load)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        if OVERLAP:
+            # tile 0's scores first; then per tile j: Q K^T of j + 1 and W V of j in flight together,
+            # SiLU of j + 1 while W V runs, stage j refilled with tile j + 2 once W V is done
+            if n > 1:
+                async_copy.wait_group(1)
+            else:
+                async_copy.wait_group(0)
+            fence_async_shared()  # each thread's smem writes (Q, cp.async) ordered before wgmma reads
+            gl.thread_barrier()
+            s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            w = gl.convert_layout(_silu(s * SCALE).to(gl.bfloat16), w_layout)
+            for j in range(n):
+                stage = j % 2
+                if j + 1 < n:
+                    async_copy.wait_group(0)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    s_tok = warpgroup_mma(q_smem, k_smem.index(1 - stage).permute((1, 0)), zero_s, use_acc=False,
+                                          is_async=True)
+                    acc_tok = warpgroup_mma(w, v_smem.index(stage), acc, is_async=True)
+                    s = warpgroup_mma_wait(1, deps=(s_tok,))
+                    w_next = gl.convert_layout(_silu(s * SCALE).to(gl.bfloat16), w_layout)
+                    # w is W V's register operand: kept live (a dep) until W V is done
+                    acc, w = warpgroup_mma_wait(0, deps=(acc_tok, w))
+                    w = w_next
+                else:
+                    acc_tok = warpgroup_mma(w, v_smem.index(stage), acc, is_async=True)
+                    acc, w = warpgroup_mma_wait(0, deps=(acc_tok, w))
+                gl.thread_barrier()  # every warp's wgmma done reading stage j before it is refilled
+                if j + 2 < n:
+                    _issue_kv(k_smem.index(stage), v_smem.index(stage), kv_base, pt_row, (j + 2) * BLOCK_N,
+                              page_stride, token_stride, kv_stride, BLOCK_N, HEAD_DIM, PAGE_SIZE, load)
+        else:
+            for j in range(n):
+                stage = j % 2
+                if j + 1 < n:
+                    async_copy.wait_group(1)
+                else:
+                    async_copy.wait_group(0)
+                fence_async_shared()
+                gl.thread_barrier()
+                s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
+                                      is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s_tok,))
+                w = gl.convert_layout(_silu(s * SCALE).to(gl.bfloat16), w_layout)
+                acc_tok = warpgroup_mma(w, v_smem.index(stage), acc, is_async=True)
+                acc, w = warpgroup_mma_wait(0, deps=(acc_tok, w))
+                gl.thread_barrier()
+                if j + 2 < n:
+                    _issue_kv(k_smem.index(stage), v_smem.index(stage), kv_base, pt_row, (j + 2) * BLOCK_N,
+                              page_stride, token_stride, kv_stride, BLOCK_N, HEAD_DIM, PAGE_SIZE, load)
+
+        out_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        out_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        out_ptrs = OUT + gl.expand_dims(out_rows * stride_ot + h * stride_oh, 1) + gl.expand_dims(out_d, 0)
+        gl.store(out_ptrs, acc * INV_SCALE_LEN, mask=gl.expand_dims(out_rows < q_end, 1))
+
+
+def units_of(rows_per_user: list[int], kv_lens: list[int], heads: int) -> torch.Tensor:
+    """[units, 5] int32: (user, first row, row end, head, full key tiles), row blocks of 128."""
+    out, start = [], 0
+    for b, (rows, kv) in enumerate(zip(rows_per_user, kv_lens)):
+        for r in range(0, rows, BLOCK_M):
+            for h in range(heads):
+                out.append((b, start + r, start + rows, h, kv // BLOCK_N))
+        start += rows
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def reference(q, kv_cache, page_table, units, layer, scale_len):
+    """float32 torch of the probe's semantics."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    scale = q.shape[-1] ** -0.5
+    for b, row0, q_end, h, tiles in units.tolist():
+        keys = torch.arange(tiles * BLOCK_N, device=q.device)
+        pages = page_table[b, keys // PAGE_SIZE].long()
+        k = kv_cache[layer, pages, 0, keys % PAGE_SIZE, h].float()
+        v = kv_cache[layer, pages, 1, keys % PAGE_SIZE, h].float()
+        rows = slice(row0, min(row0 + BLOCK_M, q_end))
+        s = q[rows, h].float() @ k.T * scale
+        out[rows, h] = torch.nn.functional.silu(s) @ v / scale_len
+    return out
+
+
+def launch(q, kv_cache, page_table, units, layer, scale_len, overlap: bool) -> torch.Tensor:
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    L, P, _, page, H, D = kv_cache.shape
+    _probe_kernel[(units.shape[0],)](
+        q, kv_cache, page_table, units, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        layer * kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(3), kv_cache.stride(2), page_table.shape[1],
+        D**-0.5, 1.0 / scale_len, overlap, BLOCK_M, BLOCK_N, HEAD_DIM, PAGE_SIZE, num_warps=WARPS,
+    )
+    return out
+
+
+# (rows of each user's block of new rows and candidates, cached keys of each user): the seed's
+# cached batch 8 and re-rank batch 8 shapes, cached part only
+SHAPES = {"batch8": ([384] * 8, [3968] * 8), "rerank8": ([256] * 8, [4096] * 8), "batch1": ([384], [3968])}
+
+
+def run(device: torch.device, repeats: int) -> dict:
+    torch.manual_seed(0)
+    heads, layers, scale_len = 4, 2, 4352
+    results = {}
+    for name, (rows, kvs) in SHAPES.items():
+        pages_per_user = max(kvs) // PAGE_SIZE + 1
+        P = pages_per_user * len(rows) + 1
+        kv_cache = torch.randn(layers, P, 2, PAGE_SIZE, heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        page_table = torch.randperm(P - 1, device=device)[: pages_per_user * len(rows)].view(len(rows), -1)
+        page_table = page_table.to(torch.int32).contiguous()
+        q = torch.randn(sum(rows), heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        units = units_of(rows, kvs, heads).to(device)
+        ref = reference(q, kv_cache, page_table, units.cpu(), 1, scale_len)
+        flops = sum((min(r0 + BLOCK_M, end) - r0) * tiles * BLOCK_N * HEAD_DIM * 4 for _, r0, end, _, tiles in units.tolist())
+        entry = {"units": units.shape[0], "gflop": flops / 1e9}
+        for overlap in (False, True):
+            out = launch(q, kv_cache, page_table, units, 1, scale_len, overlap)
+            err = ((out - ref).abs().max() / ref.abs().max()).item()
+            starts, ends = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(repeats):
+                starts.record()
+                launch(q, kv_cache, page_table, units, 1, scale_len, overlap)
+                ends.record()
+                ends.synchronize()
+                times.append(starts.elapsed_time(ends) * 1e3)
+            times.sort()
+            median = times[len(times) // 2]
+            entry["overlap" if overlap else "serial"] = {"median_us": median, "tflop_per_s": flops / median / 1e6,
+                                                         "rel_err": err}
+        entry["serial_over_overlap"] = entry["serial"]["median_us"] / entry["overlap"]["median_us"]
+        results[name] = entry
+    return results
+
+
+def compile_only(arch: int = 90) -> dict:
+    """Both kernels compiled for sm_<arch>a as the JIT would at the probe's shapes (pointers and
+    strides divisible by 16): ptxas registers and spills, and the PTX's wgmma waits (the overlap
+    kernel waits with one group outstanding: W V still running during the SiLU). No GPU needed."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from hstu.scripts.kernel_regs import ptxas_report
+
+    fn = _probe_kernel
+    pointers = {"Q": "*bf16", "KV": "*bf16", "PT": "*i32", "UNITS": "*i32", "OUT": "*fp32"}
+    divisible = ("Q", "KV", "PT", "OUT", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "layer_offset",
+                 "page_stride", "token_stride", "kv_stride")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in divisible}
+    out = {}
+    for overlap in (False, True):
+        constants = dict(SCALE=HEAD_DIM**-0.5, INV_SCALE_LEN=1 / 4352, OVERLAP=overlap, BLOCK_M=BLOCK_M,
+                         BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE)
+        signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
+        kernel = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
+                                target=GPUTarget("cuda", arch, 32), options={"num_warps": WARPS})
+        ptx = kernel.asm["ptx"]
+        out["overlap" if overlap else "serial"] = {
+            "shared_bytes": kernel.metadata.shared,
+            **ptxas_report(ptx, arch),
+            "wgmma": ptx.count("wgmma.mma_async"),
+            "wgmma_waits": [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--compile-only", action="store_true", help="ptxas registers and spills, no GPU")
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if gluon is None:
+        raise SystemExit("the probe needs Triton with Gluon (triton.experimental.gluon)")
+    doc = compile_only() if args.compile_only else run(torch.device("cuda"), args.repeats)
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""scripts/overlap_probe.py: the probe's units and reference (CPU), both Gluon kernels compiled for
+sm_90a with the overlap kernel waiting on one outstanding wgmma group (Triton with ptxas), and
+both kernels against the reference on a Hopper GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hstu.scripts import overlap_probe as probe
+
+
+def test_units_cover_every_row_block_and_head_with_the_users_full_key_tiles():
+    units = probe.units_of([130, 64], [200, 64], heads=2).tolist()
+    assert units == [
+        [0, 0, 130, 0, 3], [0, 0, 130, 1, 3], [0, 128, 130, 0, 3], [0, 128, 130, 1, 3],
+        [1, 130, 194, 0, 1], [1, 130, 194, 1, 1],
+    ]
+
+
+def test_reference_is_silu_attention_over_the_paged_full_tiles():
+    torch.manual_seed(0)
+    heads, d, page = 2, 8, probe.PAGE_SIZE
+    kv_cache = torch.randn(2, 12, 2, page, heads, d)
+    page_table = torch.tensor([[5, 2, 9, 0, 11, 6, 8], [7, 1, 3, 4, 10, 0, 0]], dtype=torch.int32)
+    q = torch.randn(130 + 64, heads, d)
+    units = probe.units_of([130, 64], [200, 70], heads)
+    out = probe.reference(q, kv_cache, page_table, units, 1, scale_len=10)
+    for b, rows, keys in ((0, slice(0, 130), 192), (1, slice(130, 194), 64)):  # whole 64-key tiles only
+        pages = page_table[b].long()
+        k = kv_cache[1, pages, 0].reshape(-1, heads, d)[:keys]
+        v = kv_cache[1, pages, 1].reshape(-1, heads, d)[:keys]
+        for h in range(heads):
+            s = q[rows, h] @ k[:, h].T * d**-0.5
+            torch.testing.assert_close(out[rows, h], torch.nn.functional.silu(s) @ v[:, h] / 10)
+
+
+def test_both_kernels_compile_for_sm90_and_only_the_overlap_one_keeps_w_v_in_flight():
+    pytest.importorskip("triton.experimental.gluon")
+    from hstu.scripts.kernel_regs import ptxas_path
+
+    try:
+        ptxas_path()
+    except FileNotFoundError:
+        pytest.skip("this triton bundles no ptxas")
+    r = probe.compile_only()
+    assert set(r["serial"]["wgmma_waits"]) == {0}
+    assert 1 in r["overlap"]["wgmma_waits"]
+    for kernel in r.values():
+        assert kernel["registers"] is not None and kernel["registers"] <= 255
+
+
+@pytest.mark.cuda
+def test_both_kernels_match_the_reference_on_a_hopper_gpu():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper GPU")
+    results = probe.run(torch.device("cuda"), repeats=2)
+    for shape, entry in results.items():
+        for kernel in ("serial", "overlap"):
+            assert entry[kernel]["rel_err"] < 1e-2, (shape, kernel, entry)
