@@ -11,17 +11,20 @@ the wait counts groups in order, so the W V before it is waited too (checked in 
 a loop, twenty-eighth session). Gluon (triton.experimental.gluon, in Triton 3.6) exposes
 warpgroup_mma and warpgroup_mma_wait(num_outstanding) directly, so both orders can be written.
 
-Two kernels over the same work, the cached part of the production kernel's unmasked loop: each
+Kernels over the same work, the cached part of the production kernel's unmasked loop: each
 program takes one unit (a 128-row block of one user and head), every row seeing the user's first
 kv_len // 64 * 64 cached keys (no causal mask, no candidate self keys), K/V gathered through the
 page table with cp.async into two stages, float32 accumulation, SiLU by tanh.approx as the
 production default:
   serial   Q K^T, wait, SiLU, W V, wait (the production kernel's order);
-  overlap  Q K^T of tile j + 1 and W V of tile j issued together, tile j + 1's SiLU while W V runs.
+  overlap  Q K^T of tile j + 1 and W V of tile j issued together, tile j + 1's SiLU while W V runs;
+and each again with K/V by TMA (serial_tma, overlap_tma): two one-page copies a 64-key tile, one
+mbarrier a stage, instead of the warps' cp.async gathers and their address work. (The production
+kernel's TMA option tiles one page, 32 keys, and lost: run DA.)
 Layout assumed: kv_cache [L, P, 2, page_size, H, d] contiguous (K at 0, V at 1), q [T, H, d] with
 unit stride over d, head dim 256, page size 32 (a 64-key tile spans two pages), bf16.
 
-    python -m hstu.scripts.overlap_probe                 (on a Hopper GPU: checks, then times both)
+    python -m hstu.scripts.overlap_probe                 (on a Hopper GPU: checks, then times each)
     python -m hstu.scripts.overlap_probe --compile-only  (any machine with Triton: ptxas registers/spills)
 """
 
@@ -39,7 +42,10 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # no Triton (or no Gluon): the probe cannot run here
     gluon = None
 
@@ -68,10 +74,47 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
+    def _issue_kv_tma(k_buf, v_buf, bar, KV_DESC, pt_row, start, layer_row0, h,
+                      HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr):
+        """TMA copies of the K and V tiles of keys start.. (two pages) into one stage, signalling `bar`."""
+        row_a = layer_row0 + gl.load(pt_row + start // PAGE_SIZE) * (2 * PAGE_SIZE)
+        row_b = layer_row0 + gl.load(pt_row + start // PAGE_SIZE + 1) * (2 * PAGE_SIZE)
+        mbarrier.expect(bar, 4 * KV_DESC.block_type.nbytes)
+        tma.async_copy_global_to_shared(KV_DESC, [row_a, h * HEAD_DIM], bar, k_buf.slice(0, PAGE_SIZE))
+        tma.async_copy_global_to_shared(KV_DESC, [row_b, h * HEAD_DIM], bar, k_buf.slice(PAGE_SIZE, PAGE_SIZE))
+        tma.async_copy_global_to_shared(KV_DESC, [row_a + PAGE_SIZE, h * HEAD_DIM], bar, v_buf.slice(0, PAGE_SIZE))
+        tma.async_copy_global_to_shared(KV_DESC, [row_b + PAGE_SIZE, h * HEAD_DIM], bar,
+                                        v_buf.slice(PAGE_SIZE, PAGE_SIZE))
+
+    @gluon.jit
+    def _issue(k_smem, v_smem, bars, stage, KV_DESC, kv_base, pt_row, start, layer_row0, h, page_stride,
+               token_stride, kv_stride, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+               load: gl.constexpr, TMA: gl.constexpr):
+        """Tile `start`'s K and V into stage `stage`: TMA (two pages a tile) or gathered cp.async."""
+        if TMA:
+            _issue_kv_tma(k_smem.index(stage), v_smem.index(stage), bars.index(stage), KV_DESC, pt_row, start,
+                          layer_row0, h, HEAD_DIM, PAGE_SIZE)
+        else:
+            _issue_kv(k_smem.index(stage), v_smem.index(stage), kv_base, pt_row, start, page_stride, token_stride,
+                      kv_stride, BLOCK_N, HEAD_DIM, PAGE_SIZE, load)
+
+    @gluon.jit
+    def _wait_tile(bars, tile, outstanding: gl.constexpr, TMA: gl.constexpr):
+        """Tile `tile` landed in its stage and is visible to every warp's wgmma: its stage's barrier at
+        the tile's phase (TMA), or at most `outstanding` cp.async groups left, fenced and synced."""
+        if TMA:
+            mbarrier.wait(bars.index(tile % 2), (tile // 2) % 2)
+        else:
+            async_copy.wait_group(outstanding)
+            fence_async_shared()
+            gl.thread_barrier()
+
+    @gluon.jit
     def _probe_kernel(
-        Q, KV, PT, UNITS, OUT,
+        Q, KV, KV_DESC, PT, UNITS, OUT,
         stride_qt, stride_qh, stride_ot, stride_oh, layer_offset, page_stride, token_stride, kv_stride, max_pages,
-        SCALE: gl.constexpr, INV_SCALE_LEN: gl.constexpr, OVERLAP: gl.constexpr,
+        layer_row0,
+        SCALE: gl.constexpr, INV_SCALE_LEN: gl.constexpr, OVERLAP: gl.constexpr, TMA: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
     ):
         # UNITS[g] = (user, first row, row end, head, full key tiles)
@@ -92,6 +135,11 @@ if gluon is not None:
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], q_shared)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HEAD_DIM], kv_shared)
         v_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HEAD_DIM], kv_shared)
+        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        if TMA:
+            gl.static_assert(BLOCK_N == 2 * PAGE_SIZE, "a TMA tile is two pages")
+            mbarrier.init(bars.index(0), count=1)
+            mbarrier.init(bars.index(1), count=1)
 
         kv_base = KV + layer_offset + h * HEAD_DIM
         pt_row = PT + b.to(gl.int64) * max_pages
@@ -99,32 +147,30 @@ if gluon is not None:
         dd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, load))
         q_ptrs = Q + gl.expand_dims(rows * stride_qt + h * stride_qh, 1) + gl.expand_dims(dd, 0)
         q_smem.store(gl.load(q_ptrs, mask=gl.expand_dims(rows < q_end, 1), other=0.0))
+        fence_async_shared()  # each thread's Q stores ordered before the wgmma reads (async proxy)
+        gl.thread_barrier()
 
-        _issue_kv(k_smem.index(0), v_smem.index(0), kv_base, pt_row, 0, page_stride, token_stride, kv_stride,
-                  BLOCK_N, HEAD_DIM, PAGE_SIZE, load)
+        _issue(k_smem, v_smem, bars, 0, KV_DESC, kv_base, pt_row, 0, layer_row0, h, page_stride, token_stride,
+               kv_stride, BLOCK_N, HEAD_DIM, PAGE_SIZE, load, TMA)
         if n > 1:
-            _issue_kv(k_smem.index(1), v_smem.index(1), kv_base, pt_row, BLOCK_N, page_stride, token_stride,
-                      kv_stride, BLOCK_N, HEAD_DIM, PAGE_SIZE, load)
+            _issue(k_smem, v_smem, bars, 1, KV_DESC, kv_base, pt_row, BLOCK_N, layer_row0, h, page_stride,
+                   token_stride, kv_stride, BLOCK_N, HEAD_DIM, PAGE_SIZE, load, TMA)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         if OVERLAP:
             # tile 0's scores first; then per tile j: Q K^T of j + 1 and W V of j in flight together,
             # SiLU of j + 1 while W V runs, stage j refilled with tile j + 2 once W V is done
             if n > 1:
-                async_copy.wait_group(1)
+                _wait_tile(bars, 0, 1, TMA)
             else:
-                async_copy.wait_group(0)
-            fence_async_shared()  # each thread's smem writes (Q, cp.async) ordered before wgmma reads
-            gl.thread_barrier()
+                _wait_tile(bars, 0, 0, TMA)
             s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s,))
             w = gl.convert_layout(_silu(s * SCALE).to(gl.bfloat16), w_layout)
             for j in range(n):
                 stage = j % 2
                 if j + 1 < n:
-                    async_copy.wait_group(0)
-                    fence_async_shared()
-                    gl.thread_barrier()
+                    _wait_tile(bars, j + 1, 0, TMA)
                     s_tok = warpgroup_mma(q_smem, k_smem.index(1 - stage).permute((1, 0)), zero_s, use_acc=False,
                                           is_async=True)
                     acc_tok = warpgroup_mma(w, v_smem.index(stage), acc, is_async=True)
@@ -138,17 +184,15 @@ if gluon is not None:
                     acc, w = warpgroup_mma_wait(0, deps=(acc_tok, w))
                 gl.thread_barrier()  # every warp's wgmma done reading stage j before it is refilled
                 if j + 2 < n:
-                    _issue_kv(k_smem.index(stage), v_smem.index(stage), kv_base, pt_row, (j + 2) * BLOCK_N,
-                              page_stride, token_stride, kv_stride, BLOCK_N, HEAD_DIM, PAGE_SIZE, load)
+                    _issue(k_smem, v_smem, bars, stage, KV_DESC, kv_base, pt_row, (j + 2) * BLOCK_N, layer_row0, h,
+                           page_stride, token_stride, kv_stride, BLOCK_N, HEAD_DIM, PAGE_SIZE, load, TMA)
         else:
             for j in range(n):
                 stage = j % 2
                 if j + 1 < n:
-                    async_copy.wait_group(1)
+                    _wait_tile(bars, j, 1, TMA)
                 else:
-                    async_copy.wait_group(0)
-                fence_async_shared()
-                gl.thread_barrier()
+                    _wait_tile(bars, j, 0, TMA)
                 s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
                                       is_async=True)
                 s = warpgroup_mma_wait(0, deps=(s_tok,))
@@ -157,8 +201,11 @@ if gluon is not None:
                 acc, w = warpgroup_mma_wait(0, deps=(acc_tok, w))
                 gl.thread_barrier()
                 if j + 2 < n:
-                    _issue_kv(k_smem.index(stage), v_smem.index(stage), kv_base, pt_row, (j + 2) * BLOCK_N,
-                              page_stride, token_stride, kv_stride, BLOCK_N, HEAD_DIM, PAGE_SIZE, load)
+                    _issue(k_smem, v_smem, bars, stage, KV_DESC, kv_base, pt_row, (j + 2) * BLOCK_N, layer_row0, h,
+                           page_stride, token_stride, kv_stride, BLOCK_N, HEAD_DIM, PAGE_SIZE, load, TMA)
+        if TMA:
+            mbarrier.invalidate(bars.index(0))
+            mbarrier.invalidate(bars.index(1))
 
         out_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
         out_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -192,18 +239,34 @@ def reference(q, kv_cache, page_table, units, layer, scale_len):
     return out
 
 
-def launch(q, kv_cache, page_table, units, layer, scale_len, overlap: bool, out: torch.Tensor | None = None):
-    """The probe kernel's output [T, H, d] float32 (into `out` when given)."""
+def kv_descriptor(kv_cache: torch.Tensor) -> "TensorDescriptor":
+    """A TMA descriptor over the cache as [L * P * 2 * page_size, H * d] rows, one page of one head a block."""
+    L, P, two, page, H, D = kv_cache.shape
+    layout = gl.NVMMASharedLayout.get_default_for([page, D], gl.bfloat16)
+    return TensorDescriptor(kv_cache.view(L * P * two * page, H * D), [L * P * two * page, H * D], [H * D, 1],
+                            [page, D], layout)
+
+
+def launch(q, kv_cache, page_table, units, layer, scale_len, overlap: bool, tma_loads: bool = False,
+           out: torch.Tensor | None = None, desc=None):
+    """The probe kernel's output [T, H, d] float32 (into `out` when given); tma_loads: K/V by TMA."""
     if out is None:
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    if tma_loads and desc is None:
+        desc = kv_descriptor(kv_cache)
     L, P, _, page, H, D = kv_cache.shape
     _probe_kernel[(units.shape[0],)](
-        q, kv_cache, page_table, units, out,
+        q, kv_cache, desc if tma_loads else None, page_table, units, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         layer * kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(3), kv_cache.stride(2), page_table.shape[1],
-        D**-0.5, 1.0 / scale_len, overlap, BLOCK_M, BLOCK_N, HEAD_DIM, PAGE_SIZE, num_warps=WARPS,
+        layer * P * 2 * page,
+        D**-0.5, 1.0 / scale_len, overlap, tma_loads, BLOCK_M, BLOCK_N, HEAD_DIM, PAGE_SIZE, num_warps=WARPS,
     )
     return out
+
+
+VARIANTS = {"serial": (False, False), "overlap": (True, False), "serial_tma": (False, True),
+            "overlap_tma": (True, True)}  # name: (overlap, tma_loads)
 
 
 # (rows of each user's block of new rows and candidates, cached keys of each user): the seed's
@@ -228,16 +291,19 @@ def run(device: torch.device, repeats: int) -> dict:
         flops = sum((min(r0 + BLOCK_M, end) - r0) * tiles * BLOCK_N * HEAD_DIM * 4
                     for _, r0, end, _, tiles in units.tolist())
         entry = {"units": units.shape[0], "gflop": flops / 1e9}
-        for overlap in (False, True):
-            out = launch(q, kv_cache, page_table, units, 1, scale_len, overlap)
+        desc = kv_descriptor(kv_cache)
+        for name, (overlap, tma_loads) in VARIANTS.items():
+            def call(out=None, overlap=overlap, tma_loads=tma_loads):
+                return launch(q, kv_cache, page_table, units, 1, scale_len, overlap, tma_loads, out, desc)
+
+            out = call()
             err = ((out - ref).abs().max() / ref.abs().max()).item()
             # as bench_kernels times the production kernel: CUDA-graph replays, median
-            median = 1e3 * float(triton.testing.do_bench_cudagraph(
-                lambda: launch(q, kv_cache, page_table, units, 1, scale_len, overlap, out), rep=repeats,
-                return_mode="median"))
-            entry["overlap" if overlap else "serial"] = {"median_us": median, "tflop_per_s": flops / median / 1e6,
-                                                         "rel_err": err}
+            median = 1e3 * float(triton.testing.do_bench_cudagraph(lambda: call(out), rep=repeats,
+                                                                   return_mode="median"))
+            entry[name] = {"median_us": median, "tflop_per_s": flops / median / 1e6, "rel_err": err}
         entry["serial_over_overlap"] = entry["serial"]["median_us"] / entry["overlap"]["median_us"]
+        entry["serial_over_overlap_tma"] = entry["serial"]["median_us"] / entry["overlap_tma"]["median_us"]
         results[name] = entry
     return results
 
@@ -254,21 +320,27 @@ def compile_only(arch: int = 90) -> dict:
     fn = _probe_kernel
     pointers = {"Q": "*bf16", "KV": "*bf16", "PT": "*i32", "UNITS": "*i32", "OUT": "*fp32"}
     divisible = ("Q", "KV", "PT", "OUT", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "layer_offset",
-                 "page_stride", "token_stride", "kv_stride")
+                 "page_stride", "token_stride", "kv_stride", "layer_row0")
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in divisible}
+    desc_layout = gl.NVMMASharedLayout.get_default_for([PAGE_SIZE, HEAD_DIM], gl.bfloat16)
     out = {}
-    for overlap in (False, True):
-        constants = dict(SCALE=HEAD_DIM**-0.5, INV_SCALE_LEN=1 / 4352, OVERLAP=overlap, BLOCK_M=BLOCK_M,
-                         BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE)
+    for variant, (overlap, tma_loads) in VARIANTS.items():
+        constants = dict(SCALE=HEAD_DIM**-0.5, INV_SCALE_LEN=1 / 4352, OVERLAP=overlap, TMA=tma_loads,
+                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE)
+        if tma_loads:
+            pointers["KV_DESC"] = f"tensordesc<bf16[{PAGE_SIZE}, {HEAD_DIM}],{desc_layout!r}>"
+        else:
+            constants["KV_DESC"] = None
         signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
         kernel = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
                                 target=GPUTarget("cuda", arch, 32), options={"num_warps": WARPS})
         ptx = kernel.asm["ptx"]
-        out["overlap" if overlap else "serial"] = {
+        out[variant] = {
             "shared_bytes": kernel.metadata.shared,
             **ptxas_report(ptx, arch),
             "wgmma": ptx.count("wgmma.mma_async"),
             "wgmma_waits": [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
+            "tma": ptx.count("cp.async.bulk.tensor"),
         }
     return out
 

@@ -1,6 +1,6 @@
-"""scripts/overlap_probe.py: the probe's units and reference (CPU), both Gluon kernels compiled for
-sm_90a with the overlap kernel waiting on one outstanding wgmma group (Triton with ptxas), and
-both kernels against the reference on a Hopper GPU."""
+"""scripts/overlap_probe.py: the probe's units and reference (CPU), its Gluon variants compiled for
+sm_90a, the overlap ones waiting on one outstanding wgmma group and the TMA ones loading by TMA
+(Triton with ptxas), and every variant against the reference on a Hopper GPU."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_reference_is_silu_attention_over_the_paged_full_tiles():
             torch.testing.assert_close(out[rows, h], torch.nn.functional.silu(s) @ v[:, h] / 10)
 
 
-def test_both_kernels_compile_for_sm90_and_only_the_overlap_one_keeps_w_v_in_flight():
+def test_every_variant_compiles_for_sm90_and_only_the_overlap_ones_keep_w_v_in_flight():
     pytest.importorskip("triton.experimental.gluon")
     from hstu.scripts.kernel_regs import ptxas_path
 
@@ -44,17 +44,18 @@ def test_both_kernels_compile_for_sm90_and_only_the_overlap_one_keeps_w_v_in_fli
     except FileNotFoundError:
         pytest.skip("this triton bundles no ptxas")
     r = probe.compile_only()
-    assert set(r["serial"]["wgmma_waits"]) == {0}
-    assert 1 in r["overlap"]["wgmma_waits"]
-    for kernel in r.values():
-        assert kernel["registers"] is not None and kernel["registers"] <= 255
+    assert set(r) == set(probe.VARIANTS)
+    for name, (overlap, tma_loads) in probe.VARIANTS.items():
+        assert (1 in r[name]["wgmma_waits"]) == overlap and set(r[name]["wgmma_waits"]) <= {0, 1}, name
+        assert (r[name]["tma"] > 0) == tma_loads, name
+        assert r[name]["registers"] is not None and r[name]["registers"] <= 255
 
 
 @pytest.mark.cuda
-def test_both_kernels_match_the_reference_on_a_hopper_gpu():
+def test_every_variant_matches_the_reference_on_a_hopper_gpu():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs a Hopper GPU")
     results = probe.run(torch.device("cuda"), repeats=2)
     for shape, entry in results.items():
-        for kernel in ("serial", "overlap"):
+        for kernel in probe.VARIANTS:
             assert entry[kernel]["rel_err"] < 1e-2, (shape, kernel, entry)
