@@ -59,3 +59,27 @@ def test_every_variant_matches_the_reference_on_a_hopper_gpu():
     for shape, entry in results.items():
         for kernel in probe.VARIANTS:
             assert entry[kernel]["rel_err"] < 1e-2, (shape, kernel, entry)
+
+
+def test_run_reports_every_variant_of_every_shape(monkeypatch):
+    """run()'s bookkeeping on the CPU: the kernel replaced by the reference, the timer by a constant."""
+    from types import SimpleNamespace
+
+    def fake_launch(q, kv_cache, page_table, units, layer, scale_len, overlap, tma_loads=False, out=None, desc=None):
+        return probe.reference(q, kv_cache, page_table, units.cpu(), layer, scale_len)
+
+    def fake_bench(fn, rep, return_mode):
+        fn()
+        return 0.1  # ms
+
+    monkeypatch.setattr(probe, "launch", fake_launch)
+    monkeypatch.setattr(probe, "kv_descriptor", lambda kv_cache: None)
+    monkeypatch.setattr(probe, "triton", SimpleNamespace(testing=SimpleNamespace(do_bench_cudagraph=fake_bench)),
+                        raising=False)
+    monkeypatch.setattr(probe, "SHAPES", {"small": ([130], [128]), "two": ([64, 64], [64, 192])})
+    results = probe.run(torch.device("cpu"), repeats=1)
+    assert set(results) == {"small", "two"}
+    for entry in results.values():
+        for variant in probe.VARIANTS:
+            assert entry[variant]["rel_err"] == 0.0 and entry[variant]["median_us"] == pytest.approx(100.0)
+        assert entry["serial_over_overlap"] == pytest.approx(1.0)
