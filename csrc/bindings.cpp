@@ -1,5 +1,6 @@
 // pybind11 bindings of the cache bookkeeping backends (GpuPageManager, HostStorage) and of the
-// batch's host inputs (batch_features.cpp, pack_metadata.cpp) and request checks (request_checks.cpp).
+// batch's host inputs (batch_features.cpp, pack_metadata.cpp), request checks (request_checks.cpp) and
+// the planner's split search (split_planner.cpp).
 //
 // Python view: user ids and lengths are int, digests are bytes (b"" = none), page/slot lists are
 // list[int] (GpuPageManager.reserve_arrays: int32 numpy arrays). C++ errors map to Python as: CacheCapacityError -> ext.CacheCapacityError (a
@@ -27,6 +28,7 @@ namespace hstu {
 void bind_batch_features(py::module& m);  // batch_features.cpp
 void bind_pack_metadata(py::module& m);   // pack_metadata.cpp
 void bind_request_checks(py::module& m);  // request_checks.cpp
+void bind_split_planner(py::module& m);   // split_planner.cpp
 }
 
 namespace {
@@ -57,6 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   hstu::bind_batch_features(m);
   hstu::bind_pack_metadata(m);
   hstu::bind_request_checks(m);
+  hstu::bind_split_planner(m);
 
   py::class_<GpuPageManager>(m, "GpuPageManager",
                              "GPU KV page pool bookkeeping: per-user page lists, user LRU, pinning.")

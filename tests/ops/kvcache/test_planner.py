@@ -421,6 +421,47 @@ def test_the_planner_chooses_and_predicts_as_one_split_at_a_time(front, buckets)
         assert chosen.predicted_s == pytest.approx(finish, rel=1e-9), trial
 
 
+@pytest.mark.parametrize("front", [False, True])
+@pytest.mark.parametrize("buckets", [None, (256, 1024, 4096, 16384, 24576)])
+def test_the_cpp_split_search_chooses_and_predicts_as_the_numpy_model(front, buckets):
+    """plan() (csrc/split_planner.cpp) against plan_numpy on random batches: host-tier, GPU-resident
+    and missing users, hidden-state chunks all, some or none, every cost input drawn."""
+    import numpy as np
+
+    from hstu.ops.kvcache.planner import plan_numpy
+
+    rng = np.random.default_rng(11)
+    for trial in range(60):
+        users = []
+        for _ in range(int(rng.integers(1, 9))):
+            n = int(rng.integers(1, 4200))
+            host = int(rng.integers(0, n)) // CHUNK * CHUNK if rng.random() < 0.7 else 0
+            gpu = 0 if host else int(rng.integers(0, n))
+            kind, chunks = int(rng.integers(0, 3)), host // CHUNK
+            flags = (True,) * chunks if kind == 0 else tuple(bool(b) for b in rng.random(chunks) < 0.5) if kind == 1 else ()
+            users.append(UserShape(host, gpu, n, int(rng.integers(1, 300)), flags))
+        cost = CostModel(float(rng.uniform(5e9, 200e9)), 4096, float(rng.uniform(5e-9, 6e-8)), float(rng.uniform(2e-12, 2e-11)),
+                         fixed_s=float(rng.uniform(0, 5e-5)), forward_s=float(rng.uniform(0, 2e-3)),
+                         onload_start_s=float(rng.uniform(0, 5e-4)), min_gain=float(rng.choice([0.0, 0.1])),
+                         front_s=float(rng.uniform(0, 3e-3)),
+                         hidden_bytes_per_token_layer=int(rng.choice([0, 1024, 2048])))
+        got, want = plan(users, cost, LAYERS, CHUNK, buckets, front), plan_numpy(users, cost, LAYERS, CHUNK, buckets, front)
+        assert got.onload_tokens == [int(t) for t in want.onload_tokens], trial
+        for field in ("predicted_s", "onload_s", "compute_s"):
+            assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-12, abs=1e-15), (trial, field)
+
+
+def test_the_cpp_split_search_names_inconsistent_input():
+    from hstu.ops.kvcache import planner
+
+    with pytest.raises(ValueError, match="2 hidden flags for 3 chunks"):
+        planner._ext.split_plan([384], [0], [500], [10], [3], [(True, False)], 50e9, 4096, 1024, 2e-8, 4e-12, 0.0,
+                                0.0, 0.0, 0.1, 0.0, LAYERS, CHUNK, [], False)
+    with pytest.raises(ValueError, match="every per-user list needs 2 entries"):
+        planner._ext.split_plan([384, 0], [0], [500, 9], [10, 1], [0, 0], [(), ()], 50e9, 4096, 0, 2e-8, 4e-12, 0.0,
+                                0.0, 0.0, 0.1, 0.0, LAYERS, CHUNK, [], False)
+
+
 def test_the_closed_form_timeline_equals_layer_by_layer_waits():
     """_timeline's three terms give what stepping through the layers gives: layer i starts when
     layer i - 1 finished and its own onloaded bytes landed."""
