@@ -397,6 +397,21 @@ def _plan_one_split_at_a_time(users, cost, layers, chunk, buckets, front):
     return recompute[:2] if best[1] > recompute[1] * (1 - cost.min_gain) else best[:2]
 
 
+def _random_users(rng, min_history: int, host_share: float, hidden: bool) -> list[UserShape]:
+    """1-8 users: a host-tier prefix (whole chunks) with probability host_share, else some GPU-resident
+    tokens (or none); with hidden, each host prefix's chunks hold hidden states all, some or none."""
+    users = []
+    for _ in range(int(rng.integers(1, 9))):
+        n = int(rng.integers(min_history, 4200))
+        host = int(rng.integers(0, n)) // CHUNK * CHUNK if rng.random() < host_share else 0
+        gpu = 0 if host else int(rng.integers(0, n))
+        flags, kind, chunks = (), int(rng.integers(0, 3)), host // CHUNK
+        if hidden and kind < 2:
+            flags = (True,) * chunks if kind == 0 else tuple(bool(b) for b in rng.random(chunks) < 0.5)
+        users.append(UserShape(host, gpu, n, int(rng.integers(1, 300)), flags))
+    return users
+
+
 @pytest.mark.parametrize("front", [False, True])
 @pytest.mark.parametrize("buckets", [None, (256, 1024, 4096, 16384, 24576)])
 def test_the_planner_chooses_and_predicts_as_one_split_at_a_time(front, buckets):
@@ -404,12 +419,7 @@ def test_the_planner_chooses_and_predicts_as_one_split_at_a_time(front, buckets)
 
     rng = np.random.default_rng(7)
     for trial in range(40):
-        users = []
-        for _ in range(int(rng.integers(1, 9))):
-            n = int(rng.integers(130, 4200))
-            host = int(rng.integers(0, n)) // CHUNK * CHUNK if rng.random() < 0.8 else 0
-            gpu = 0 if host else int(rng.integers(0, n))
-            users.append(UserShape(host, gpu, n, int(rng.integers(1, 300))))
+        users = _random_users(rng, min_history=130, host_share=0.8, hidden=False)
         if not any(u.host_tokens for u in users):
             continue
         cost = CostModel(float(rng.uniform(5e9, 200e9)), 4096, float(rng.uniform(5e-9, 6e-8)), float(rng.uniform(2e-12, 2e-11)),
@@ -432,14 +442,7 @@ def test_the_cpp_split_search_chooses_and_predicts_as_the_numpy_model(front, buc
 
     rng = np.random.default_rng(11)
     for trial in range(60):
-        users = []
-        for _ in range(int(rng.integers(1, 9))):
-            n = int(rng.integers(1, 4200))
-            host = int(rng.integers(0, n)) // CHUNK * CHUNK if rng.random() < 0.7 else 0
-            gpu = 0 if host else int(rng.integers(0, n))
-            kind, chunks = int(rng.integers(0, 3)), host // CHUNK
-            flags = (True,) * chunks if kind == 0 else tuple(bool(b) for b in rng.random(chunks) < 0.5) if kind == 1 else ()
-            users.append(UserShape(host, gpu, n, int(rng.integers(1, 300)), flags))
+        users = _random_users(rng, min_history=1, host_share=0.7, hidden=True)
         cost = CostModel(float(rng.uniform(5e9, 200e9)), 4096, float(rng.uniform(5e-9, 6e-8)), float(rng.uniform(2e-12, 2e-11)),
                          fixed_s=float(rng.uniform(0, 5e-5)), forward_s=float(rng.uniform(0, 2e-3)),
                          onload_start_s=float(rng.uniform(0, 5e-4)), min_gain=float(rng.choice([0.0, 0.1])),
