@@ -77,9 +77,10 @@ def test_run_reports_every_variant_of_every_shape(monkeypatch):
     monkeypatch.setattr(probe, "triton", SimpleNamespace(testing=SimpleNamespace(do_bench_cudagraph=fake_bench)),
                         raising=False)
     monkeypatch.setattr(probe, "SHAPES", {"small": ([130], [128]), "two": ([64, 64], [64, 192])})
+    monkeypatch.setattr(probe, "_production", lambda *args: {"median_us": 1.0})
     results = probe.run(torch.device("cpu"), repeats=1)
     assert set(results) == {"small", "two"}
     for entry in results.values():
         for variant in probe.VARIANTS:
             assert entry[variant]["rel_err"] == 0.0 and entry[variant]["median_us"] == pytest.approx(100.0)
-        assert entry["serial_over_overlap"] == pytest.approx(1.0)
+        assert entry["serial_over_overlap"] == pytest.approx(1.0) and entry["production"]["median_us"] == 1.0
