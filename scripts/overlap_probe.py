@@ -375,9 +375,17 @@ def main() -> None:
         raise SystemExit("the probe needs Triton with Gluon (triton.experimental.gluon)")
     doc = compile_only() if args.compile_only else run(torch.device("cuda"), args.repeats)
     text = json.dumps(doc, indent=2)
-    print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")
+    if args.compile_only:
+        print(text)
+        return
+    print(f"{'shape':<10}{'kernel':<13}{'us':>9}{'TFLOP/s':>9}{'rel err':>10}")  # a table short enough for a log's tail
+    for shape, entry in doc.items():
+        for kernel in (*VARIANTS, "production"):
+            r = entry[kernel]
+            err = r.get("rel_err", float("nan"))  # the production kernel's is its own tests' business
+            print(f"{shape:<10}{kernel:<13}{r['median_us']:>9.1f}{r['tflop_per_s']:>9.1f}{err:>10.2e}")
 
 
 if __name__ == "__main__":
