@@ -315,13 +315,22 @@ def run(device: torch.device, repeats: int) -> dict:
             def call(out=None, overlap=overlap, tma_loads=tma_loads):
                 return launch(q, kv_cache, page_table, units, 1, scale_len, overlap, tma_loads, out, desc)
 
-            out = call()
-            err = ((out - ref).abs().max() / ref.abs().max()).item()
-            # as bench_kernels times the production kernel: CUDA-graph replays, median
-            median = 1e3 * float(triton.testing.do_bench_cudagraph(lambda: call(out), rep=repeats,
-                                                                   return_mode="median"))
+            try:
+                out = call()
+                err = ((out - ref).abs().max() / ref.abs().max()).item()
+                # as bench_kernels times the production kernel: CUDA-graph replays, median
+                median = 1e3 * float(triton.testing.do_bench_cudagraph(lambda: call(out), rep=repeats,
+                                                                       return_mode="median"))
+            except Exception as exc:  # one variant failing to compile or launch: reported, the others still run
+                entry[variant] = {"median_us": float("nan"), "tflop_per_s": float("nan"), "rel_err": float("nan"),
+                                  "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                continue
             entry[variant] = {"median_us": median, "tflop_per_s": flops / median / 1e6, "rel_err": err}
-        entry["production"] = _production(q, kv_cache, rows, kvs, scale_len, flops, repeats)
+        try:
+            entry["production"] = _production(q, kv_cache, rows, kvs, scale_len, flops, repeats)
+        except Exception as exc:  # reported like a failing variant
+            entry["production"] = {"median_us": float("nan"), "tflop_per_s": float("nan"),
+                                   "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         entry["serial_over_overlap"] = entry["serial"]["median_us"] / entry["overlap"]["median_us"]
         entry["serial_over_overlap_tma"] = entry["serial"]["median_us"] / entry["overlap_tma"]["median_us"]
         results[name] = entry

@@ -84,3 +84,23 @@ def test_run_reports_every_variant_of_every_shape(monkeypatch):
         for variant in probe.VARIANTS:
             assert entry[variant]["rel_err"] == 0.0 and entry[variant]["median_us"] == pytest.approx(100.0)
         assert entry["serial_over_overlap"] == pytest.approx(1.0) and entry["production"]["median_us"] == 1.0
+
+
+def test_a_failing_variant_is_reported_and_the_others_still_run(monkeypatch):
+    from types import SimpleNamespace
+
+    def fake_launch(q, kv_cache, page_table, units, layer, scale_len, overlap, tma_loads=False, out=None, desc=None):
+        if tma_loads:
+            raise RuntimeError("no TMA here")
+        return probe.reference(q, kv_cache, page_table, units.cpu(), layer, scale_len)
+
+    monkeypatch.setattr(probe, "launch", fake_launch)
+    monkeypatch.setattr(probe, "kv_descriptor", lambda kv_cache: None)
+    monkeypatch.setattr(probe, "triton", SimpleNamespace(testing=SimpleNamespace(
+        do_bench_cudagraph=lambda fn, rep, return_mode: (fn(), 0.1)[1])), raising=False)
+    monkeypatch.setattr(probe, "SHAPES", {"small": ([130], [128])})
+    monkeypatch.setattr(probe, "_production", lambda *args: {"median_us": 1.0})
+    entry = probe.run(torch.device("cpu"), repeats=1)["small"]
+    assert "no TMA here" in entry["serial_tma"]["error"] and "no TMA here" in entry["overlap_tma"]["error"]
+    assert entry["serial"]["rel_err"] == 0.0 and entry["overlap"]["median_us"] == pytest.approx(100.0)
+
