@@ -61,11 +61,14 @@ def test_every_variant_matches_the_reference_on_a_hopper_gpu():
             assert entry[kernel]["rel_err"] < 1e-2, (shape, kernel, entry)
 
 
-def test_run_reports_every_variant_of_every_shape(monkeypatch):
-    """run()'s bookkeeping on the CPU: the kernel replaced by the reference, the timer by a constant."""
+def _fake_device(monkeypatch, shapes: dict, failing: bool = False) -> None:
+    """run() on the CPU: each kernel replaced by the reference (the TMA variants raising when
+    `failing`), the graph timer by 0.1 ms, the production kernel by 1 us."""
     from types import SimpleNamespace
 
     def fake_launch(q, kv_cache, page_table, units, layer, scale_len, overlap, tma_loads=False, out=None, desc=None):
+        if failing and tma_loads:
+            raise RuntimeError("no TMA here")
         return probe.reference(q, kv_cache, page_table, units.cpu(), layer, scale_len)
 
     def fake_bench(fn, rep, return_mode):
@@ -76,8 +79,12 @@ def test_run_reports_every_variant_of_every_shape(monkeypatch):
     monkeypatch.setattr(probe, "kv_descriptor", lambda kv_cache: None)
     monkeypatch.setattr(probe, "triton", SimpleNamespace(testing=SimpleNamespace(do_bench_cudagraph=fake_bench)),
                         raising=False)
-    monkeypatch.setattr(probe, "SHAPES", {"small": ([130], [128]), "two": ([64, 64], [64, 192])})
+    monkeypatch.setattr(probe, "SHAPES", shapes)
     monkeypatch.setattr(probe, "_production", lambda *args: {"median_us": 1.0})
+
+
+def test_run_reports_every_variant_of_every_shape(monkeypatch):
+    _fake_device(monkeypatch, {"small": ([130], [128]), "two": ([64, 64], [64, 192])})
     results = probe.run(torch.device("cpu"), repeats=1)
     assert set(results) == {"small", "two"}
     for entry in results.values():
@@ -87,20 +94,7 @@ def test_run_reports_every_variant_of_every_shape(monkeypatch):
 
 
 def test_a_failing_variant_is_reported_and_the_others_still_run(monkeypatch):
-    from types import SimpleNamespace
-
-    def fake_launch(q, kv_cache, page_table, units, layer, scale_len, overlap, tma_loads=False, out=None, desc=None):
-        if tma_loads:
-            raise RuntimeError("no TMA here")
-        return probe.reference(q, kv_cache, page_table, units.cpu(), layer, scale_len)
-
-    monkeypatch.setattr(probe, "launch", fake_launch)
-    monkeypatch.setattr(probe, "kv_descriptor", lambda kv_cache: None)
-    monkeypatch.setattr(probe, "triton", SimpleNamespace(testing=SimpleNamespace(
-        do_bench_cudagraph=lambda fn, rep, return_mode: (fn(), 0.1)[1])), raising=False)
-    monkeypatch.setattr(probe, "SHAPES", {"small": ([130], [128])})
-    monkeypatch.setattr(probe, "_production", lambda *args: {"median_us": 1.0})
+    _fake_device(monkeypatch, {"small": ([130], [128])}, failing=True)
     entry = probe.run(torch.device("cpu"), repeats=1)["small"]
     assert "no TMA here" in entry["serial_tma"]["error"] and "no TMA here" in entry["overlap_tma"]["error"]
     assert entry["serial"]["rel_err"] == 0.0 and entry["overlap"]["median_us"] == pytest.approx(100.0)
-
