@@ -66,12 +66,39 @@ def ptxas_report(ptx_text: str, arch: int = 90) -> dict:
     }
 
 
+def compile_ahead(fn, pointers: dict[str, str], constants: dict, divisible: tuple[str, ...], options: dict,
+                  arch: int = 90, source=None):
+    """`fn` compiled for sm_<arch> as the JIT would compile it: `constants` as constexprs, the
+    `pointers` typed as given, every other argument i32, and the arguments in `divisible` carrying
+    the divisibility by 16 the JIT finds at the seed shapes. source: the AST source class (Triton's
+    by default; Gluon's for a gluon.jit function)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in divisible}
+    return triton.compile((source or ASTSource)(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def kernel_report(kernel, arch: int = 90) -> dict:
+    """A compiled kernel's shared memory, ptxas registers and spills, and its PTX's counts of wgmma,
+    cp.async (loads the software pipeline made asynchronous) and TMA copies."""
+    ptx_text = kernel.asm["ptx"]
+    return {
+        "shared_bytes": kernel.metadata.shared,
+        **ptxas_report(ptx_text, arch),
+        "wgmma": ptx_text.count("wgmma.mma_async"),
+        "cp_async": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx_text)),
+        "tma": ptx_text.count("cp.async.bulk.tensor"),
+    }
+
+
 def compile_config(block_m: int, block_n: int, num_warps: int, num_stages: int, *, head_dim: int = 256,
                    dtype: str = "bf16", silu: str = "tanh", arch: int = 90, tma: bool = False) -> dict:
     """The kernel for one tile config at `head_dim`: shared memory bytes, registers and spill bytes."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from hstu.ops import triton_attention as ta
 
@@ -88,22 +115,9 @@ def compile_config(block_m: int, block_n: int, num_warps: int, num_stages: int, 
         pointers["KV_DESC"] = f"tensordesc<{dtype}[{block_n}, {constants['BLOCK_D']}]>"
     else:
         constants["KV_DESC"] = None
-    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in _DIVISIBLE}
-    kernel = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
-        target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
-    )
-    ptx_text = kernel.asm["ptx"]
-    return {
-        "config": (block_m, block_n, num_warps, num_stages),
-        "shared_bytes": kernel.metadata.shared,
-        **ptxas_report(ptx_text, arch),
-        "wgmma": ptx_text.count("wgmma.mma_async"),
-        "cp_async": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx_text)),
-        "tma": ptx_text.count("cp.async.bulk.tensor"),
-    }
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    kernel = compile_ahead(fn, pointers, constants, _DIVISIBLE, options, arch)
+    return {"config": (block_m, block_n, num_warps, num_stages), **kernel_report(kernel, arch)}
 
 
 def main() -> None:

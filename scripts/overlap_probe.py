@@ -338,38 +338,30 @@ def run(device: torch.device, repeats: int) -> dict:
 
 
 def compile_only(arch: int = 90) -> dict:
-    """Both kernels compiled for sm_<arch>a as the JIT would at the probe's shapes (pointers and
+    """Each variant compiled for sm_<arch>a as the JIT would at the probe's shapes (pointers and
     strides divisible by 16): ptxas registers and spills, and the PTX's wgmma waits (the overlap
-    kernel waits with one group outstanding: W V still running during the SiLU). No GPU needed."""
-    from triton.backends.compiler import GPUTarget
+    kernels wait with one group outstanding: W V still running during the SiLU). No GPU needed."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from hstu.scripts.kernel_regs import ptxas_report
+    from hstu.scripts.kernel_regs import compile_ahead, kernel_report
 
-    fn = _probe_kernel
     pointers = {"Q": "*bf16", "KV": "*bf16", "PT": "*i32", "UNITS": "*i32", "OUT": "*fp32"}
     divisible = ("Q", "KV", "PT", "OUT", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "layer_offset",
                  "page_stride", "token_stride", "kv_stride", "layer_row0")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in divisible}
     desc_layout = gl.NVMMASharedLayout.get_default_for([PAGE_SIZE, HEAD_DIM], gl.bfloat16)
     out = {}
     for variant, (overlap, tma_loads) in VARIANTS.items():
         constants = dict(SCALE=HEAD_DIM**-0.5, INV_SCALE_LEN=1 / 4352, OVERLAP=overlap, TMA=tma_loads,
                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE)
+        typed = dict(pointers)
         if tma_loads:
-            pointers["KV_DESC"] = f"tensordesc<bf16[{PAGE_SIZE}, {HEAD_DIM}],{desc_layout!r}>"
+            typed["KV_DESC"] = f"tensordesc<bf16[{PAGE_SIZE}, {HEAD_DIM}],{desc_layout!r}>"
         else:
             constants["KV_DESC"] = None
-        signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
-        kernel = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
-                                target=GPUTarget("cuda", arch, 32), options={"num_warps": WARPS})
-        ptx = kernel.asm["ptx"]
+        kernel = compile_ahead(_probe_kernel, typed, constants, divisible, {"num_warps": WARPS}, arch, GluonASTSource)
         out[variant] = {
-            "shared_bytes": kernel.metadata.shared,
-            **ptxas_report(ptx, arch),
-            "wgmma": ptx.count("wgmma.mma_async"),
-            "wgmma_waits": [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
-            "tma": ptx.count("cp.async.bulk.tensor"),
+            **kernel_report(kernel, arch),
+            "wgmma_waits": [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", kernel.asm["ptx"])],
         }
     return out
 
