@@ -70,6 +70,7 @@ def available() -> bool:
 
 
 SILU_MODES = ("exact", "fast", "tanh")
+KERNELS = ("triton", "gluon")
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,9 @@ class AttentionConfig:
     instead of per-thread gathers (cp.async): the bytes move without the warps' address work. Off:
     at the seed shapes (page 32) it ran 12-16% slower at batch 8 and 9-13% slower uncached than the
     gathered 64-key tiles on an H100 (run DA), likely as a 32-key tile halves the work between
-    barriers (not profiled)."""
+    barriers (not profiled). kernel: "triton" (this module's kernel) or "gluon" (ops/gluon_attention.py,
+    Hopper only, 16-bit inputs, the tanh SiLU; calls it does not fit take this module's kernel; the
+    tile and schedule fields above are the Triton kernel's)."""
 
     block_m: int
     block_n: int
@@ -96,8 +99,11 @@ class AttentionConfig:
     balance_below: float = 0.75
     lanes_above: float = 0.8
     tma: bool = False
+    kernel: str = "triton"
 
     def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"AttentionConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
         if self.silu not in SILU_MODES:
             raise ValueError(f"AttentionConfig.silu must be one of {SILU_MODES}, got {self.silu!r}")
         if not 0.0 <= self.lanes_above <= 1.01:
@@ -111,20 +117,28 @@ def _silu_from_env() -> str:
     return mode
 
 
+def _kernel_from_env() -> str:
+    kernel = os.environ.get("HSTU_ATTENTION_KERNEL", "triton")
+    if kernel not in KERNELS:
+        raise ValueError(f"HSTU_ATTENTION_KERNEL must be one of {KERNELS}, got {kernel!r}")
+    return kernel
+
+
 def _lanes_from_env() -> float:
     return knobs.number("HSTU_ATTENTION_LANES_ABOVE", 0.8, "above 1: never in lanes")
 
 
 # Module-level instances, so torch.compile sees constants rather than dataclass construction.
 # HSTU_ATTENTION_LANES_ABOVE sets their lanes_above and HSTU_ATTENTION_TMA=1 their tma (experiment
-# knobs for same-call comparisons).
+# knobs for same-call comparisons); HSTU_ATTENTION_KERNEL=gluon picks the Gluon kernel where it fits.
 _SILU = _silu_from_env()
+_KERNEL = _kernel_from_env()
 _LANES_ABOVE = _lanes_from_env()
 _TMA = knobs.flag("HSTU_ATTENTION_TMA")
 _CONFIG_LARGE_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, silu=_SILU,
-                                     lanes_above=_LANES_ABOVE, tma=_TMA)
+                                     lanes_above=_LANES_ABOVE, tma=_TMA, kernel=_KERNEL)
 _CONFIG_SMALL_HEAD = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, silu=_SILU,
-                                     lanes_above=_LANES_ABOVE, tma=_TMA)
+                                     lanes_above=_LANES_ABOVE, tma=_TMA, kernel=_KERNEL)
 
 
 def default_config(head_dim: int) -> AttentionConfig:
@@ -602,7 +616,13 @@ if triton is not None:
         balance_below: float = 0.75,
         lanes_above: float = 0.8,
         tma: bool = False,
+        gluon: bool = False,
     ) -> torch.Tensor:
+        if gluon:  # the Gluon kernel (its own tiles and schedule; the caller checked gluon_attention.fits)
+            from hstu.ops import gluon_attention
+
+            return gluon_attention.launch(q, k, v, kv_cache, layer, page_table, kv_lens, q_offsets, q_pos, scale_len,
+                                          _num_sms(q.device), num_splits)
         T, H, d = q.shape
         L, P, _, page_size, Hc, dc = kv_cache.shape
         B, max_pages = page_table.shape
@@ -660,7 +680,7 @@ if triton is not None:
     @_paged_hstu_attention_op.register_fake
     def _paged_hstu_attention_fake(q, k, v, kv_cache, layer, page_table, kv_lens, q_offsets, q_pos, max_q, scale_len,
                                    block_m, block_n, num_warps, num_stages, num_splits, silu=0, warp_specialize=False,
-                                   balance_below=0.75, lanes_above=0.8, tma=False):
+                                   balance_below=0.75, lanes_above=0.8, tma=False, gluon=False):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -691,6 +711,12 @@ def _tma_fitted(cfg: AttentionConfig, page_size: int, head_dim: int) -> Attentio
     return cfg if cfg.block_n == page_size else dataclasses.replace(cfg, block_n=page_size)
 
 
+def _gluon_fits(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    from hstu.ops import gluon_attention
+
+    return gluon_attention.fits(q, kv_cache)
+
+
 def paged_hstu_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -713,10 +739,11 @@ def paged_hstu_attention_triton(
     cfg = config or default_config(q.shape[2])
     if cfg.tma:
         cfg = _tma_fitted(cfg, kv_cache.shape[3], q.shape[2])
+    gluon = cfg.kernel == "gluon" and cfg.silu == "tanh" and _gluon_fits(q, kv_cache)  # its only SiLU form
     args = (
         q, k, v, kv_cache, layer, meta.page_table, meta.kv_lens, meta.q_offsets, meta.q_pos, meta.max_q, scale_len,
         cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, num_splits,
-        SILU_MODES.index(cfg.silu), cfg.warp_specialize, cfg.balance_below, cfg.lanes_above, cfg.tma,
+        SILU_MODES.index(cfg.silu), cfg.warp_specialize, cfg.balance_below, cfg.lanes_above, cfg.tma, gluon,
     )
     if torch.compiler.is_compiling():
         return torch.ops.hstu.paged_hstu_attention(*args)

@@ -6,8 +6,8 @@
 # STAGES picks the stages (default: the first six; also split, split_front, pressure_ab, pytest_hidden, split_hidden,
 # split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
-# attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, schedule_kernels,
-# schedule_replay, schedule_pressure,
+# attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, modes_kernels,
+# modes_replay, modes_pressure, gluon_tests, pipeline_gluon,
 # rest_loop2, engine_process, profile_host, rest_ray, rest_ray_direct, rest_ray_direct4, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
@@ -157,44 +157,52 @@ stage profile_rerank 120 python3 -m hstu.cli profile --device cuda --cuda-graphs
 # against the production kernel on the same inputs; its table last), then its CUDA correctness test
 stage overlap_probe 240 bash -c 'python3 -m hstu.scripts.overlap_probe --out "$OUT/overlap_probe.json" \
   && python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/scripts/test_overlap_probe.py'
-# the attention schedule experiments (ops/triton_attention.py, off by default) in three modes: OFF; SIMPLE =
-# ALIGN_TAIL=1 + LONG_FIRST=1; CAUSAL = both + CAUSAL_SHARES=1. schedule_tests: the CUDA attention tests with all
-# three on; schedule_kernels: the kernel at the bench shapes at its default tiles per mode; schedule_replay: the seed
-# replay alternating the modes (SCHEDULE_MODES), --verify; schedule_pressure: the pressure replay OFF / CAUSAL
-schedule_env() {
+# A/B of attention variants by mode (mode_env): the schedule experiments of ops/triton_attention.py (off by
+# default): OFF; SIMPLE = ALIGN_TAIL=1 + LONG_FIRST=1; CAUSAL = both + CAUSAL_SHARES=1; and the kernel: TRITON, GLUON
+# (ops/gluon_attention.py). schedule_tests: the CUDA attention tests with the three schedule rules on; modes_kernels:
+# the kernel at the bench shapes at its default tiles per mode (KERNEL_MODES); modes_replay: the seed replay
+# alternating the modes (MODES), --verify; modes_pressure: the pressure replay per mode (PRESSURE_MODES); gluon_tests:
+# the Gluon kernel's tests (CPU and CUDA); pipeline_gluon: the GPU pipeline and graph tests with the Gluon kernel
+mode_env() {
   case $1 in
     OFF) echo HSTU_ATTENTION_ALIGN_TAIL=0 ;;
     SIMPLE) echo HSTU_ATTENTION_ALIGN_TAIL=1 HSTU_ATTENTION_LONG_FIRST=1 ;;
     CAUSAL) echo HSTU_ATTENTION_ALIGN_TAIL=1 HSTU_ATTENTION_LONG_FIRST=1 HSTU_ATTENTION_CAUSAL_SHARES=1 ;;
-    *) echo "unknown schedule mode $1" >&2; return 1 ;;
+    TRITON) echo HSTU_ATTENTION_KERNEL=triton ;;
+    GLUON) echo HSTU_ATTENTION_KERNEL=gluon ;;
+    *) echo "unknown mode $1" >&2; return 1 ;;
   esac
 }
-schedule_kernels() {
-  for m in OFF SIMPLE CAUSAL; do
-    env $(schedule_env $m) python3 -m hstu.scripts.bench_kernels --sections attention --copy-gib 0.25 \
+modes_kernels() {
+  for m in ${KERNEL_MODES:-OFF SIMPLE CAUSAL}; do
+    env $(mode_env $m) python3 -m hstu.scripts.bench_kernels --sections attention --copy-gib 0.25 \
       --tiles 128,64,8,2 --out "$OUT/attention_$m.json" | sed "s/^/$m: /" || return 1
   done
 }
-schedule_replay() {
+modes_replay() {
   local r="python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress" m i=0
-  for m in ${SCHEDULE_MODES:-OFF CAUSAL SIMPLE OFF CAUSAL}; do
+  for m in ${MODES:-OFF CAUSAL SIMPLE OFF CAUSAL}; do
     i=$((i + 1))
-    env $(schedule_env $m) $r --out "$OUT/schedule_replay_${i}_$m" \
+    env $(mode_env $m) $r --out "$OUT/replay_${i}_$m" \
       | grep -E "requests/s|speedup|mismatch" | sed "s/^/$i $m: /" || return 1
   done
 }
-schedule_pressure() {
+modes_pressure() {
   local r="python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress" m
-  for m in OFF CAUSAL; do
-    env $(schedule_env $m) $r --users 256 --requests 600 --num-pages 1024 --host-cache-mb 4096 \
-      --out "$OUT/schedule_pressure_$m" | grep -E "requests/s|speedup|mismatch" | sed "s/^/$m: /" || return 1
+  for m in ${PRESSURE_MODES:-OFF CAUSAL}; do
+    env $(mode_env $m) $r --users 256 --requests 600 --num-pages 1024 --host-cache-mb 4096 \
+      --out "$OUT/pressure_$m" | grep -E "requests/s|speedup|mismatch" | sed "s/^/$m: /" || return 1
   done
 }
-stage schedule_tests 200 bash -c "$(declare -f schedule_env); env \$(schedule_env CAUSAL) python3 -m pytest -m cuda -q \
+stage schedule_tests 200 bash -c "$(declare -f mode_env); env \$(mode_env CAUSAL) python3 -m pytest -m cuda -q \
   -rfE -p no:cacheprovider tests/ops/test_cuda_kernels.py -k attention"
-stage schedule_kernels 200 bash -c "$(declare -f schedule_env schedule_kernels); schedule_kernels"
-stage schedule_replay 300 bash -c "$(declare -f schedule_env schedule_replay); schedule_replay"
-stage schedule_pressure 200 bash -c "$(declare -f schedule_env schedule_pressure); schedule_pressure"
+stage modes_kernels 200 bash -c "$(declare -f mode_env modes_kernels); modes_kernels"
+stage modes_replay 300 bash -c "$(declare -f mode_env modes_replay); modes_replay"
+stage modes_pressure 200 bash -c "$(declare -f mode_env modes_pressure); modes_pressure"
+stage gluon_tests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_gluon_attention.py \
+  tests/ops/test_cuda_kernels.py -k gluon
+HSTU_ATTENTION_KERNEL=gluon stage pipeline_gluon 240 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
+  tests/model/test_cuda_pipeline.py tests/engine/test_graphs.py -k "not compiled_layers"
 stage bench_export 300 python3 -m hstu.scripts.bench_export --device cuda --batch 8 --cuda-graphs --out "$OUT/bench_export.json"
 stage bench_compiled 200 python3 -m hstu.cli bench --device cuda --compile --sections e2e --batch-sizes 8 --out "$OUT/bench_compiled"
 rm -f "$OUT/bench_graphs/bench.md" "$OUT/bench_compiled/bench.md"

@@ -120,6 +120,27 @@ def compile_config(block_m: int, block_n: int, num_warps: int, num_stages: int, 
     return {"config": (block_m, block_n, num_warps, num_stages), **kernel_report(kernel, arch)}
 
 
+def compile_gluon(head_dim: int = 256, page_size: int = 32, dtype: str = "bf16", arch: int = 90) -> dict:
+    """The Gluon attention kernel (ops/gluon_attention.py) at `head_dim` and `page_size`: shared
+    memory bytes, registers, spill bytes and its PTX's counts."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from hstu.ops import gluon_attention as ga
+
+    box = min(page_size, ga.BLOCK_N)
+    pointers = {name: f"*{dtype}" for name in ("Q", "K", "V", "KV", "OUT")}
+    pointers.update({"PT": "*i32", "KV_LENS": "*i32", "Q_POS": "*i64", "ITEMS": "*i32", "PART": "*fp32"})
+    layout = gl.NVMMASharedLayout.get_default_for([box, head_dim], gl.bfloat16 if dtype == "bf16" else gl.float16)
+    pointers["KV_DESC"] = f"tensordesc<{dtype}[{box}, {head_dim}],{layout!r}>"
+    constants = dict(SCALE=head_dim**-0.5, INV_SCALE_LEN=1 / 4352, BLOCK_M=ga.BLOCK_M, BLOCK_N=ga.BLOCK_N,
+                     HEAD_DIM=head_dim, PAGE_SIZE=page_size, BOX=box, FIELDS=ga.FIELDS)
+    divisible = tuple(n for n in _DIVISIBLE if n not in ("Q_OFF", "head_dim")) + ("ITEMS",)
+    kernel = compile_ahead(ga._attention_kernel, pointers, constants, divisible, {"num_warps": ga.WARPS}, arch,
+                           GluonASTSource)
+    return {"config": ("gluon", head_dim, page_size), **kernel_report(kernel, arch)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", default=["128,64,8,2", "64,64,8,2"], help="block_m,block_n,warps,stages")
@@ -127,11 +148,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--tma", action="store_true", help="the TMA-descriptor key loop (AttentionConfig.tma)")
+    parser.add_argument("--gluon", nargs="*", type=int, metavar="PAGE_SIZE",
+                        help="the Gluon kernel (ops/gluon_attention.py) at these page sizes instead of the configs")
     args = parser.parse_args()
     print(f"{'config':<16}{'smem':>8}{'regs':>6}{'spill st':>10}{'spill ld':>10}{'wgmma':>7}{'cp.async':>10}{'tma':>5}")
-    for spec in args.configs:
-        bm, bn, w, s = (int(x) for x in spec.split(","))
-        r = compile_config(bm, bn, w, s, head_dim=args.head_dim, dtype=args.dtype, arch=args.arch, tma=args.tma)
+    for spec in args.configs if args.gluon is None else [f"gluon,page{p}" for p in args.gluon or [32]]:
+        if args.gluon is not None:
+            r = compile_gluon(args.head_dim, int(spec.split("page")[1]), args.dtype, args.arch)
+        else:
+            bm, bn, w, s = (int(x) for x in spec.split(","))
+            r = compile_config(bm, bn, w, s, head_dim=args.head_dim, dtype=args.dtype, arch=args.arch, tma=args.tma)
         print(f"{spec:<16}{r['shared_bytes']:>8}{r['registers'] or '-':>6}{r['spill_store_bytes']:>10}"
               f"{r['spill_load_bytes']:>10}{r['wgmma']:>7}{r['cp_async']:>10}{r['tma']:>5}")
 

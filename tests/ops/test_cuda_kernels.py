@@ -361,6 +361,112 @@ def test_triton_attention_tma_tiles_within_2x_of_torch_reference_error(case_idx,
     assert err <= 2 * ref_err, f"triton with TMA tiles {err:.2e} vs bf16 torch reference {ref_err:.2e}"
 
 
+def needs_hopper():
+    from hstu.ops import gluon_attention
+
+    if not gluon_attention.available():
+        pytest.skip("the Gluon kernel needs Triton's Gluon and a Hopper GPU")
+
+
+def gluon_config(head_dim: int):
+    import dataclasses
+
+    from hstu.ops.triton_attention import default_config
+
+    return dataclasses.replace(default_config(head_dim), silu="tanh", kernel="gluon")
+
+
+def spy_gluon(monkeypatch) -> list:
+    """Calls that reached the Gluon launch (so a test cannot pass on the Triton kernel)."""
+    from hstu.ops import gluon_attention
+
+    calls, real = [], gluon_attention.launch
+    monkeypatch.setattr(gluon_attention, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("case_idx", range(len(ATTN_CASES)))
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+def test_gluon_attention_bf16_within_2x_of_torch_reference_error(monkeypatch, case_idx, num_splits):
+    """ops/gluon_attention.py on every case: whole units, and every unit cut into pieces."""
+    from hstu.ops.triton_attention import paged_hstu_attention_triton
+
+    needs_hopper()
+    calls = spy_gluon(monkeypatch)
+    c, exact, ref_err = attention_case(case_idx)
+    poison_allocator(4 * c.q.numel() * 16)
+    out = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len,
+                                      config=gluon_config(c.q.shape[2]), num_splits=num_splits)
+    err = rel_err(out, exact)
+    assert calls and out.dtype == torch.bfloat16
+    assert err <= 2 * ref_err, f"gluon {err:.2e} vs bf16 torch reference {ref_err:.2e}"
+
+
+@pytest.mark.parametrize("users,page_size", [(8, 32), (1, 32), (3, 64), (2, 8)])
+def test_gluon_attention_at_seed_shapes_and_page_sizes(monkeypatch, users, page_size):
+    """Seed-like users (a 3,968-key prefix, 128 new rows, 256 candidates; one user new) at the
+    schedule's whole-unit and cut-unit sizes, fp16 too, within 2x of the 16-bit torch error."""
+    from hstu.ops.attention import paged_hstu_attention_torch
+    from hstu.ops.triton_attention import paged_hstu_attention_triton
+
+    needs_hopper()
+    calls = spy_gluon(monkeypatch)
+    hist = [4096] * users
+    cached = [3968] * (users - 1) + [0]
+    dtype = torch.float16 if page_size == 64 else torch.bfloat16
+    c = make_paged_case(hist, cached, [256] * users, page_size=page_size, heads=4, head_dim=256, dtype=dtype,
+                        device="cuda", seed=users)
+    m = c.meta
+
+    def torch_attention(*tensors):
+        return paged_hstu_attention_torch(*tensors, c.layer, m.page_table, m.kv_lens, m.q_batch, m.q_local, m.q_pos,
+                                          m.max_q, c.scale_len)
+
+    # the reference: the torch implementation from float32 inputs on the GPU (the float64 loop
+    # would take minutes at these sizes; float32's error is ~1e-6 against bf16's ~3e-3)
+    exact = torch_attention(*(t.float() for t in (c.q, c.k, c.v, c.kv_cache)))
+    ref = torch_attention(c.q, c.k, c.v, c.kv_cache)
+    out = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len,
+                                      config=gluon_config(256))
+    assert calls and out.dtype == dtype
+    assert rel_err(out, exact) <= 2 * rel_err(ref, exact)
+
+
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_gluon_attention_padded_like_a_graph_bucket_matches_the_batch(monkeypatch, num_splits):
+    """As the Triton kernel's test below: the padded call plans from the device metadata and
+    computes the same rows bit for bit."""
+    from hstu.ops.triton_attention import paged_hstu_attention_triton
+
+    needs_hopper()
+    calls = spy_gluon(monkeypatch)
+    c = make_paged_case([700], [640], [96], page_size=32, heads=2, head_dim=256, dtype=torch.bfloat16,
+                        device="cuda", seed=11)
+    T, cfg = c.q.shape[0], gluon_config(256)
+    q, k, v, padded = padded_like_graph_bucket(c, rows=1024, user_slots=8)
+    want = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=cfg,
+                                       num_splits=num_splits)
+    got = paged_hstu_attention_triton(q, k, v, c.kv_cache, c.layer, padded, c.scale_len, config=cfg,
+                                      num_splits=num_splits)
+    assert len(calls) == 2 and torch.equal(got[:T], want)
+    assert rel_err(want, reference_fp64(c)) < 1e-2
+
+
+def test_gluon_plan_kernel_on_the_gpu_writes_the_reference_items():
+    from hstu.ops import gluon_attention as ga
+
+    needs_hopper()
+    offs, kv, H, sms = [0, 384, 768, 769, 1153], [3968, 4096, 1, 0], 4, 132
+    for forced in (0, 2):
+        grid = ga.grid_programs(offs[-1], 4, H, sms, forced)
+        items = torch.empty((grid, ga.FIELDS), dtype=torch.int32, device="cuda")
+        ga._plan_kernel[((grid + 63) // 64,)](
+            torch.tensor(offs, dtype=torch.int32, device="cuda"), torch.tensor(kv, dtype=torch.int32, device="cuda"),
+            items, 4, H, sms, forced, grid, MAX_USERS=64, BLOCK_G=64, BLOCK_M=ga.BLOCK_M, BLOCK_N=ga.BLOCK_N,
+            BALANCE_BELOW=ga.BALANCE_BELOW, MAX_SPLITS=ga.MAX_SPLITS, FIELDS=ga.FIELDS)
+        assert [tuple(r) for r in items.tolist()] == ga.plan_items(offs, kv, H, sms, grid, forced)
+
+
 @pytest.mark.parametrize("num_splits", [0, 3])
 def test_triton_attention_padded_like_a_graph_bucket_matches_the_batch(num_splits):
     """A CUDA graph runs the batch padded to its bucket (rows past T, user slots past B with

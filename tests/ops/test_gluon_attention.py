@@ -1,0 +1,169 @@
+"""ops/gluon_attention.py on the CPU: its schedule (plan_items) computes the attention exactly when
+each item's partial sums are added as the kernels add them, the Triton plan kernel writes the same
+items (Triton's interpreter), the Gluon kernel compiles for sm_90a without spills (Triton with
+ptxas), and the config knob's checks. The kernel's outputs are tested on a Hopper GPU in
+tests/ops/test_cuda_kernels.py."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hstu.ops import gluon_attention as ga
+from tests.ops.paged_cases import make_paged_case, reference_fp64, rel_err
+
+
+def emulate(case, items: list[tuple[int, ...]]) -> torch.Tensor:
+    """The kernels' arithmetic in float64 from `items`: each item's rows summed over the keys in
+    [key_lo, key_cap) each row sees (its own key too for a candidate, first piece only), a whole
+    unit written, a cut unit's pieces added."""
+    m = case.meta
+    q, k, v = (t.double() for t in (case.q, case.k, case.v))
+    cache = case.kv_cache[case.layer].double()
+    kv_lens, q_pos, pt = m.kv_lens.tolist(), m.q_pos.tolist(), m.page_table.long()
+    ps, scale = cache.shape[2], 1.0 / math.sqrt(q.shape[-1])
+    out = torch.full_like(q, float("nan"))
+    part = {}
+    for g, (b, row0, q_end, h, key_lo, key_cap, piece, pieces, stride) in enumerate(items):
+        if b < 0:
+            continue
+        acc = torch.zeros(ga.BLOCK_M, q.shape[-1], dtype=torch.float64)
+        for i, r in enumerate(range(row0, min(row0 + ga.BLOCK_M, q_end))):
+            last = kv_lens[b] - 1 if q_pos[r] < 0 else q_pos[r]
+            keys = torch.arange(key_lo, min(key_cap, last + 1))
+            kt = cache[pt[b, keys // ps], 0, keys % ps, h]
+            vt = cache[pt[b, keys // ps], 1, keys % ps, h]
+            acc[i] = torch.nn.functional.silu(kt @ q[r, h] * scale) @ vt
+            if piece == 0 and q_pos[r] < 0:
+                acc[i] += torch.nn.functional.silu((q[r, h] * k[r, h]).sum() * scale) * v[r, h]
+        acc /= case.scale_len
+        n = min(row0 + ga.BLOCK_M, q_end) - row0
+        if pieces == 1:
+            out[row0 : row0 + n, h] = acc[:n]
+        else:
+            part[g] = acc
+    for g, (b, row0, q_end, h, _, _, piece, pieces, stride) in enumerate(items):
+        if b >= 0 and pieces > 1 and piece == 0:
+            n = min(row0 + ga.BLOCK_M, q_end) - row0
+            out[row0 : row0 + n, h] = sum(part[g + p * stride] for p in range(pieces))[:n]
+    return out
+
+
+def case_items(case, num_sms: int, forced: int) -> list[tuple[int, ...]]:
+    m = case.meta
+    T, H = case.q.shape[0], case.q.shape[1]
+    grid = ga.grid_programs(T, len(m.kv_lens), H, num_sms, forced)
+    return ga.plan_items(m.q_offsets.tolist(), m.kv_lens.tolist(), H, num_sms, grid, forced)
+
+
+@pytest.mark.parametrize("num_sms,forced", [(132, 0), (8, 0), (132, 1), (132, 3), (4, 0)])
+def test_the_schedule_adds_up_to_the_attention(num_sms, forced):
+    """Whole units at many SMs, cut units at few (or forced): every row of every head exactly once."""
+    case = make_paged_case([300, 45, 700, 1], [260, 0, 690, 0], [40, 7, 64, 3], page_size=16, heads=2, head_dim=8,
+                           seed=4)
+    items = case_items(case, num_sms, forced)
+    pieces = {it[7] for it in items if it[0] >= 0}
+    assert len(pieces) == 1
+    if forced:
+        assert pieces == {forced}
+    assert rel_err(emulate(case, items), reference_fp64(case)) < 1e-12
+
+
+def test_items_run_a_users_row_blocks_side_by_side_last_block_first():
+    items = ga.plan_items([0, 300, 340], [280, 900], heads=2, num_sms=132, grid=132)
+    work = [it for it in items if it[0] >= 0]
+    # user 0: 3 row blocks, user 1: one, 2 heads: 8 units; 132 // 8 = 16 pieces, capped at the
+    # longest history's 15 key tiles
+    assert {it[7] for it in work} == {15} and len(work) == 15 * 8
+    assert [(it[0], it[1], it[3], it[6]) for it in work[:4]] == [(0, 256, 0, 0), (0, 128, 0, 0), (0, 0, 0, 0),
+                                                                  (0, 256, 0, 1)]
+    unit = [(it[4], it[5]) for it in work if it[0] == 0 and it[3] == 0 and it[1] == 0]
+    assert unit[0] == (0, 0) and unit[-1] == (256, 280)  # 5 tiles in 15 pieces: some empty
+
+
+def test_plan_kernel_writes_the_reference_items():
+    pytest.importorskip("triton.experimental.gluon")
+    code = (
+        "import random, torch\n"
+        "from hstu.ops import gluon_attention as ga\n"
+        "rng = random.Random(0)\n"
+        "for trial in range(12):\n"
+        "    B, H, sms = rng.randint(1, 9), rng.choice([1, 2, 4]), rng.choice([8, 20, 132])\n"
+        "    rows = [rng.choice([0, 1, 5, 128, 129, 384, 700]) for _ in range(B)]\n"
+        "    kv = [rng.choice([0, 1, 63, 64, 65, 1000, 3968]) for _ in range(B)]\n"
+        "    offs = [0]\n"
+        "    for r in rows: offs.append(offs[-1] + r)\n"
+        "    forced = rng.choice([0, 0, 1, 3])\n"
+        "    grid = ga.grid_programs(max(offs[-1], 1), B, H, sms, forced)\n"
+        "    items = torch.empty((grid, ga.FIELDS), dtype=torch.int32)\n"
+        "    ga._plan_kernel[((grid + 63) // 64,)](torch.tensor(offs, dtype=torch.int32),\n"
+        "        torch.tensor(kv, dtype=torch.int32), items, B, H, sms, forced, grid, MAX_USERS=64, BLOCK_G=64,\n"
+        "        BLOCK_M=ga.BLOCK_M, BLOCK_N=ga.BLOCK_N, BALANCE_BELOW=ga.BALANCE_BELOW, MAX_SPLITS=ga.MAX_SPLITS,\n"
+        "        FIELDS=ga.FIELDS)\n"
+        "    assert [tuple(r) for r in items.tolist()] == ga.plan_items(offs, kv, H, sms, grid, forced), trial\n"
+        "print('same items')\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and "same items" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("head_dim,page_size", [(256, 32), (128, 8), (64, 128)])
+def test_kernel_compiles_for_sm90_with_tma_and_no_spills(head_dim, page_size):
+    pytest.importorskip("triton.experimental.gluon")
+    from hstu.scripts.kernel_regs import compile_gluon, ptxas_path
+
+    try:
+        ptxas_path()
+    except FileNotFoundError:
+        pytest.skip("this triton bundles no ptxas")
+    r = compile_gluon(head_dim, page_size)
+    assert r["spill_store_bytes"] == 0 and r["registers"] <= 255
+    assert r["tma"] > 0 and r["wgmma"] > 0
+
+
+def test_fits_only_16_bit_cuda_tensors():
+    q = torch.zeros(4, 2, 256, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 2, 2, 32, 2, 256, dtype=torch.bfloat16)
+    assert not ga.fits(q, cache)  # a CPU tensor
+
+
+def test_kernel_knob_is_checked(monkeypatch):
+    from hstu.ops import triton_attention as ta
+
+    with pytest.raises(ValueError, match="AttentionConfig.kernel must be one of .*'cutlass'"):
+        ta.AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, kernel="cutlass")
+    monkeypatch.setenv("HSTU_ATTENTION_KERNEL", "fast")
+    with pytest.raises(ValueError, match="HSTU_ATTENTION_KERNEL must be one of .*'fast'"):
+        ta._kernel_from_env()
+    monkeypatch.setenv("HSTU_ATTENTION_KERNEL", "gluon")
+    assert ta._kernel_from_env() == "gluon"
+
+
+def test_items_in_grid_order_cover_random_batches():
+    """Random batches: each (user, row block, head) gets `pieces` items whose key ranges tile
+    [0, kv) in order, the last capped at kv."""
+    rng = random.Random(1)
+    for _ in range(50):
+        B, H, sms = rng.randint(1, 6), rng.choice([1, 4]), rng.choice([16, 132])
+        rows = [rng.choice([0, 1, 130, 384]) for _ in range(B)]
+        kv = [rng.choice([0, 5, 64, 3968]) for _ in range(B)]
+        offs = [0]
+        for r in rows:
+            offs.append(offs[-1] + r)
+        grid = ga.grid_programs(max(offs[-1], 1), B, H, sms, 0)
+        units = {}
+        for it in ga.plan_items(offs, kv, H, sms, grid):
+            if it[0] >= 0:
+                units.setdefault((it[0], it[1], it[3]), []).append((it[6], it[4], it[5]))
+        assert len(units) == sum(-(-r // ga.BLOCK_M) for r in rows) * H
+        for (b, _, _), pieces in units.items():
+            assert [p for p, _, _ in pieces] == list(range(len(pieces)))
+            assert pieces[0][1] == 0 and pieces[-1][2] == kv[b]
+            assert all(pieces[i][2] == pieces[i + 1][1] for i in range(len(pieces) - 1))
