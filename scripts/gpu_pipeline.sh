@@ -7,7 +7,7 @@
 # split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, modes_kernels,
-# modes_replay, modes_pressure, gluon_tests, pipeline_gluon,
+# modes_replay, modes_pressure, modes_bench, gluon_tests, pipeline_gluon,
 # rest_loop2, engine_process, profile_host, rest_ray, rest_ray_direct, rest_ray_direct4, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
@@ -161,7 +161,8 @@ stage overlap_probe 240 bash -c 'python3 -m hstu.scripts.overlap_probe --out "$O
 # default): OFF; SIMPLE = ALIGN_TAIL=1 + LONG_FIRST=1; CAUSAL = both + CAUSAL_SHARES=1; and the kernel: TRITON, GLUON
 # (ops/gluon_attention.py). schedule_tests: the CUDA attention tests with the three schedule rules on; modes_kernels:
 # the kernel at the bench shapes at its default tiles per mode (KERNEL_MODES); modes_replay: the seed replay
-# alternating the modes (MODES), --verify; modes_pressure: the pressure replay per mode (PRESSURE_MODES); gluon_tests:
+# alternating the modes (MODES), --verify; modes_pressure: the pressure replay per mode (PRESSURE_MODES); modes_bench:
+# the end-to-end benchmark per mode (BENCH_MODES); gluon_tests:
 # the Gluon kernel's tests (CPU and CUDA); pipeline_gluon: the GPU pipeline and graph tests with the Gluon kernel
 mode_env() {
   case $1 in
@@ -194,11 +195,18 @@ modes_pressure() {
       --out "$OUT/pressure_$m" | grep -E "requests/s|speedup|mismatch" | sed "s/^/$m: /" || return 1
   done
 }
+modes_bench() {  # the end-to-end benchmark (cached vs uncached, batch 1 and 8, CUDA graphs) per mode
+  for m in ${BENCH_MODES:-TRITON GLUON}; do
+    env $(mode_env $m) python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e --out "$OUT/bench_$m" \
+      | sed "s/^/$m: /" || return 1
+  done
+}
 stage schedule_tests 200 bash -c "$(declare -f mode_env); env \$(mode_env CAUSAL) python3 -m pytest -m cuda -q \
   -rfE -p no:cacheprovider tests/ops/test_cuda_kernels.py -k attention"
 stage modes_kernels 200 bash -c "$(declare -f mode_env modes_kernels); modes_kernels"
 stage modes_replay 300 bash -c "$(declare -f mode_env modes_replay); modes_replay"
 stage modes_pressure 200 bash -c "$(declare -f mode_env modes_pressure); modes_pressure"
+stage modes_bench 240 bash -c "$(declare -f mode_env modes_bench); modes_bench"
 stage gluon_tests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_gluon_attention.py \
   tests/ops/test_cuda_kernels.py -k gluon
 HSTU_ATTENTION_KERNEL=gluon stage pipeline_gluon 240 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
