@@ -48,6 +48,8 @@ try:
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from hstu.ops.triton_attention import _user_blocks
 except ImportError:  # no Triton or no Gluon (CPU installs, older Triton): the Triton kernel or torch serves
     gluon = None
 
@@ -123,11 +125,7 @@ if gluon is not None:
     ):
         """ITEMS[g] for BLOCK_G programs g; plan_items is its reference."""
         users = tl.arange(0, MAX_USERS)
-        live = users < num_users
-        q_lo = tl.load(Q_OFF + users, mask=live, other=0)
-        q_hi = tl.load(Q_OFF + users + 1, mask=live, other=0)
-        kv = tl.load(KV_LENS + users, mask=live, other=0)
-        blocks = tl.where(live, (q_hi - q_lo + BLOCK_M - 1) // BLOCK_M, 0)
+        q_lo, q_hi, kv, blocks = _user_blocks(Q_OFF, KV_LENS, num_users, MAX_USERS, BLOCK_M)
         units = tl.sum(blocks, axis=0) * num_heads
         longest = tl.maximum(tl.max((kv + BLOCK_N - 1) // BLOCK_N, axis=0), 1)
         even = tl.maximum(tl.minimum(tl.minimum(num_sms // tl.maximum(units, 1), MAX_SPLITS), longest), 1)

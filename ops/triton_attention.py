@@ -233,6 +233,17 @@ if triton is not None:
             return s * tl.sigmoid(s)
 
     @triton.jit
+    def _user_blocks(Q_OFF, KV_LENS, num_users, MAX_USERS: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Per user (vectors over MAX_USERS, zeros past num_users): first row, end row, key count
+        and row blocks of BLOCK_M rows, read from the batch's metadata on the device."""
+        users = tl.arange(0, MAX_USERS)
+        live = users < num_users
+        q_lo = tl.load(Q_OFF + users, mask=live, other=0)
+        q_hi = tl.load(Q_OFF + users + 1, mask=live, other=0)
+        kv = tl.load(KV_LENS + users, mask=live, other=0)
+        return q_lo, q_hi, kv, tl.where(live, (q_hi - q_lo + BLOCK_M - 1) // BLOCK_M, 0)
+
+    @triton.jit
     def _batch_plan(
         Q_OFF, KV_LENS, Q_POS, num_users, num_heads, num_sms, forced_splits, grid_programs,
         MAX_USERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BALANCE_BELOW: tl.constexpr,
@@ -265,12 +276,7 @@ if triton is not None:
         total iterations, the number of programs (tuples of `lanes` programs in lanes) that take a
         share, whether each program takes one unit whole (aligned: users' units may differ in
         length, so equal shares would cut them), and the lanes R (1: not in lanes)."""
-        users = tl.arange(0, MAX_USERS)
-        live = users < num_users
-        q_lo = tl.load(Q_OFF + users, mask=live, other=0)
-        q_hi = tl.load(Q_OFF + users + 1, mask=live, other=0)
-        kv = tl.load(KV_LENS + users, mask=live, other=0)
-        blocks = tl.where(live, (q_hi - q_lo + BLOCK_M - 1) // BLOCK_M, 0)
+        q_lo, q_hi, kv, blocks = _user_blocks(Q_OFF, KV_LENS, num_users, MAX_USERS, BLOCK_M)
         unit_iters = tl.where(blocks > 0, tl.maximum((kv + BLOCK_N - 1) // BLOCK_N, 1), 0)
         ends = tl.cumsum(blocks * num_heads * unit_iters, axis=0)
         starts = ends - blocks * num_heads * unit_iters

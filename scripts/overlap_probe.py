@@ -46,19 +46,14 @@ try:
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from hstu.ops.gluon_attention import _silu
 except ImportError:  # no Triton (or no Gluon): the probe cannot run here
     gluon = None
 
 BLOCK_M, BLOCK_N, HEAD_DIM, PAGE_SIZE, WARPS = 128, 64, 256, 32, 8
 
 if gluon is not None:
-
-    @gluon.jit
-    def _silu(s):
-        half = 0.5 * s
-        t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [half], dtype=gl.float32, is_pure=True,
-                                      pack=1)
-        return half + half * t
 
     @gluon.jit
     def _issue_kv(k_buf, v_buf, kv_base, pt_row, start, page_stride, token_stride, kv_stride,
