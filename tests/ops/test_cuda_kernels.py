@@ -316,7 +316,7 @@ def test_triton_attention_bf16_within_2x_of_torch_reference_error(case_idx, num_
 
     c, exact, ref_err = attention_case(case_idx)
     poison_allocator(4 * c.q.numel() * 16)
-    config = dataclasses.replace(default_config(c.q.shape[2]), silu=silu)
+    config = dataclasses.replace(default_config(c.q.shape[2]), silu=silu, kernel="triton")
     out = paged_hstu_attention_triton(
         c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=config, num_splits=num_splits
     )
@@ -335,7 +335,7 @@ def test_triton_attention_in_lanes_within_2x_of_torch_reference_error(case_idx):
 
     c, exact, ref_err = attention_case(case_idx)
     poison_allocator(4 * c.q.numel() * 16)
-    config = dataclasses.replace(default_config(c.q.shape[2]), lanes_above=0.0)
+    config = dataclasses.replace(default_config(c.q.shape[2]), lanes_above=0.0, kernel="triton")
     out = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=config)
     err = rel_err(out, exact)
     assert err <= 2 * ref_err, f"triton in lanes {err:.2e} vs bf16 torch reference {ref_err:.2e}"
@@ -355,7 +355,8 @@ def test_triton_attention_tma_tiles_within_2x_of_torch_reference_error(case_idx,
     page_size = c.kv_cache.shape[3]
     if page_size * c.q.shape[2] * 4 * stages + 128 * c.q.shape[2] * 2 > 227 * 1024:
         pytest.skip(f"{stages} stages of {page_size}-key tiles at head dim {c.q.shape[2]} exceed shared memory")
-    config = dataclasses.replace(default_config(c.q.shape[2]), block_n=page_size, num_stages=stages, tma=True)
+    config = dataclasses.replace(default_config(c.q.shape[2]), block_n=page_size, num_stages=stages, tma=True,
+                                 kernel="triton")
     out = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=config)
     err = rel_err(out, exact)
     assert err <= 2 * ref_err, f"triton with TMA tiles {err:.2e} vs bf16 torch reference {ref_err:.2e}"
@@ -472,14 +473,19 @@ def test_triton_attention_padded_like_a_graph_bucket_matches_the_batch(num_split
     """A CUDA graph runs the batch padded to its bucket (rows past T, user slots past B with
     kv_len 0 and q_offsets at T): the kernel plans from the metadata on the device, so the padded
     call computes the same rows bit for bit, a lone user's key split included."""
-    from hstu.ops.triton_attention import paged_hstu_attention_triton
+    import dataclasses
+
+    from hstu.ops.triton_attention import default_config, paged_hstu_attention_triton
 
     c = make_paged_case([700], [640], [96], page_size=32, heads=2, head_dim=256, dtype=torch.bfloat16,
                         device="cuda", seed=11)
     T = c.q.shape[0]
     q, k, v, padded = padded_like_graph_bucket(c, rows=1024, user_slots=8)
-    want = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, num_splits=num_splits)
-    got = paged_hstu_attention_triton(q, k, v, c.kv_cache, c.layer, padded, c.scale_len, num_splits=num_splits)
+    cfg = dataclasses.replace(default_config(256), kernel="triton")
+    want = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len, config=cfg,
+                                       num_splits=num_splits)
+    got = paged_hstu_attention_triton(q, k, v, c.kv_cache, c.layer, padded, c.scale_len, config=cfg,
+                                      num_splits=num_splits)
     assert torch.equal(got[:T], want)
     assert rel_err(want, reference_fp64(c)) < 1e-2
 
