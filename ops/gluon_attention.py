@@ -204,7 +204,9 @@ if gluon is not None:
         gl.thread_barrier()  # every warp done reading the buffers before they are refilled
         return acc
 
-    @gluon.jit
+    # max_pages changes with the batch: not specialised, so a new batch never pays a JIT compile
+    # (as the Triton kernel; the other integers are strides and offsets fixed by the model and cache)
+    @gluon.jit(do_not_specialize=["max_pages"])
     def _attention_kernel(
         Q, K, V, KV, KV_DESC, PT, KV_LENS, Q_POS, ITEMS, OUT, PART,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
