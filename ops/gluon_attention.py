@@ -38,6 +38,8 @@ import math
 
 import torch
 
+from hstu.ops.triton_attention import MAX_SPLITS, _grid_programs
+
 try:
     import triton
     import triton.language as tl
@@ -55,7 +57,6 @@ except ImportError:  # no Triton or no Gluon (CPU installs, older Triton): the T
 
 BLOCK_M, BLOCK_N, WARPS = 128, 64, 8
 FIELDS = 9  # an item: user, row0, q_end, head, key_lo, key_cap, piece, pieces, piece stride
-MAX_SPLITS = 32
 BALANCE_BELOW = 0.75
 HEAD_DIMS = (64, 128, 256)
 
@@ -108,11 +109,8 @@ def plan_items(q_offsets: list[int], kv_lens: list[int], heads: int, num_sms: in
 
 
 def grid_programs(rows: int, users: int, heads: int, num_sms: int, forced_splits: int) -> int:
-    """Programs a call launches (fixed for a CUDA graph's bucket): every unit of any batch of
-    `rows` rows over `users` users (at most cdiv(rows, BLOCK_M) + users row blocks), times the
-    forced pieces, and at least one wave."""
-    units = (-(-rows // BLOCK_M) + users) * heads
-    return max(num_sms, units * min(max(forced_splits, 1), MAX_SPLITS))
+    """Programs a call launches (fixed for a CUDA graph's bucket): the Triton kernel's count at BLOCK_M rows."""
+    return _grid_programs(rows, users, heads, BLOCK_M, num_sms, forced_splits)
 
 
 if gluon is not None:

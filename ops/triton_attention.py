@@ -169,7 +169,7 @@ def _grid_programs(rows: int, users: int, heads: int, block_m: int, num_sms: int
     """Programs the kernel is launched with: at least one per unit (row block x head; a batch of
     `rows` rows over `users` users has at most cdiv(rows, block_m) + users row blocks) and at least
     one per SM (a balanced batch runs one wave); a forced split count multiplies the units."""
-    units = (triton.cdiv(rows, block_m) + users) * heads
+    units = (-(-rows // block_m) + users) * heads
     return max(num_sms, units * min(max(num_splits, 1), MAX_SPLITS))
 
 

@@ -180,19 +180,13 @@ modes_kernels() {
       --tiles 128,64,8,2 --out "$OUT/attention_$m.json" | sed "s/^/$m: /" || return 1
   done
 }
-modes_replay() {
-  local r="python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress" m i=0
-  for m in ${MODES:-OFF CAUSAL SIMPLE OFF CAUSAL}; do
+replay_modes() {  # replay_modes NAME "MODES" [replay flags]: the seed replay once per mode, in order, --verify
+  local name=$1 modes=$2 m i=0
+  shift 2
+  for m in $modes; do
     i=$((i + 1))
-    env $(mode_env $m) $r --out "$OUT/replay_${i}_$m" \
-      | grep -E "requests/s|speedup|mismatch" | sed "s/^/$i $m: /" || return 1
-  done
-}
-modes_pressure() {
-  local r="python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress" m
-  for m in ${PRESSURE_MODES:-OFF CAUSAL}; do
-    env $(mode_env $m) $r --users 256 --requests 600 --num-pages 1024 --host-cache-mb 4096 \
-      --out "$OUT/pressure_$m" | grep -E "requests/s|speedup|mismatch" | sed "s/^/$m: /" || return 1
+    env $(mode_env $m) python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress \
+      "$@" --out "$OUT/${name}_${i}_$m" | grep -E "requests/s|speedup|mismatch" | sed "s/^/$i $m: /" || return 1
   done
 }
 modes_bench() {  # the end-to-end benchmark (cached vs uncached, batch 1 and 8, CUDA graphs) per mode
@@ -214,8 +208,9 @@ fi
 stage schedule_tests 200 bash -c "$(declare -f mode_env); env \$(mode_env CAUSAL) python3 -m pytest -m cuda -q \
   -rfE -p no:cacheprovider tests/ops/test_cuda_kernels.py -k attention"
 stage modes_kernels 200 bash -c "$(declare -f mode_env modes_kernels); modes_kernels"
-stage modes_replay 300 bash -c "$(declare -f mode_env modes_replay); modes_replay"
-stage modes_pressure 200 bash -c "$(declare -f mode_env modes_pressure); modes_pressure"
+stage modes_replay 300 bash -c "$(declare -f mode_env replay_modes); replay_modes replay '${MODES:-OFF CAUSAL SIMPLE OFF CAUSAL}'"
+stage modes_pressure 200 bash -c "$(declare -f mode_env replay_modes); replay_modes pressure \
+  '${PRESSURE_MODES:-OFF CAUSAL}' --users 256 --requests 600 --num-pages 1024 --host-cache-mb 4096"
 stage modes_bench 240 bash -c "$(declare -f mode_env modes_bench); modes_bench"
 HSTU_ATTENTION_KERNEL=gluon stage pipeline_gluon 240 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
   tests/model/test_cuda_pipeline.py tests/engine/test_graphs.py -k "not compiled_layers"

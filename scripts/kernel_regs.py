@@ -152,12 +152,15 @@ def main() -> None:
                         help="the Gluon kernel (ops/gluon_attention.py) at these page sizes instead of the configs")
     args = parser.parse_args()
     print(f"{'config':<16}{'smem':>8}{'regs':>6}{'spill st':>10}{'spill ld':>10}{'wgmma':>7}{'cp.async':>10}{'tma':>5}")
-    for spec in args.configs if args.gluon is None else [f"gluon,page{p}" for p in args.gluon or [32]]:
-        if args.gluon is not None:
-            r = compile_gluon(args.head_dim, int(spec.split("page")[1]), args.dtype, args.arch)
-        else:
-            bm, bn, w, s = (int(x) for x in spec.split(","))
-            r = compile_config(bm, bn, w, s, head_dim=args.head_dim, dtype=args.dtype, arch=args.arch, tma=args.tma)
+    if args.gluon is not None:
+        runs = {f"gluon,page{p}": lambda p=p: compile_gluon(args.head_dim, p, args.dtype, args.arch)
+                for p in args.gluon or [32]}
+    else:
+        runs = {spec: lambda spec=spec: compile_config(*(int(x) for x in spec.split(",")), head_dim=args.head_dim,
+                                                       dtype=args.dtype, arch=args.arch, tma=args.tma)
+                for spec in args.configs}
+    for spec, compile_one in runs.items():
+        r = compile_one()
         print(f"{spec:<16}{r['shared_bytes']:>8}{r['registers'] or '-':>6}{r['spill_store_bytes']:>10}"
               f"{r['spill_load_bytes']:>10}{r['wgmma']:>7}{r['cp_async']:>10}{r['tma']:>5}")
 

@@ -47,7 +47,7 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from hstu.ops.gluon_attention import _silu
+    from hstu.ops.gluon_attention import _issue_tile, _kv_descriptor, _silu
 except ImportError:  # no Triton (or no Gluon): the probe cannot run here
     gluon = None
 
@@ -69,26 +69,13 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
-    def _issue_kv_tma(k_buf, v_buf, bar, KV_DESC, pt_row, start, layer_row0, h,
-                      HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr):
-        """TMA copies of the K and V tiles of keys start.. (two pages) into one stage, signalling `bar`."""
-        row_a = layer_row0 + gl.load(pt_row + start // PAGE_SIZE) * (2 * PAGE_SIZE)
-        row_b = layer_row0 + gl.load(pt_row + start // PAGE_SIZE + 1) * (2 * PAGE_SIZE)
-        mbarrier.expect(bar, 4 * KV_DESC.block_type.nbytes)
-        tma.async_copy_global_to_shared(KV_DESC, [row_a, h * HEAD_DIM], bar, k_buf.slice(0, PAGE_SIZE))
-        tma.async_copy_global_to_shared(KV_DESC, [row_b, h * HEAD_DIM], bar, k_buf.slice(PAGE_SIZE, PAGE_SIZE))
-        tma.async_copy_global_to_shared(KV_DESC, [row_a + PAGE_SIZE, h * HEAD_DIM], bar, v_buf.slice(0, PAGE_SIZE))
-        tma.async_copy_global_to_shared(KV_DESC, [row_b + PAGE_SIZE, h * HEAD_DIM], bar,
-                                        v_buf.slice(PAGE_SIZE, PAGE_SIZE))
-
-    @gluon.jit
     def _issue(k_smem, v_smem, bars, stage, KV_DESC, kv_base, pt_row, start, layer_row0, h, page_stride,
                token_stride, kv_stride, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
                load: gl.constexpr, TMA: gl.constexpr):
         """Tile `start`'s K and V into stage `stage`: TMA (two pages a tile) or gathered cp.async."""
         if TMA:
-            _issue_kv_tma(k_smem.index(stage), v_smem.index(stage), bars.index(stage), KV_DESC, pt_row, start,
-                          layer_row0, h, HEAD_DIM, PAGE_SIZE)
+            _issue_tile(k_smem.index(stage), v_smem.index(stage), bars.index(stage), KV_DESC, pt_row, start,
+                        layer_row0, h, HEAD_DIM, PAGE_SIZE, PAGE_SIZE, BLOCK_N)
         else:
             _issue_kv(k_smem.index(stage), v_smem.index(stage), kv_base, pt_row, start, page_stride, token_stride,
                       kv_stride, BLOCK_N, HEAD_DIM, PAGE_SIZE, load)
@@ -236,10 +223,7 @@ def reference(q, kv_cache, page_table, units, layer, scale_len):
 
 def kv_descriptor(kv_cache: torch.Tensor) -> "TensorDescriptor":
     """A TMA descriptor over the cache as [L * P * 2 * page_size, H * d] rows, one page of one head a block."""
-    L, P, two, page, H, D = kv_cache.shape
-    layout = gl.NVMMASharedLayout.get_default_for([page, D], gl.bfloat16)
-    return TensorDescriptor(kv_cache.view(L * P * two * page, H * D), [L * P * two * page, H * D], [H * D, 1],
-                            [page, D], layout)
+    return _kv_descriptor(kv_cache, kv_cache.shape[3])
 
 
 def launch(q, kv_cache, page_table, units, layer, scale_len, overlap: bool, tma_loads: bool = False,
