@@ -12,10 +12,13 @@ warpgroups, whose SiLU and wgmma already interleave.)
 Three launches a call, all graph-safe (every decision read from the batch's metadata on the device):
   _plan_kernel (Triton)   writes ITEMS[g] for each program g: (user, first row, row end, head, first
                           key, key cap, piece, pieces, piece stride), user -1 for a program with no
-                          work. A unit is a row block of BLOCK_M rows of one user and one head. When
-                          the units fill the SMs less than BALANCE_BELOW, each unit's keys are cut
-                          into `pieces` (SMs // units, at most MAX_SPLITS and the longest history's
-                          key tiles) ranges of whole tiles.
+                          work. A unit is a row block of BLOCK_M rows of one user and one head.
+                          When the units number fewer than the SMs, each unit's keys may be cut
+                          into `pieces` ranges of whole tiles (at most MAX_SPLITS and the longest
+                          history's key tiles, units x pieces at most WAVES x SMs): the count whose
+                          waves x (longest tiles / pieces + PIECE_COST) is least, the fewest on a
+                          tie (choose_pieces). WAVES = 1 fills at most one wave (batch 1); more
+                          let batch 8's 96 units on 132 SMs run as 3 waves of quarter units.
                           Items run user after user, then head, then piece, then row block, last
                           row block first: a user's row blocks read the same keys side by side (L2
                           reuse) and a causal history's longest blocks start first.
@@ -38,6 +41,7 @@ import math
 
 import torch
 
+from hstu.ops import knobs
 from hstu.ops.triton_attention import MAX_SPLITS, _grid_programs
 
 try:
@@ -57,8 +61,12 @@ except ImportError:  # no Triton or no Gluon (CPU installs, older Triton): the T
 
 BLOCK_M, BLOCK_N, WARPS = 128, 64, 8
 FIELDS = 9  # an item: user, row0, q_end, head, key_lo, key_cap, piece, pieces, piece stride
-BALANCE_BELOW = 0.75
 HEAD_DIMS = (64, 128, 256)
+# A piece's fixed cost in key tiles: its Q tile, and its float32 partial written and read again.
+PIECE_COST = 2
+# HSTU_GLUON_WAVES (an experiment until measured on a GPU): how many waves of pieces a batch of
+# fewer units than SMs may be cut into; 1 = at most one wave (the plan first written).
+WAVES = int(knobs.number("HSTU_GLUON_WAVES", 1, "waves of pieces a batch may be cut into", minimum=1))
 
 
 _HOPPER: dict[int, bool] = {}
@@ -81,19 +89,33 @@ def fits(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
             and 8 <= page_size <= 256 and page_size & (page_size - 1) == 0 and available(q.device))
 
 
+def choose_pieces(units: int, longest_tiles: int, num_sms: int, forced_splits: int = 0, waves: int = WAVES) -> int:
+    """Pieces each unit's keys are cut into (_plan_kernel computes the same on the device): the
+    count p whose ceil(units p / SMs) waves of ceil(longest / p) + PIECE_COST tiles take least, the
+    fewest on a tie, with p <= MAX_SPLITS and the longest tiles and units x p <= waves x SMs. Whole
+    units once they fill the SMs: their waves are left to the hardware's dispatch, which packs a
+    causal history's short row blocks behind its long ones."""
+    if forced_splits > 0:
+        return min(forced_splits, MAX_SPLITS)
+    best, best_cost = 1, -(-units // num_sms) * (longest_tiles + PIECE_COST)
+    if units >= num_sms:
+        return best
+    for p in range(2, min(MAX_SPLITS, longest_tiles) + 1):
+        if units * p > waves * num_sms:
+            break
+        cost = -(-units * p // num_sms) * (-(-longest_tiles // p) + PIECE_COST)
+        if cost < best_cost:
+            best, best_cost = p, cost
+    return best
+
+
 def plan_items(q_offsets: list[int], kv_lens: list[int], heads: int, num_sms: int, grid: int,
-               forced_splits: int = 0) -> list[tuple[int, ...]]:
+               forced_splits: int = 0, waves: int = WAVES) -> list[tuple[int, ...]]:
     """The items _plan_kernel writes, in Python: the reference its test holds the kernel to, and
     the schedule's definition (see the module docstring). Returns `grid` tuples of FIELDS ints."""
     blocks = [-(-(q_offsets[b + 1] - q_offsets[b]) // BLOCK_M) for b in range(len(kv_lens))]
-    units = sum(blocks) * heads
-    if forced_splits > 0:
-        splits = min(forced_splits, MAX_SPLITS)
-    elif units >= BALANCE_BELOW * num_sms:
-        splits = 1
-    else:  # at most one piece a key tile of the longest history
-        longest = max([-(-kv // BLOCK_N) for kv in kv_lens] + [1])
-        splits = max(1, min(num_sms // max(units, 1), MAX_SPLITS, longest))
+    longest = max([-(-kv // BLOCK_N) for kv in kv_lens] + [1])
+    splits = choose_pieces(sum(blocks) * heads, longest, num_sms, forced_splits, waves)
     items = []
     for b, (n, kv) in enumerate(zip(blocks, kv_lens)):
         tiles = max(-(-kv // BLOCK_N), 1)
@@ -108,9 +130,10 @@ def plan_items(q_offsets: list[int], kv_lens: list[int], heads: int, num_sms: in
     return items + [(-1, 0, 0, 0, 0, 0, 0, 1, 0)] * (grid - len(items))
 
 
-def grid_programs(rows: int, users: int, heads: int, num_sms: int, forced_splits: int) -> int:
-    """Programs a call launches (fixed for a CUDA graph's bucket): the Triton kernel's count at BLOCK_M rows."""
-    return _grid_programs(rows, users, heads, BLOCK_M, num_sms, forced_splits)
+def grid_programs(rows: int, users: int, heads: int, num_sms: int, forced_splits: int, waves: int = WAVES) -> int:
+    """Programs a call launches (fixed for a CUDA graph's bucket): the Triton kernel's count at
+    BLOCK_M rows, with room for `waves` waves of pieces."""
+    return _grid_programs(rows, users, heads, BLOCK_M, num_sms * waves, forced_splits)
 
 
 if gluon is not None:
@@ -119,15 +142,20 @@ if gluon is not None:
     def _plan_kernel(
         Q_OFF, KV_LENS, ITEMS, num_users, num_heads, num_sms, forced_splits, grid,
         MAX_USERS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BALANCE_BELOW: tl.constexpr, MAX_SPLITS: tl.constexpr, FIELDS: tl.constexpr,
+        WAVES: tl.constexpr, PIECE_COST: tl.constexpr, MAX_SPLITS: tl.constexpr, FIELDS: tl.constexpr,
     ):
-        """ITEMS[g] for BLOCK_G programs g; plan_items is its reference."""
+        """ITEMS[g] for BLOCK_G programs g; plan_items (choose_pieces) is its reference."""
         users = tl.arange(0, MAX_USERS)
         q_lo, q_hi, kv, blocks = _user_blocks(Q_OFF, KV_LENS, num_users, MAX_USERS, BLOCK_M)
         units = tl.sum(blocks, axis=0) * num_heads
         longest = tl.maximum(tl.max((kv + BLOCK_N - 1) // BLOCK_N, axis=0), 1)
-        even = tl.maximum(tl.minimum(tl.minimum(num_sms // tl.maximum(units, 1), MAX_SPLITS), longest), 1)
-        splits = tl.where(units.to(tl.float32) >= BALANCE_BELOW * num_sms, 1, even)
+        splits = units * 0 + 1
+        best = (units + num_sms - 1) // num_sms * (longest + PIECE_COST)
+        for p in tl.static_range(2, MAX_SPLITS + 1):
+            cost = (units * p + num_sms - 1) // num_sms * ((longest + p - 1) // p + PIECE_COST)
+            better = (units < num_sms) & (p <= longest) & (units * p <= WAVES * num_sms) & (cost < best)
+            splits = tl.where(better, p, splits)
+            best = tl.where(better, cost, best)
         splits = tl.where(forced_splits > 0, tl.minimum(forced_splits, MAX_SPLITS), splits)
         count = blocks * num_heads * splits
         ends = tl.cumsum(count, axis=0)
@@ -356,6 +384,19 @@ if gluon is not None:
         rows = L * P * two * page
         return TensorDescriptor(kv_cache.view(rows, H * d), [rows, H * d], [H * d, 1], [box, d], layout)
 
+    def write_items(q_offsets: torch.Tensor, kv_lens: torch.Tensor, heads: int, num_sms: int, forced_splits: int,
+                    grid: int, waves: int = WAVES) -> torch.Tensor:
+        """ITEMS [grid, FIELDS] int32 on the metadata's device, written by _plan_kernel (plan_items' items)."""
+        B = kv_lens.shape[0]
+        items = torch.empty((grid, FIELDS), dtype=torch.int32, device=kv_lens.device)
+        block_g = 64
+        _plan_kernel[(triton.cdiv(grid, block_g),)](
+            q_offsets, kv_lens, items, B, heads, num_sms, forced_splits, grid,
+            MAX_USERS=max(64, triton.next_power_of_2(B + 1)), BLOCK_G=block_g, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            WAVES=waves, PIECE_COST=PIECE_COST, MAX_SPLITS=MAX_SPLITS, FIELDS=FIELDS, num_warps=4,
+        )
+        return items
+
     def launch(q, k, v, kv_cache, layer, page_table, kv_lens, q_offsets, q_pos, scale_len: int,
                num_sms: int, num_splits: int = 0) -> torch.Tensor:
         """The attention output [T, H, d] in q's dtype (the Triton op's contract); num_splits > 0
@@ -368,15 +409,9 @@ if gluon is not None:
             return out
         num_splits = min(num_splits, MAX_SPLITS)
         grid = grid_programs(T, B, H, num_sms, num_splits)
-        items = torch.empty((grid, FIELDS), dtype=torch.int32, device=q.device)
-        block_g = 64
-        _plan_kernel[(triton.cdiv(grid, block_g),)](
-            q_offsets, kv_lens, items, B, H, num_sms, num_splits, grid,
-            MAX_USERS=max(64, triton.next_power_of_2(B + 1)), BLOCK_G=block_g, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            BALANCE_BELOW=BALANCE_BELOW, MAX_SPLITS=MAX_SPLITS, FIELDS=FIELDS, num_warps=4,
-        )
-        # only items of cut units write PART: without forced pieces they number at most one wave
-        slots = grid if num_splits > 0 else num_sms
+        items = write_items(q_offsets, kv_lens, H, num_sms, num_splits, grid)
+        # only items of cut units write PART: without forced pieces they number at most WAVES waves
+        slots = grid if num_splits > 0 else num_sms * WAVES
         part = torch.empty((slots, BLOCK_M, d), dtype=torch.float32, device=q.device)
         box = min(page_size, BLOCK_N)
         _attention_kernel[(grid,)](

@@ -458,14 +458,11 @@ def test_gluon_plan_kernel_on_the_gpu_writes_the_reference_items():
 
     needs_hopper()
     offs, kv, H, sms = [0, 384, 768, 769, 1153], [3968, 4096, 1, 0], 4, 132
-    for forced in (0, 2):
-        grid = ga.grid_programs(offs[-1], 4, H, sms, forced)
-        items = torch.empty((grid, ga.FIELDS), dtype=torch.int32, device="cuda")
-        ga._plan_kernel[((grid + 63) // 64,)](
-            torch.tensor(offs, dtype=torch.int32, device="cuda"), torch.tensor(kv, dtype=torch.int32, device="cuda"),
-            items, 4, H, sms, forced, grid, MAX_USERS=64, BLOCK_G=64, BLOCK_M=ga.BLOCK_M, BLOCK_N=ga.BLOCK_N,
-            BALANCE_BELOW=ga.BALANCE_BELOW, MAX_SPLITS=ga.MAX_SPLITS, FIELDS=ga.FIELDS)
-        assert [tuple(r) for r in items.tolist()] == ga.plan_items(offs, kv, H, sms, grid, forced)
+    for forced, waves in ((0, 1), (2, 1), (0, 3)):
+        grid = ga.grid_programs(offs[-1], 4, H, sms, forced, waves)
+        items = ga.write_items(torch.tensor(offs, dtype=torch.int32, device="cuda"),
+                               torch.tensor(kv, dtype=torch.int32, device="cuda"), H, sms, forced, grid, waves)
+        assert [tuple(r) for r in items.tolist()] == ga.plan_items(offs, kv, H, sms, grid, forced, waves)
 
 
 @pytest.mark.parametrize("num_splits", [0, 3])

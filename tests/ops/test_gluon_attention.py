@@ -55,24 +55,39 @@ def emulate(case, items: list[tuple[int, ...]]) -> torch.Tensor:
     return out
 
 
-def case_items(case, num_sms: int, forced: int) -> list[tuple[int, ...]]:
+def case_items(case, num_sms: int, forced: int, waves: int = 1) -> list[tuple[int, ...]]:
     m = case.meta
     T, H = case.q.shape[0], case.q.shape[1]
-    grid = ga.grid_programs(T, len(m.kv_lens), H, num_sms, forced)
-    return ga.plan_items(m.q_offsets.tolist(), m.kv_lens.tolist(), H, num_sms, grid, forced)
+    grid = ga.grid_programs(T, len(m.kv_lens), H, num_sms, forced, waves)
+    return ga.plan_items(m.q_offsets.tolist(), m.kv_lens.tolist(), H, num_sms, grid, forced, waves)
 
 
-@pytest.mark.parametrize("num_sms,forced", [(132, 0), (8, 0), (132, 1), (132, 3), (4, 0)])
-def test_the_schedule_adds_up_to_the_attention(num_sms, forced):
-    """Whole units at many SMs, cut units at few (or forced): every row of every head exactly once."""
+@pytest.mark.parametrize("num_sms,forced,waves", [(132, 0, 1), (8, 0, 1), (132, 1, 1), (132, 3, 1), (4, 0, 1),
+                                                  (40, 0, 3), (132, 0, 3)])
+def test_the_schedule_adds_up_to_the_attention(num_sms, forced, waves):
+    """Whole units at many SMs, cut units at few (or forced, or over several waves): every row of
+    every head exactly once."""
     case = make_paged_case([300, 45, 700, 1], [260, 0, 690, 0], [40, 7, 64, 3], page_size=16, heads=2, head_dim=8,
                            seed=4)
-    items = case_items(case, num_sms, forced)
+    items = case_items(case, num_sms, forced, waves)
     pieces = {it[7] for it in items if it[0] >= 0}
     assert len(pieces) == 1
     if forced:
         assert pieces == {forced}
     assert rel_err(emulate(case, items), reference_fp64(case)) < 1e-12
+
+
+def test_pieces_fill_one_wave_or_trade_waves_for_shorter_pieces():
+    """The seed shapes on 132 SMs (64 key tiles a user): batch 1's 12 units cut 11 ways either
+    way; batch 8's 96 units whole in one wave, or 4 pieces in 3 waves (3 x 18 tiles against 66);
+    the re-rank's 64 units in 2 pieces (one wave is already best); units that fill the SMs whole."""
+    assert ga.choose_pieces(12, 64, 132, waves=1) == ga.choose_pieces(12, 64, 132, waves=3) == 11
+    assert ga.choose_pieces(96, 64, 132, waves=1) == 1
+    assert ga.choose_pieces(96, 64, 132, waves=3) == 4
+    assert ga.choose_pieces(64, 62, 132, waves=1) == ga.choose_pieces(64, 62, 132, waves=3) == 2
+    assert ga.choose_pieces(136, 64, 132, waves=3) == 1
+    assert ga.choose_pieces(12, 3, 132, waves=3) == 3  # never more pieces than key tiles
+    assert ga.choose_pieces(96, 64, 132, forced_splits=5, waves=3) == 5
 
 
 def test_items_run_a_users_row_blocks_side_by_side_last_block_first():
@@ -99,14 +114,12 @@ def test_plan_kernel_writes_the_reference_items():
         "    kv = [rng.choice([0, 1, 63, 64, 65, 1000, 3968]) for _ in range(B)]\n"
         "    offs = [0]\n"
         "    for r in rows: offs.append(offs[-1] + r)\n"
-        "    forced = rng.choice([0, 0, 1, 3])\n"
-        "    grid = ga.grid_programs(max(offs[-1], 1), B, H, sms, forced)\n"
-        "    items = torch.empty((grid, ga.FIELDS), dtype=torch.int32)\n"
-        "    ga._plan_kernel[((grid + 63) // 64,)](torch.tensor(offs, dtype=torch.int32),\n"
-        "        torch.tensor(kv, dtype=torch.int32), items, B, H, sms, forced, grid, MAX_USERS=64, BLOCK_G=64,\n"
-        "        BLOCK_M=ga.BLOCK_M, BLOCK_N=ga.BLOCK_N, BALANCE_BELOW=ga.BALANCE_BELOW, MAX_SPLITS=ga.MAX_SPLITS,\n"
-        "        FIELDS=ga.FIELDS)\n"
-        "    assert [tuple(r) for r in items.tolist()] == ga.plan_items(offs, kv, H, sms, grid, forced), trial\n"
+        "    forced, waves = rng.choice([0, 0, 1, 3]), rng.choice([1, 3])\n"
+        "    grid = ga.grid_programs(max(offs[-1], 1), B, H, sms, forced, waves)\n"
+        "    items = ga.write_items(torch.tensor(offs, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32),\n"
+        "                           H, sms, forced, grid, waves)\n"
+        "    want = ga.plan_items(offs, kv, H, sms, grid, forced, waves)\n"
+        "    assert [tuple(r) for r in items.tolist()] == want, trial\n"
         "print('same items')\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
