@@ -309,11 +309,12 @@ def bench_copies(cache: torch.Tensor) -> dict:
 
 
 def _tile_config(spec: str) -> ta.AttentionConfig:
-    """M,N,WARPS,STAGES[,LANES_ABOVE][t] with the tanh SiLU; a trailing t: TMA key tiles (N must be the page size)."""
+    """M,N,WARPS,STAGES[,LANES_ABOVE][t] with the tanh SiLU; a trailing t: TMA key tiles (N must be the page size).
+    The kernel is HSTU_ATTENTION_KERNEL's (gluon: its own tiles and schedule; the fields are the Triton kernel's)."""
     tma = spec.endswith("t")
     fields = spec.removesuffix("t").split(",")
     extra = {"lanes_above": float(fields[4])} if len(fields) > 4 else {}
-    return ta.AttentionConfig(*(int(x) for x in fields[:4]), silu="tanh", tma=tma, **extra)
+    return ta.AttentionConfig(*(int(x) for x in fields[:4]), silu="tanh", tma=tma, kernel=ta._KERNEL, **extra)
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ta.AttentionConfig) if f.default is not dataclasses.MISSING}
