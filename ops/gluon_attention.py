@@ -67,6 +67,9 @@ PIECE_COST = 2
 # HSTU_GLUON_WAVES (an experiment until measured on a GPU): how many waves of pieces a batch of
 # fewer units than SMs may be cut into; 1 = at most one wave (the plan first written).
 WAVES = int(knobs.number("HSTU_GLUON_WAVES", 1, "waves of pieces a batch may be cut into", minimum=1))
+# HSTU_GLUON_MASKED_TMA=1 (an experiment until measured on a GPU): the key tiles across the causal
+# boundary also by TMA, in the pipelined loop, masked there; else by the single-buffered gather.
+MASKED_TMA = knobs.flag("HSTU_GLUON_MASKED_TMA")
 
 
 _HOPPER: dict[int, bool] = {}
@@ -239,6 +242,7 @@ if gluon is not None:
         layer_offset, page_stride, token_stride, kv_stride, max_pages, layer_row0,
         SCALE: gl.constexpr, INV_SCALE_LEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, FIELDS: gl.constexpr,
+        MASKED_TMA: gl.constexpr = False,
     ):
         g = gl.program_id(0)
         item = ITEMS + g * FIELDS
@@ -277,7 +281,11 @@ if gluon is not None:
         key_hi = gl.minimum(key_cap, gl.max(last_key, axis=0) + 1)
         lo_all = gl.min(gl.where(row_ok, last_key, 2147483647), axis=0) + 1
         n_full = gl.maximum(gl.minimum(key_hi, lo_all) - key_lo, 0) // BLOCK_N
-        full_hi = key_lo + n_full * BLOCK_N
+        if MASKED_TMA:  # also the tiles across the causal boundary, whose keys are all the history's
+            n_tma = gl.maximum(gl.minimum(key_hi - key_lo + BLOCK_N - 1, kv_len - key_lo) // BLOCK_N, n_full)
+        else:
+            n_tma = n_full
+        tma_hi = key_lo + n_tma * BLOCK_N
 
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load))
         dd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, load))
@@ -289,33 +297,39 @@ if gluon is not None:
         pt_row = PT + b.to(gl.int64) * max_pages
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        # Tiles every row sees in full: TMA into two stages, tile j + 2 issued once tile j is done.
-        if n_full > 0:
+        keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        # Tiles every row sees in full (with MASKED_TMA also those across the causal boundary,
+        # masked by each row's last key): TMA into two stages, tile j + 2 issued once tile j is done.
+        if n_tma > 0:
             _issue_tile(k_smem.index(0), v_smem.index(0), bars.index(0), KV_DESC, pt_row, key_lo, layer_row0, h,
                         HEAD_DIM, PAGE_SIZE, BOX, BLOCK_N)
-        if n_full > 1:
+        if n_tma > 1:
             _issue_tile(k_smem.index(1), v_smem.index(1), bars.index(1), KV_DESC, pt_row, key_lo + BLOCK_N,
                         layer_row0, h, HEAD_DIM, PAGE_SIZE, BOX, BLOCK_N)
-        for j in range(n_full):
+        for j in range(n_tma):
             stage = j % 2
             mbarrier.wait(bars.index(stage), (j // 2) % 2)
             s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s,))
-            w = gl.convert_layout(_silu(s * SCALE).to(dtype), w_layout)
+            w = _silu(s * SCALE)
+            if MASKED_TMA:
+                if j >= n_full:
+                    keep = gl.expand_dims(key_lo + j * BLOCK_N + keys_s, 0) <= gl.expand_dims(last_key, 1)
+                    w = gl.where(keep, w, 0.0)
+            w = gl.convert_layout(w.to(dtype), w_layout)
             acc = warpgroup_mma(w, v_smem.index(stage), acc, is_async=True)
             acc, w = warpgroup_mma_wait(0, deps=(acc, w))
             gl.thread_barrier()  # every warp's wgmma done reading stage j before it is refilled
-            if j + 2 < n_full:
+            if j + 2 < n_tma:
                 _issue_tile(k_smem.index(stage), v_smem.index(stage), bars.index(stage), KV_DESC, pt_row,
                             key_lo + (j + 2) * BLOCK_N, layer_row0, h, HEAD_DIM, PAGE_SIZE, BOX, BLOCK_N)
         mbarrier.invalidate(bars.index(0))
         mbarrier.invalidate(bars.index(1))
 
-        # Tiles across the causal boundary or the history's end: gathered, masked.
+        # Tiles across the causal boundary (unless MASKED_TMA) or the history's end: gathered, masked.
         keys_ld = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load))
-        keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         kv_base = KV + layer_offset + h * HEAD_DIM
-        for start in range(full_hi, key_hi, BLOCK_N):
+        for start in range(tma_hi, key_hi, BLOCK_N):
             keys = start + keys_ld
             key_ok = keys < kv_len
             page = gl.load(pt_row + keys // PAGE_SIZE, mask=key_ok, other=0).to(gl.int64)
@@ -408,8 +422,8 @@ if gluon is not None:
         if T == 0 or B == 0:
             return out
         num_splits = min(num_splits, MAX_SPLITS)
-        grid = grid_programs(T, B, H, num_sms, num_splits)
-        items = write_items(q_offsets, kv_lens, H, num_sms, num_splits, grid)
+        grid = grid_programs(T, B, H, num_sms, num_splits, WAVES)
+        items = write_items(q_offsets, kv_lens, H, num_sms, num_splits, grid, WAVES)
         # only items of cut units write PART: without forced pieces they number at most WAVES waves
         slots = grid if num_splits > 0 else num_sms * WAVES
         part = torch.empty((slots, BLOCK_M, d), dtype=torch.float32, device=q.device)
@@ -420,7 +434,7 @@ if gluon is not None:
             layer * kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(3), kv_cache.stride(2), max_pages,
             layer * P * 2 * page_size,
             SCALE=1.0 / math.sqrt(d), INV_SCALE_LEN=1.0 / scale_len, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d,
-            PAGE_SIZE=page_size, BOX=box, FIELDS=FIELDS, num_warps=WARPS,
+            PAGE_SIZE=page_size, BOX=box, FIELDS=FIELDS, MASKED_TMA=MASKED_TMA, num_warps=WARPS,
         )
         block_r = 8
         _sum_pieces_kernel[(slots * (BLOCK_M // block_r),)](

@@ -120,7 +120,8 @@ def compile_config(block_m: int, block_n: int, num_warps: int, num_stages: int, 
     return {"config": (block_m, block_n, num_warps, num_stages), **kernel_report(kernel, arch)}
 
 
-def compile_gluon(head_dim: int = 256, page_size: int = 32, dtype: str = "bf16", arch: int = 90) -> dict:
+def compile_gluon(head_dim: int = 256, page_size: int = 32, dtype: str = "bf16", arch: int = 90,
+                  masked_tma: bool = False) -> dict:
     """The Gluon attention kernel (ops/gluon_attention.py) at `head_dim` and `page_size`: shared
     memory bytes, registers, spill bytes and its PTX's counts."""
     from triton.experimental.gluon import language as gl
@@ -134,11 +135,12 @@ def compile_gluon(head_dim: int = 256, page_size: int = 32, dtype: str = "bf16",
     layout = gl.NVMMASharedLayout.get_default_for([box, head_dim], gl.bfloat16 if dtype == "bf16" else gl.float16)
     pointers["KV_DESC"] = f"tensordesc<{dtype}[{box}, {head_dim}],{layout!r}>"
     constants = dict(SCALE=head_dim**-0.5, INV_SCALE_LEN=1 / 4352, BLOCK_M=ga.BLOCK_M, BLOCK_N=ga.BLOCK_N,
-                     HEAD_DIM=head_dim, PAGE_SIZE=page_size, BOX=box, FIELDS=ga.FIELDS)
+                     HEAD_DIM=head_dim, PAGE_SIZE=page_size, BOX=box, FIELDS=ga.FIELDS, MASKED_TMA=masked_tma)
     divisible = tuple(n for n in _DIVISIBLE if n not in ("Q_OFF", "head_dim")) + ("ITEMS",)
     kernel = compile_ahead(ga._attention_kernel, pointers, constants, divisible, {"num_warps": ga.WARPS}, arch,
                            GluonASTSource)
-    return {"config": ("gluon", head_dim, page_size), **kernel_report(kernel, arch)}
+    return {"config": ("gluon", head_dim, page_size) + (("masked_tma",) if masked_tma else ()),
+            **kernel_report(kernel, arch)}
 
 
 def main() -> None:
@@ -153,8 +155,9 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{'config':<16}{'smem':>8}{'regs':>6}{'spill st':>10}{'spill ld':>10}{'wgmma':>7}{'cp.async':>10}{'tma':>5}")
     if args.gluon is not None:
-        runs = {f"gluon,page{p}": lambda p=p: compile_gluon(args.head_dim, p, args.dtype, args.arch)
-                for p in args.gluon or [32]}
+        runs = {f"gluon,page{p}{',mtma' if m else ''}": lambda p=p, m=m: compile_gluon(args.head_dim, p, args.dtype,
+                                                                                     args.arch, m)
+                for p in args.gluon or [32] for m in (False, True)}
     else:
         runs = {spec: lambda spec=spec: compile_config(*(int(x) for x in spec.split(",")), head_dim=args.head_dim,
                                                        dtype=args.dtype, arch=args.arch, tma=args.tma)

@@ -377,10 +377,17 @@ def gluon_config(head_dim: int):
     return dataclasses.replace(default_config(head_dim), silu="tanh", kernel="gluon")
 
 
-def spy_gluon(monkeypatch) -> list:
-    """Calls that reached the Gluon launch (so a test cannot pass on the Triton kernel)."""
+# The Gluon kernel's experiment knobs (HSTU_GLUON_MASKED_TMA, HSTU_GLUON_WAVES) as test variants.
+GLUON_VARIANTS = {"base": {}, "masked_tma": {"MASKED_TMA": True}, "waves3": {"WAVES": 3}}
+
+
+def spy_gluon(monkeypatch, variant: str = "base") -> list:
+    """Calls that reached the Gluon launch (so a test cannot pass on the Triton kernel), with the
+    variant's knobs set."""
     from hstu.ops import gluon_attention
 
+    for name, value in GLUON_VARIANTS[variant].items():
+        monkeypatch.setattr(gluon_attention, name, value)
     calls, real = [], gluon_attention.launch
     monkeypatch.setattr(gluon_attention, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
@@ -388,12 +395,13 @@ def spy_gluon(monkeypatch) -> list:
 
 @pytest.mark.parametrize("case_idx", range(len(ATTN_CASES)))
 @pytest.mark.parametrize("num_splits", [0, 1, 3])
-def test_gluon_attention_bf16_within_2x_of_torch_reference_error(monkeypatch, case_idx, num_splits):
+@pytest.mark.parametrize("variant", ["base", "masked_tma"])
+def test_gluon_attention_bf16_within_2x_of_torch_reference_error(monkeypatch, case_idx, num_splits, variant):
     """ops/gluon_attention.py on every case: whole units, and every unit cut into pieces."""
     from hstu.ops.triton_attention import paged_hstu_attention_triton
 
     needs_hopper()
-    calls = spy_gluon(monkeypatch)
+    calls = spy_gluon(monkeypatch, variant)
     c, exact, ref_err = attention_case(case_idx)
     poison_allocator(4 * c.q.numel() * 16)
     out = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len,
@@ -404,14 +412,15 @@ def test_gluon_attention_bf16_within_2x_of_torch_reference_error(monkeypatch, ca
 
 
 @pytest.mark.parametrize("users,page_size", [(8, 32), (1, 32), (3, 64), (2, 8)])
-def test_gluon_attention_at_seed_shapes_and_page_sizes(monkeypatch, users, page_size):
+@pytest.mark.parametrize("variant", list(GLUON_VARIANTS))
+def test_gluon_attention_at_seed_shapes_and_page_sizes(monkeypatch, users, page_size, variant):
     """Seed-like users (a 3,968-key prefix, 128 new rows, 256 candidates; one user new) at the
     schedule's whole-unit and cut-unit sizes, fp16 too, within 2x of the 16-bit torch error."""
     from hstu.ops.attention import paged_hstu_attention_torch
     from hstu.ops.triton_attention import paged_hstu_attention_triton
 
     needs_hopper()
-    calls = spy_gluon(monkeypatch)
+    calls = spy_gluon(monkeypatch, variant)
     hist = [4096] * users
     cached = [3968] * (users - 1) + [0]
     dtype = torch.float16 if page_size == 64 else torch.bfloat16

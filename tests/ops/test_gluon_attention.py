@@ -127,8 +127,9 @@ def test_plan_kernel_writes_the_reference_items():
     assert done.returncode == 0 and "same items" in done.stdout, done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("head_dim,page_size", [(256, 32), (128, 8), (64, 128)])
-def test_kernel_compiles_for_sm90_with_tma_and_no_spills(head_dim, page_size):
+@pytest.mark.parametrize("head_dim,page_size,masked_tma", [(256, 32, False), (128, 8, False), (64, 128, False),
+                                                         (256, 32, True)])
+def test_kernel_compiles_for_sm90_with_tma_and_no_spills(head_dim, page_size, masked_tma):
     pytest.importorskip("triton.experimental.gluon")
     from hstu.scripts.kernel_regs import compile_gluon, ptxas_path
 
@@ -136,7 +137,7 @@ def test_kernel_compiles_for_sm90_with_tma_and_no_spills(head_dim, page_size):
         ptxas_path()
     except FileNotFoundError:
         pytest.skip("this triton bundles no ptxas")
-    r = compile_gluon(head_dim, page_size)
+    r = compile_gluon(head_dim, page_size, masked_tma=masked_tma)
     assert r["spill_store_bytes"] == 0 and r["registers"] <= 255
     assert r["tma"] > 0 and r["wgmma"] > 0
 
