@@ -160,7 +160,8 @@ stage overlap_probe 240 bash -c 'python3 -m hstu.scripts.overlap_probe --out "$O
 # A/B of attention variants by mode (mode_env): the schedule experiments of ops/triton_attention.py (off by
 # default): OFF; SIMPLE = ALIGN_TAIL=1 + LONG_FIRST=1; CAUSAL = both + CAUSAL_SHARES=1; and the kernel: TRITON, GLUON
 # (ops/gluon_attention.py), GLUON3 (its pieces over up to 3 waves: HSTU_GLUON_WAVES=3),
-# GLUONM (its causal-boundary tiles by TMA: HSTU_GLUON_MASKED_TMA=1). schedule_tests: the CUDA attention tests with the three schedule rules on; modes_kernels:
+# GLUONM (its causal-boundary tiles by TMA: HSTU_GLUON_MASKED_TMA=1), GLUONX (both). schedule_tests: the CUDA
+# attention tests with the three schedule rules on; modes_kernels:
 # the kernel at the bench shapes at its default tiles per mode (KERNEL_MODES); modes_replay: the seed replay
 # alternating the modes (MODES), --verify; modes_pressure: the pressure replay per mode (PRESSURE_MODES); modes_bench:
 # the end-to-end benchmark per mode (BENCH_MODES); gluon_tests:
@@ -174,6 +175,7 @@ mode_env() {
     GLUON) echo HSTU_ATTENTION_KERNEL=gluon ;;
     GLUON3) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_WAVES=3 ;;
     GLUONM) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_MASKED_TMA=1 ;;
+    GLUONX) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_WAVES=3 HSTU_GLUON_MASKED_TMA=1 ;;
     *) echo "unknown mode $1" >&2; return 1 ;;
   esac
 }

@@ -378,7 +378,8 @@ def gluon_config(head_dim: int):
 
 
 # The Gluon kernel's experiment knobs (HSTU_GLUON_MASKED_TMA, HSTU_GLUON_WAVES) as test variants.
-GLUON_VARIANTS = {"base": {}, "masked_tma": {"MASKED_TMA": True}, "waves3": {"WAVES": 3}}
+GLUON_VARIANTS = {"base": {}, "masked_tma": {"MASKED_TMA": True}, "waves3": {"WAVES": 3},
+                  "both": {"MASKED_TMA": True, "WAVES": 3}}
 
 
 def spy_gluon(monkeypatch, variant: str = "base") -> list:
