@@ -7,7 +7,7 @@
 # split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, modes_kernels,
-# modes_replay, modes_pressure, modes_bench, gluon_tests, pipeline_gluon,
+# modes_replay, modes_pressure, modes_bench, gluon_tests, sanitize_gluon, profile_pipelined, pipeline_gluon,
 # rest_loop2, engine_process, profile_host, rest_ray, rest_ray_direct, rest_ray_direct4, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
@@ -160,7 +160,7 @@ stage overlap_probe 240 bash -c 'python3 -m hstu.scripts.overlap_probe --out "$O
 # A/B of attention variants by mode (mode_env): the schedule experiments of ops/triton_attention.py (off by
 # default): OFF; SIMPLE = ALIGN_TAIL=1 + LONG_FIRST=1; CAUSAL = both + CAUSAL_SHARES=1; and the kernel: TRITON, GLUON
 # (ops/gluon_attention.py), GLUON3 (its pieces over up to 3 waves: HSTU_GLUON_WAVES=3),
-# GLUONM (its causal-boundary tiles by TMA: HSTU_GLUON_MASKED_TMA=1), GLUONX (both). schedule_tests: the CUDA
+# GLUONG (its causal-boundary tiles gathered: HSTU_GLUON_MASKED_TMA=0). schedule_tests: the CUDA
 # attention tests with the three schedule rules on; modes_kernels:
 # the kernel at the bench shapes at its default tiles per mode (KERNEL_MODES); modes_replay: the seed replay
 # alternating the modes (MODES), --verify; modes_pressure: the pressure replay per mode (PRESSURE_MODES); modes_bench:
@@ -174,8 +174,7 @@ mode_env() {
     TRITON) echo HSTU_ATTENTION_KERNEL=triton ;;
     GLUON) echo HSTU_ATTENTION_KERNEL=gluon ;;
     GLUON3) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_WAVES=3 ;;
-    GLUONM) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_MASKED_TMA=1 ;;
-    GLUONX) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_WAVES=3 HSTU_GLUON_MASKED_TMA=1 ;;
+    GLUONG) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_MASKED_TMA=0 ;;
     *) echo "unknown mode $1" >&2; return 1 ;;
   esac
 }
@@ -208,6 +207,14 @@ if [[ " ${failed[*]} " == *" gluon_tests "* ]]; then  # a failing (or hanging) G
   STAGES=${STAGES//pipeline_gluon/}
   echo "gluon_tests failed: GLUON modes and pipeline_gluon skipped" | tee -a "$LOG"
 fi
+# compute-sanitizer memcheck on the Gluon kernel (issue 12: every new kernel): whole and cut units, a padded
+# bucket, both tail forms
+stage sanitize_gluon 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  python3 -m pytest -q -m cuda -rfE -p no:cacheprovider tests/ops/test_cuda_kernels.py \
+  -k "gluon and (padded or default-8-32 or default-1-32 or gathered-2-8)"
+# issue 12's GPU busy share: batches launched back to back as the server does (rank_async), batch 1 and 8
+stage profile_pipelined 150 python3 -m hstu.cli profile --device cuda --cuda-graphs --batch 1 8 --forwards 10 \
+  --pipelined 16 --out "$OUT/profile_pipelined"
 stage schedule_tests 200 bash -c "$(declare -f mode_env); env \$(mode_env CAUSAL) python3 -m pytest -m cuda -q \
   -rfE -p no:cacheprovider tests/ops/test_cuda_kernels.py -k attention"
 stage modes_kernels 200 bash -c "$(declare -f mode_env modes_kernels); modes_kernels"

@@ -156,8 +156,10 @@ def test_kernel_knob_is_checked(monkeypatch):
     monkeypatch.setenv("HSTU_ATTENTION_KERNEL", "fast")
     with pytest.raises(ValueError, match="HSTU_ATTENTION_KERNEL must be one of .*'fast'"):
         ta._kernel_from_env()
-    monkeypatch.setenv("HSTU_ATTENTION_KERNEL", "gluon")
-    assert ta._kernel_from_env() == "gluon"
+    monkeypatch.setenv("HSTU_ATTENTION_KERNEL", "triton")
+    assert ta._kernel_from_env() == "triton"
+    monkeypatch.delenv("HSTU_ATTENTION_KERNEL")
+    assert ta._kernel_from_env() == "gluon"  # the default: the Gluon kernel wherever it fits
 
 
 def test_items_in_grid_order_cover_random_batches():
