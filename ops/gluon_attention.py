@@ -19,8 +19,8 @@ Three launches a call, all graph-safe (every decision read from the batch's meta
                           into `pieces` ranges of whole tiles (at most MAX_SPLITS and the longest
                           history's key tiles, units x pieces at most WAVES x SMs): the count whose
                           waves x (longest tiles / pieces + PIECE_COST) is least, the fewest on a
-                          tie (choose_pieces). WAVES = 1 fills at most one wave (batch 1); more
-                          let batch 8's 96 units on 132 SMs run as 3 waves of quarter units.
+                          tie (choose_pieces). WAVES = 1 fills at most one wave (batch 1); 3
+                          ran batch 8's 96 units on 132 SMs as 3 waves of quarter units, slower.
                           Items run user after user, then head, then piece, then row block, last
                           row block first: a user's row blocks read the same keys side by side (L2
                           reuse) and a causal history's longest blocks start first.
