@@ -131,7 +131,7 @@ def _lanes_from_env() -> float:
 # Module-level instances, so torch.compile sees constants rather than dataclass construction.
 # HSTU_ATTENTION_LANES_ABOVE sets their lanes_above and HSTU_ATTENTION_TMA=1 their tma (experiment
 # knobs for same-call comparisons). The kernel is the Gluon one where it fits (Hopper, 16-bit, the tanh
-# SiLU: 6-26% faster at the seed shapes and +7% seed replay requests/s, run FA, benchmarks/RESULTS.md),
+# SiLU: 6-26% less time a layer at the seed shapes and +7% seed replay requests/s, run FA, benchmarks/RESULTS.md),
 # else this module's; HSTU_ATTENTION_KERNEL=triton picks this module's everywhere.
 _SILU = _silu_from_env()
 _KERNEL = _kernel_from_env()
