@@ -194,16 +194,17 @@ replay_modes() {  # replay_modes NAME "MODES" [replay flags]: the seed replay on
   done
 }
 modes_bench() {  # the end-to-end benchmark (cached vs uncached, batch 1 and 8, CUDA graphs) per mode
-  for m in ${BENCH_MODES:-TRITON GLUON}; do
+  for m in $BENCH_MODES; do
     env $(mode_env $m) python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e --out "$OUT/bench_$m" \
       | sed "s/^/$m: /" || return 1
   done
 }
+export BENCH_MODES="${BENCH_MODES:-TRITON GLUON}"
 stage gluon_tests 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_cuda_kernels.py -k gluon
 no_gluon() { local m kept=(); for m in $1; do [[ $m == GLUON* ]] || kept+=("$m"); done; echo "${kept[*]}"; }
 if [[ " ${failed[*]} " == *" gluon_tests "* ]]; then  # a failing (or hanging) Gluon kernel: no GLUON* mode after it
   export KERNEL_MODES="$(no_gluon "${KERNEL_MODES:-}")" MODES="$(no_gluon "${MODES:-}")" \
-    PRESSURE_MODES="$(no_gluon "${PRESSURE_MODES:-}")" BENCH_MODES="$(no_gluon "${BENCH_MODES:-TRITON GLUON}")"
+    PRESSURE_MODES="$(no_gluon "${PRESSURE_MODES:-}")" BENCH_MODES="$(no_gluon "$BENCH_MODES")"
   STAGES=${STAGES//pipeline_gluon/}
   echo "gluon_tests failed: GLUON modes and pipeline_gluon skipped" | tee -a "$LOG"
 fi
