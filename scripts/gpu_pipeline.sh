@@ -4,7 +4,7 @@
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
 # STAGES picks the stages (default: the first six; also split, split_front, pressure_ab, pytest_hidden, split_hidden,
-# split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
+# split_b1, split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, modes_kernels,
 # modes_replay, modes_pressure, modes_bench, gluon_tests, sanitize_gluon, profile_pipelined, pipeline_gluon,
@@ -49,6 +49,9 @@ stage replay_graphs 120 python3 -m hstu.cli replay --preset seed --device cuda -
 # issue 11: every onload/recompute split of the host-tier batch against the planner's prediction
 stage split 240 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e split --warmup 2 --repeats 8 \
   --out "$OUT/split"
+# the split sweep at batch 1 alone (the planner's b1 choice against every fixed split)
+stage split_b1 150 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections split --batch-sizes 1 --warmup 2 \
+  --repeats 8 --out "$OUT/split_b1"
 # the same with the prefix's front recomputed beside its back's onload (host_split compute_front; compare with
 # "split" in the same call), and the pressure replay both ways
 stage split_front 240 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e split --warmup 2 --repeats 8 \
@@ -175,6 +178,7 @@ mode_env() {
     GLUON) echo HSTU_ATTENTION_KERNEL=gluon ;;
     GLUON3) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_WAVES=3 ;;
     GLUONG) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_MASKED_TMA=0 ;;
+    PLANEACH) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_PLAN_ONCE=0 ;;
     *) echo "unknown mode $1" >&2; return 1 ;;
   esac
 }

@@ -64,6 +64,10 @@ _PADDING: dict[str, int | str] = {
 }
 
 
+# KVCacheMetadata fields that are not its per-row/per-user tensors
+_HOST_FIELDS = ("max_q", "skip_page", "packed", "attention_plans")
+
+
 @dataclass
 class KVCacheMetadata:
     """Per-batch page and row indices. Tensors live on one device; ints are host values.
@@ -101,6 +105,10 @@ class KVCacheMetadata:
     packed: tuple[torch.Tensor, list[tuple[str, int, torch.dtype, tuple[int, ...]]]] | None = field(
         default=None, repr=False, compare=False
     )
+    # The attention kernel's schedule of this batch on the device, written by layer 0's call and
+    # read by the others (ops/gluon_attention.py batch_items): every layer sees the same rows and
+    # keys, so one plan launch a forward instead of one a layer. Keyed by the launch's shape.
+    attention_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_pages(cls, *args, **kwargs) -> "KVCacheMetadata":
@@ -129,7 +137,7 @@ class KVCacheMetadata:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor field by name (not max_q, skip_page or the packed buffer)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("max_q", "skip_page", "packed")}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _HOST_FIELDS}
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "KVCacheMetadata":
         """This metadata on `device`: one copy of the packed buffer when there is one."""

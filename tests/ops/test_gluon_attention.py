@@ -183,3 +183,28 @@ def test_items_in_grid_order_cover_random_batches():
             assert [p for p, _, _ in pieces] == list(range(len(pieces)))
             assert pieces[0][1] == 0 and pieces[-1][2] == kv[b]
             assert all(pieces[i][2] == pieces[i + 1][1] for i in range(len(pieces) - 1))
+
+
+def test_one_plan_a_forward_written_at_layer_0_and_read_by_the_others(monkeypatch):
+    """batch_items: layer 0 writes the batch's items and keeps them on the metadata; later layers
+    of that forward read them; the next forward's layer 0 writes afresh (a graph bucket's metadata
+    holds another batch by then); another launch shape or a bare call writes its own."""
+    pytest.importorskip("triton.experimental.gluon")
+    written = []
+
+    def fake_write(q_offsets, kv_lens, heads, num_sms, forced_splits, grid, waves):
+        written.append((heads, grid))
+        return torch.full((grid, ga.FIELDS), len(written), dtype=torch.int32)
+
+    monkeypatch.setattr(ga, "write_items", fake_write)
+    offs, kv = torch.tensor([0, 384], dtype=torch.int32), torch.tensor([4096], dtype=torch.int32)
+    plans: dict = {}
+    first = [ga.batch_items(plans, layer, offs, kv, 4, 132, 0, 132) for layer in range(8)]
+    assert len(written) == 1 and all(t is first[0] for t in first)
+    again = ga.batch_items(plans, 0, offs, kv, 4, 132, 0, 132)
+    assert len(written) == 2 and again is not first[0] and ga.batch_items(plans, 5, offs, kv, 4, 132, 0, 132) is again
+    other = ga.batch_items(plans, 3, offs, kv, 2, 132, 0, 132)  # another shape: its own items
+    assert len(written) == 3 and other is not again
+    ga.batch_items(None, 3, offs, kv, 4, 132, 0, 132)
+    ga.batch_items(None, 3, offs, kv, 4, 132, 0, 132)
+    assert len(written) == 5
