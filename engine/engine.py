@@ -407,12 +407,16 @@ class RankingEngine:
         t0 = time.perf_counter()
         plan = self._plan(requests)
         timing.plan_s = time.perf_counter() - t0
+        # a planner's host-tier plan: its layers measured against their prediction (plan_feedback.py)
+        measured = cache.plan_feedback.begin(*plan.measure, self.model.device) if plan.measure is not None else None
         try:
             logits = self._forward(requests, plan, timing, owned)
         except BaseException:
             cache.abort(plan)
             raise
         t1 = time.perf_counter()
+        if measured is not None:
+            cache.plan_feedback.end(measured, t1 - t0 - timing.plan_s)
         failed = set(cache.finish(plan))
         reused = [c - plan.front_tokens.get(u, 0) for u, c in zip(plan.user_ids, plan.cached_lens)]  # fronts: recomputed
         for out in self._split(requests, logits, reused):

@@ -4,7 +4,7 @@
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
 # STAGES picks the stages (default: the first six; also split, split_front, pressure_ab, pytest_hidden, split_hidden,
-# split_b1, split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
+# split_b1, profile_b1, split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, modes_kernels,
 # modes_replay, modes_pressure, modes_bench, gluon_tests, sanitize_gluon, profile_pipelined, pipeline_gluon,
@@ -92,6 +92,14 @@ profile_split() {
     && $p --onload-fraction 1.0 --cuda-graphs --out "$OUT/profile_onload_graphs"
 }
 stage profile_split 240 bash -c "$(declare -f profile_split); profile_split"
+# issue 11: batch 1's split against its own compute shape: the prefix 55% onloaded (the planner's choice in
+# run GA), then 2,176 tokens on the GPU (the split's compute alone), then almost nothing cached (recompute)
+profile_b1() {
+  local p="python3 -m hstu.cli profile --device cuda --cuda-graphs --batch 1 --forwards 10"
+  $p --onload-fraction 0.55 --out "$OUT/profile_b1_split" && $p --cached-tokens 2176 --out "$OUT/profile_b1_gpu2176" \
+    && $p --cached-tokens 128 --out "$OUT/profile_b1_gpu128"
+}
+stage profile_b1 200 bash -c "$(declare -f profile_b1); profile_b1"
 # the seed replay synchronised per batch and pipelined, alternately, twice (one machine, one call)
 replay_ab() {
   for k in 1 2 1 2; do
@@ -228,7 +236,7 @@ stage modes_pressure 200 bash -c "$(declare -f mode_env replay_modes); replay_mo
   '${PRESSURE_MODES:-OFF CAUSAL}' --users 256 --requests 600 --num-pages 1024 --host-cache-mb 4096"
 stage modes_bench 240 bash -c "$(declare -f mode_env modes_bench); modes_bench"
 HSTU_ATTENTION_KERNEL=gluon stage pipeline_gluon 240 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
-  tests/model/test_cuda_pipeline.py tests/engine/test_graphs.py -k "not compiled_layers"
+  tests/model/test_cuda_pipeline.py tests/engine/test_graphs.py tests/ops/kvcache/test_plan_feedback.py -k "not compiled_layers"
 stage bench_export 300 python3 -m hstu.scripts.bench_export --device cuda --batch 8 --cuda-graphs --out "$OUT/bench_export.json"
 stage bench_compiled 200 python3 -m hstu.cli bench --device cuda --compile --sections e2e --batch-sizes 8 --out "$OUT/bench_compiled"
 rm -f "$OUT/bench_graphs/bench.md" "$OUT/bench_compiled/bench.md"

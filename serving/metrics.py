@@ -58,6 +58,9 @@ _LABELLED_COUNTERS = (
       ("onloaded", "tokens_onloaded"), ("recomputed_from_host", "tokens_recomputed"))),
     ("hstu_cache_offload_rejected", "Offloads not admitted to the host tier (users seen too rarely)", "unit",
      (("users", "offload_rejected_users"), ("bytes", "offload_rejected_bytes"))),
+    ("hstu_planner_plans", "Host-tier batches by the planner's plan (after the measured feedback), and the plans "
+     "that feedback overrode", "kind", (("split", "plans_split"), ("onload", "plans_onload"),
+                                       ("recompute", "plans_recompute"), ("overridden", "plans_overridden"))),
     ("hstu_cache_prefetch", "Prefetches started and later found on the GPU", "result",
      (("started", "prefetches"), ("hit", "prefetch_hits"))),
     ("hstu_cache_hidden_chunks", "Host chunks moved as layer inputs (host_format hidden; K/V rebuilt on onload)",
@@ -238,6 +241,12 @@ class CacheCollector(_ScrapeTimeCollector):
             m = GaugeMetricFamily("hstu_planner_cost", "Compute-or-load planner cost model (measured or set)", labels=["input"])
             for key, value in cost.as_dict().items():
                 m.add_metric([key], float(value))
+            yield m
+            m = GaugeMetricFamily("hstu_planner_feedback", "Measured / predicted layer time of host-tier plans, by kind "
+                                  "of plan and batch size (moving average; 1 until measured)", labels=["kind", "users"])
+            for key, value in manager.plan_feedback.as_dict().items():
+                kind, users = key.split("@")
+                m.add_metric([kind, users], value["factor"])
             yield m
         occupancy = manager.occupancy()
         free_pages, free_slots = occupancy["gpu_free_pages"], occupancy["host_free_slots"]

@@ -98,6 +98,8 @@ class BatchPlan:
     # waits for on the device (an event, None, or page_reuse.ALL_EARLIER)
     seq: int = -1
     reuse_wait: int = -1
+    # a planner's host-tier plan to measure (plan_feedback.py): (kind, users, predicted layer seconds)
+    measure: tuple[str, int, float] | None = None
     pages_used_until: object = None
     _future: Future | None = field(default=None, repr=False)
     _prepared: PreparedBatch | None = field(default=None, repr=False)

@@ -18,6 +18,7 @@ import torch
 from hstu.ops.kvcache.admission import FrequencyAdmission
 from hstu.ops.kvcache.batch import BatchPlan
 from hstu.ops.kvcache.config import KVCacheConfig
+from hstu.ops.kvcache.plan_feedback import PlanFeedback, plan_kind, reprice
 from hstu.ops.kvcache.planner import CostModel, FixedSplit, UserShape, front_tokens
 from hstu.ops.kvcache.stats import CacheStats
 from hstu.ops.kvcache.transfers import TierTransfers
@@ -31,13 +32,16 @@ def split_host_prefixes(
     stats: CacheStats,
     buckets: tuple[int, ...] | None = None,
     slot_hidden: np.ndarray | None = None,
+    feedback: PlanFeedback | None = None,
 ) -> list[int]:
     """Keep only the planner's share of each host-tier prefix in `plan` (the rest is recomputed:
     after the onloaded front, or with host_split "compute_front" before the onloaded back, in a
     front pass of its own, plan.front_tokens);
     with no cost model every host prefix is onloaded whole (buckets: see planner.plan). Returns
     the users that now onload nothing, whose host pins the caller must release. slot_hidden: which
-    host slots hold hidden states (host_format "hidden"; the planner prices their onload so)."""
+    host slots hold hidden states (host_format "hidden"; the planner prices their onload so).
+    feedback: what earlier plans measured (plan_feedback.py): a planner's (CostModel's) choice is
+    re-priced with it, and the batch is marked to be measured (plan.measure)."""
     host = [b for b, s in enumerate(plan.sources) if s == "host"]
     if not host:
         return []
@@ -55,6 +59,12 @@ def split_host_prefixes(
             for b, s in enumerate(plan.sources)
         ]
         chosen = cost_model.choose(shapes, config.num_layers, config.chunk_tokens, buckets, front)
+        if feedback is not None and isinstance(cost_model, CostModel):
+            feedback.follow(cost_model)
+            planned = plan_kind(chosen.onload_tokens, [u.host_tokens for u in shapes])
+            chosen, kind = reprice(chosen, shapes, cost_model, feedback, config.num_layers, config.chunk_tokens, buckets)
+            stats.add(**{f"plans_{kind}": 1, "plans_overridden": int(kind != planned)})
+            plan.measure = (kind, len(shapes), chosen.predicted_s - cost_model.forward_s)
         onload = [min(chosen.onload_tokens[b], plan.cached_lens[b]) for b in host]
     chunk, unpin = config.chunk_tokens, []
     for b, p in zip(host, onload):

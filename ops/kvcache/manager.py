@@ -76,6 +76,7 @@ from hstu.ops.kvcache.hidden_tier import HiddenTails, gather_hidden, keeps_layer
 from hstu.ops.kvcache.host_tier import Prefetcher, admitted, split_host_prefixes
 from hstu.ops.kvcache.layout import JaggedLayout
 from hstu.ops.kvcache.metadata import PadSpec, pack_layout
+from hstu.ops.kvcache.plan_feedback import PlanFeedback
 from hstu.ops.kvcache.planner import CostModel, FixedSplit
 from hstu.ops.kvcache.stats import CacheStats
 from hstu.ops.kvcache.transfers import OffloadJob, TierTransfers
@@ -129,6 +130,8 @@ class AsyncKVCacheManager:
         # Compute-or-load split of host-tier prefixes (ops/kvcache/planner.py): the planner's cost
         # model, or a fixed split; None: pure onload.
         self.cost_model: CostModel | FixedSplit | None = None
+        # what the planner's plans measured against their predictions, fed back into its choices
+        self.plan_feedback = PlanFeedback()
         # The identity each GPU entry was committed with (its digest equals the entry's), so a
         # shorter request can be checked against any prefix of it; dropped with the entry.
         self._identities: dict[int, HistoryIdentity] = {}
@@ -162,7 +165,8 @@ class AsyncKVCacheManager:
             plan.seq = self._reuse.begin()
         try:
             unpin = split_host_prefixes(
-                plan, num_candidates, self.config, self.cost_model, self.stats, graph_buckets, self.transfers.slot_hidden
+                plan, num_candidates, self.config, self.cost_model, self.stats, graph_buckets, self.transfers.slot_hidden,
+                self.plan_feedback,
             )
             if unpin:
                 with self._index_lock:

@@ -32,6 +32,10 @@ class CacheStats:
     candidate_tokens: int = 0
     offload_rejected_users: int = 0  # not admitted to the host tier (seen too rarely)
     offload_rejected_bytes: int = 0
+    plans_split: int = 0  # host-tier batches by the planner's kind of plan (after feedback)
+    plans_onload: int = 0
+    plans_recompute: int = 0
+    plans_overridden: int = 0  # plans the measured feedback changed (plan_feedback.py)
     prefetches: int = 0
     prefetch_hits: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
