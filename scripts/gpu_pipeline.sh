@@ -4,7 +4,7 @@
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
 # STAGES picks the stages (default: the first six; also split, split_front, pressure_ab, pytest_hidden, split_hidden,
-# split_b1, profile_b1, split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
+# split_b1, profile_b1, ahead_ab, split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, modes_kernels,
 # modes_replay, modes_pressure, modes_bench, gluon_tests, sanitize_gluon, profile_pipelined, pipeline_gluon,
@@ -100,6 +100,18 @@ profile_b1() {
     && $p --cached-tokens 128 --out "$OUT/profile_b1_gpu128"
 }
 stage profile_b1 200 bash -c "$(declare -f profile_b1); profile_b1"
+# the onload's copies enqueued a layer ahead of the layer that reads them (default) against all at once, same
+# call: batch 1 end-to-end and its split sweep, then batch 8 end-to-end
+ahead_ab() {
+  local m b="python3 -m hstu.cli bench --device cuda --cuda-graphs --warmup 2 --repeats 8"
+  for m in all 1; do
+    HSTU_ONLOAD_AHEAD=$m $b --sections e2e split --batch-sizes 1 --out "$OUT/ahead_${m}_b1" | sed "s/^/ahead $m: /" || return 1
+  done
+  for m in all 1; do
+    HSTU_ONLOAD_AHEAD=$m $b --sections e2e --batch-sizes 8 --out "$OUT/ahead_${m}_b8" | sed "s/^/ahead $m: /" || return 1
+  done
+}
+stage ahead_ab 240 bash -c "$(declare -f ahead_ab); ahead_ab"
 # the seed replay synchronised per batch and pipelined, alternately, twice (one machine, one call)
 replay_ab() {
   for k in 1 2 1 2; do

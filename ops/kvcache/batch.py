@@ -15,6 +15,7 @@ from hstu.model.identity import HistoryIdentity
 from hstu.ops.kvcache.handle import OnloadHandle
 from hstu.ops.kvcache.layout import JaggedLayout
 from hstu.ops.kvcache.metadata import KVCacheMetadata, PackedMetadata, PadSpec
+from hstu.ops.kvcache.transfers import COPY_AHEAD
 
 
 @dataclass
@@ -35,17 +36,18 @@ class PreparedBatch:
     # What it returned: enqueues the hidden-state chunks' rebuilds of the layers up to the one given.
     _through: Callable[[int], None] | None = field(default=None, repr=False)
 
-    def start_onload(self, after: "torch.cuda.Event | None" = None) -> None:
+    def start_onload(self, after: "torch.cuda.Event | None" = None, ahead: int | None = None) -> None:
         """Enqueue the copies, once, from the model thread after the batch's own
         host->device inputs were enqueued. Why then: copies share the device's copy engines in
         enqueue order, so a batch's metadata and features enqueued behind all layers' onloads
         held its first layer (and so every later one) until every onload had landed; on the H200
         a batch that onloaded 3/4 of its prefix took load + compute instead of their overlap.
         after: the compute-stream event the copies wait for (default: all work enqueued so far;
-        TierTransfers.onload_async)."""
+        TierTransfers.onload_async). ahead: K/V copies kept enqueued beyond the layer about to run,
+        the rest as the model thread reaches them (None: every layer's now; onload_async)."""
         start, self._start_onload = self._start_onload, None
         if start is not None:
-            self._through = start(after=after)
+            self._through = start(after=after, ahead=ahead)
 
     @property
     def onload_started(self) -> bool:
@@ -54,8 +56,9 @@ class PreparedBatch:
 
     def ready(self, layer: int) -> None:
         """Block hook: order the compute stream after layer's onload (raises on timeout); the
-        first call starts the onload, and each enqueues the rebuilds up to its layer."""
-        self.start_onload()
+        first call starts the onload, and each enqueues what its layer needs (rebuilds up to it,
+        or K/V copies COPY_AHEAD layers beyond it)."""
+        self.start_onload(ahead=COPY_AHEAD)
         if self._through is not None:
             self._through(layer)
         self.handle.wait(layer)

@@ -2,7 +2,8 @@
 
   onload   host chunks -> reserved GPU pages, layer by layer on the onload stream (after the last
            batch that used those pages, page_reuse.py; the model thread starts it after the
-           batch's own inputs copy, PreparedBatch.start_onload, and enqueues every layer's copies), one event
+           batch's own inputs copy, PreparedBatch.start_onload, and enqueues the layers' copies, one
+           ahead of the layer it runs next or all at once, onload_async), one event
            per layer in the batch's OnloadHandle, which is `enqueued` once the last layer is (the
            batch may then commit); the worker waits for the batch's last event, drops the users'
            host pins and marks the handle done.
@@ -74,6 +75,25 @@ def _track(futures: dict[int, Future], users: list[int], future: Future) -> dict
 _REBUILD_AHEAD = os.environ.get("HSTU_REBUILD_AHEAD", "0") == "1"
 
 
+def _copy_ahead() -> int | None:
+    """HSTU_ONLOAD_AHEAD: how many layers' K/V copies a batch's onload keeps enqueued beyond the
+    layer the model thread is about to run (onload_async); "all": every layer's at once, as before
+    (same-call comparisons)."""
+    text = os.environ.get("HSTU_ONLOAD_AHEAD", "1").strip().lower()
+    if text == "all":
+        return None
+    try:
+        ahead = int(text)
+    except ValueError:
+        ahead = -1
+    if ahead < 0:
+        raise ValueError(f"HSTU_ONLOAD_AHEAD must be a layer count >= 0 or 'all', got {text!r}")
+    return ahead
+
+
+COPY_AHEAD = _copy_ahead()
+
+
 def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
     """`values` on `device`, through pinned memory when it is a GPU: a copy from pageable memory may
     wait for the stream's earlier work (the whole forward, when enqueued in finish) before it
@@ -135,6 +155,9 @@ class _PendingOnload:
     error: BaseException | None = None
     settling: bool = False
     caller_stream: "torch.cuda.Stream | None" = None  # the model thread's (compute) stream
+    # K/V-only onloads enqueued lazily (onload_async's `ahead`): the layers kept enqueued beyond the
+    # one the model thread is about to run; None: every copy was enqueued at once
+    ahead: int | None = None
 
 
 class TierTransfers:
@@ -213,6 +236,7 @@ class TierTransfers:
         self, handle: OnloadHandle, users: list[int], slot_ids: torch.Tensor, page_ids: torch.Tensor,
         after: "torch.cuda.Event | None" = None,
         pages_used_until: object = ALL_EARLIER,
+        ahead: int | None = None,
     ) -> Callable[[int], None]:
         """Start copying host slots `slot_ids` into page rows `page_ids` [n, pages_per_chunk], after
         `pages_used_until`: the compute event of the last batch that used those pages, or None when
@@ -231,10 +255,21 @@ class TierTransfers:
         enqueue costs ~0.03 ms a layer at batch 1 and ~0.2 ms at batch 8, less than the layer's
         copies it queues behind, so the layers' launches still run ahead of their pages.
 
-        Returns through(layer): enqueue the hidden-state chunks' K/V rebuilds of every layer up to
-        `layer` (the model thread calls it just before running that layer) and mark those layers
-        ready; the onload settles once the last layer's is enqueued. K/V-only onloads are ready and
-        settling on return (through does nothing). Why rebuilds wait for their layer: enqueued with
+        ahead: a K/V-only onload enqueues the copies of layers 0..ahead here and each later layer's
+        when the model thread reaches the layer `ahead` before it (through), instead of all of them
+        before the batch's first layer (None, and always with hidden-state chunks). Why: eight
+        layers' enqueues (0.3-0.5 ms at batch 1, more at batch 8) held the first layer's launch,
+        so a batch whose layers take longer than their copies (a split recomputing much of its
+        prefix) started computing that much later: on an H100 (run GB) a batch-1 split of 1,920
+        onloaded tokens ran 3.41 ms where its compute alone took 2.55 and its copies hid behind
+        it. One layer ahead keeps the copy engine fed: a layer's enqueue and segment launch take
+        ~0.07 ms, its copies 0.15 ms and up.
+
+        Returns through(layer): enqueue what `layer` needs (the model thread calls it just before
+        running that layer): the hidden-state chunks' K/V rebuilds of every layer up to `layer`,
+        or a lazy K/V onload's copies up to `layer + ahead`, marking those layers ready; the
+        onload settles once the last layer's is enqueued. An onload of K/V copied whole is ready
+        and settling on return (through does nothing). Why rebuilds wait for their layer: enqueued with
         the copies, all eight layers' (a graph replay or a dozen eager calls each, with their waits)
         came before the batch's first layer on the host: 2-3 ms a batch-1 forward on the H200 (runs
         CD, CE) while the GPU idled; enqueued on the onload worker instead, batch 1's pure onload
@@ -249,35 +284,54 @@ class TierTransfers:
         # forward under the profiler in run CI)
         caller = torch.cuda.current_stream(self.device) if stream is not None else None
         pending = _PendingOnload(handle, users, caller_stream=caller)
+        num_layers = self.config.num_layers
         try:
             with self._enqueue_lock, torch.cuda.stream(stream):  # a no-op for None (CPU)
                 if stream is not None and compute_done is not None:
                     stream.wait_event(compute_done)
                 parts = pending.parts = self._by_format(slot_ids, page_ids, graphs=True)
-                lazy = parts.hidden_slots.numel() > 0
-                for layer in range(self.config.num_layers):
-                    if self.onload_fault is not None:
-                        self.onload_fault(users, layer)
-                    copies = self._copy_layer(parts, layer, stream)
-                    if not lazy:
-                        handle.mark_ready(layer, copies)
-            if not lazy:
-                pending.next_layer = self.config.num_layers
+                if parts.hidden_slots.numel() > 0:  # every copy now, each layer ready once rebuilt
+                    for layer in range(num_layers):
+                        self._copy(pending, layer, stream, ready=False)
+                else:
+                    pending.ahead = ahead
+                    for layer in range(num_layers if ahead is None else min(num_layers, ahead + 1)):
+                        self._copy(pending, layer, stream, ready=True)
         except BaseException as exc:  # settled on the worker, as a failed copy would be
             pending.error = exc
-        through = functools.partial(self._rebuild_through, pending)
+        through = functools.partial(self._through, pending)
         if _REBUILD_AHEAD and pending.error is None:  # every rebuild now, as before (same-call comparisons)
             through(self.config.num_layers - 1)
         self._settle_if_enqueued(pending)
         return through
 
-    def _rebuild_through(self, pending: "_PendingOnload", layer: int) -> None:
-        """onload_async's through(layer): the rebuilds of layers up to `layer` not yet enqueued."""
-        if pending.settling or pending.next_layer > layer:
+    def _copy(self, pending: "_PendingOnload", layer: int, stream: "torch.cuda.Stream | None", ready: bool) -> None:
+        """Enqueue one layer's copies (on the current stream, `stream`); ready: the layer is then
+        ready (K/V chunks only: nothing left to rebuild) and counted done in next_layer."""
+        if self.onload_fault is not None:
+            self.onload_fault(pending.users, layer)
+        copies = self._copy_layer(pending.parts, layer, stream)
+        if ready:
+            pending.handle.mark_ready(layer, copies)
+            pending.next_layer = layer + 1
+
+    def _through(self, pending: "_PendingOnload", layer: int) -> None:
+        """onload_async's through(layer): the rebuilds of layers up to `layer`, or a lazy K/V
+        onload's copies up to `layer + ahead`, not yet enqueued."""
+        lazy_copies = pending.parts is not None and pending.parts.hidden_slots.numel() == 0
+        if lazy_copies and pending.ahead is None:
+            return  # every copy went at once
+        end = min(self.config.num_layers, layer + 1 + (pending.ahead if lazy_copies else 0))
+        if pending.settling or pending.next_layer >= end:
             return
         try:
             with self._enqueue_lock:
-                while pending.next_layer <= layer:
+                if lazy_copies:
+                    stream = self._onload_stream
+                    with torch.cuda.stream(stream):
+                        while pending.next_layer < end:
+                            self._copy(pending, pending.next_layer, stream, ready=True)
+                while pending.next_layer < end:
                     i = pending.next_layer
                     pending.handle.mark_ready(i, self._rebuild_layer(pending.parts, i, pending.caller_stream))
                     pending.next_layer += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -479,7 +480,7 @@ def test_an_onload_starts_once_after_the_event_it_is_given():
     from hstu.ops.kvcache.batch import PreparedBatch
 
     calls = []
-    prepared = PreparedBatch([], None, None, None, [], _start_onload=lambda after=None: calls.append(after))
+    prepared = PreparedBatch([], None, None, None, [], _start_onload=lambda after=None, ahead=None: calls.append(after))
     marker = object()
     prepared.start_onload(after=marker)
     prepared.start_onload()
@@ -500,3 +501,28 @@ def test_finished_background_work_is_not_tracked_forever(monkeypatch):
     tracked = {1: done, 2: pending, 3: done, 4: failed, 5: done}
     tracked = transfers._track(tracked, [9], pending)
     assert tracked == {2: pending, 9: pending}
+
+
+@pytest.mark.parametrize("ahead", [0, 1, None], ids=["ahead-0", "ahead-1", "all-at-once"])
+def test_an_onload_enqueues_each_layers_copies_ahead_of_the_layer_that_reads_them(tiny_config, book, monkeypatch, ahead):
+    """K/V copies go `ahead` layers in front of the layer the model thread runs (all at once:
+    None), each before its layer; the answer is the no-cache model's and the onload settles."""
+    from hstu.ops.kvcache import batch
+
+    events = []
+    monkeypatch.setattr(batch, "COPY_AHEAD", ahead)
+    ready = batch.PreparedBatch.ready
+    monkeypatch.setattr(batch.PreparedBatch, "ready", lambda self, layer: (events.append(("run", layer)), ready(self, layer)))
+    config = dataclasses.replace(tiny_config, num_layers=4)
+    model, mgr = _setup(config, onload_fault=lambda users, layer: events.append(("copy", layer)))
+    _evicted_to_host(model, mgr, book, 1)
+    events.clear()
+    out = _check(model, [book.request(1, 2)])[0]
+    assert out.cached_tokens == 24
+    assert [layer for kind, layer in events if kind == "copy"] == [0, 1, 2, 3]
+    runs = [i for i, (kind, _) in enumerate(events) if kind == "run"] + [len(events)]
+    for layer in range(4):  # ready(layer) returned with the copies of layers 0..layer + ahead enqueued
+        copied = sum(kind == "copy" for kind, _ in events[: runs[layer + 1]])
+        assert copied == (4 if ahead is None else min(4, layer + 1 + ahead)), events
+    mgr.drain()
+    assert mgr.host.pin_count(1) == 0 and mgr.gpu.pin_count(1) == 0
