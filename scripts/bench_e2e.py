@@ -246,6 +246,9 @@ class EndToEnd:
                 "recomputed_tokens_per_forward": delta["tokens_recomputed"],
                 "max_abs_diff_vs_uncached": _compare(f"e2e/{name} vs uncached", cached_out, reference, dtype, failures),
             }
+            if cost is not None:  # what the planner's plans measured against their predictions (plan_feedback.py)
+                out[name]["planner_feedback"] = mgr.plan_feedback.as_dict()
+                out[name]["plans_overridden"] = delta["plans_overridden"]
         times, rerank_out = measured["cached_rerank"]
         failures += _check_outputs("e2e/cached_rerank", rerank_out, shape.history_tokens, batch)
         out["cached_rerank"] = {

@@ -86,6 +86,12 @@ class PlanFeedback:
         with self._lock:
             return self._factors.get((kind, users), 1.0)
 
+    def measured(self, kind: str, users: int) -> bool:
+        """Whether a batch of `kind` at this size was measured (its events read)."""
+        self.collect()
+        with self._lock:
+            return (kind, users) in self._factors
+
     def observe(self, kind: str, users: int, predicted_s: float, measured_s: float) -> None:
         """Fold one batch's measured seconds against its predicted ones (both the layers' part)."""
         if kind not in KINDS:
@@ -147,13 +153,22 @@ def reprice(
     share. Re-priced only once the chosen kind measured more than min_gain slower than predicted
     (and than recomputing did): below that the planner's own margin covers the error, and what
     the span measures beyond the layers (the embedding and head kernels, a few % of a batch)
-    cannot flip a choice. Costs two dict reads otherwise."""
+    cannot flip a choice. Costs two dict reads otherwise.
+
+    Past that bar with recomputing never measured at this batch size, the batch recomputes: a
+    probe, so both sides of the comparison are measured. Why: on an H100 (run GC) a batch-1 split
+    measured ~1.25x its predicted layers, while recomputing, predicted 0.3 ms slower than it ran,
+    kept the prior 1.0; priced so, the split still passed the bar and ran 0.87x of no cache. A
+    probe costs at most what no cache costs (recomputing is what no cache does)."""
     users, host = len(shapes), [s.host_tokens for s in shapes]
     kind = plan_kind(chosen.onload_tokens, host)
     if kind == "recompute":
         return chosen, kind
     if feedback.factor(kind, users) <= max(1.0, feedback.factor("recompute", users)) * (1 + cost.min_gain):
         return chosen, kind
+    if not feedback.measured("recompute", users):
+        zero = [0] * users
+        return Plan(zero, *predict(shapes, zero, cost, num_layers, buckets, chunk_tokens)), "recompute"
     plans = {kind: chosen}
     for other, onload in (("onload", host), ("recompute", [0] * users)):
         if other not in plans:
