@@ -4,7 +4,7 @@
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
 # STAGES picks the stages (default: the first six; also split, split_front, pressure_ab, pytest_hidden, split_hidden,
-# split_b1, profile_b1, ahead_ab, split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
+# split_b1, profile_b1, trace_b1, ahead_ab, split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, modes_kernels,
 # modes_replay, modes_pressure, modes_bench, gluon_tests, sanitize_gluon, profile_pipelined, pipeline_gluon,
@@ -100,6 +100,13 @@ profile_b1() {
     && $p --cached-tokens 128 --out "$OUT/profile_b1_gpu128"
 }
 stage profile_b1 200 bash -c "$(declare -f profile_b1); profile_b1"
+# the same two as Chrome traces (OUT/trace_*/trace_b1.json.gz): where the split's 0.7 ms above its compute alone
+# goes (run GB), the copies and segments on their streams
+trace_b1() {
+  local p="python3 -m hstu.cli profile --device cuda --cuda-graphs --batch 1 --forwards 5 --trace"
+  $p --onload-fraction 0.5 --out "$OUT/trace_split" && $p --cached-tokens 1920 --out "$OUT/trace_gpu1920"
+}
+stage trace_b1 200 bash -c "$(declare -f trace_b1); trace_b1"
 # the onload's copies enqueued a layer ahead of the layer that reads them (default) against all at once, same
 # call: batch 1 end-to-end and its split sweep, then batch 8 end-to-end
 ahead_ab() {
