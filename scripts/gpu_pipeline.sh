@@ -100,11 +100,12 @@ profile_b1() {
     && $p --cached-tokens 128 --out "$OUT/profile_b1_gpu128"
 }
 stage profile_b1 200 bash -c "$(declare -f profile_b1); profile_b1"
-# the same two as Chrome traces (OUT/trace_*/trace_b1.json.gz): where the split's 0.7 ms above its compute alone
-# goes (run GB), the copies and segments on their streams
+# the split as Chrome traces (OUT/trace_*/trace_b1.json.gz; profile.json's timeline_us in short), its copies
+# enqueued all at once and one layer ahead, and its compute alone: where its late start (run GB) goes
 trace_b1() {
   local p="python3 -m hstu.cli profile --device cuda --cuda-graphs --batch 1 --forwards 5 --trace"
-  $p --onload-fraction 0.5 --out "$OUT/trace_split" && $p --cached-tokens 1920 --out "$OUT/trace_gpu1920"
+  HSTU_ONLOAD_AHEAD=all $p --onload-fraction 0.5 --out "$OUT/trace_split_all" \
+    && $p --onload-fraction 0.5 --out "$OUT/trace_split_ahead1" && $p --cached-tokens 1920 --out "$OUT/trace_gpu1920"
 }
 stage trace_b1 200 bash -c "$(declare -f trace_b1); trace_b1"
 # the onload's copies enqueued a layer ahead of the layer that reads them (default) against all at once, same
