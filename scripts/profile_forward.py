@@ -300,7 +300,8 @@ def main(args: argparse.Namespace) -> int:
     if args.host_only:
         from hstu.scripts import profile_host
 
-        return profile_host.main(shape, args.batch, args.forwards, args.out, rerank=args.rerank)
+        return profile_host.main(shape, args.batch, args.forwards, args.out, rerank=args.rerank,
+                                 onload_fraction=args.onload_fraction)
     device = torch.device(args.device)
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": dataclasses.asdict(shape), "cuda_graphs": args.cuda_graphs,
            "onload_fraction": args.onload_fraction, "rerank": args.rerank, "cold_requests": args.cold_requests}

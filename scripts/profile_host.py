@@ -36,12 +36,13 @@ import torch
 import hstu.ops.kvcache.transfers as transfers
 from hstu.engine import RankingEngine
 from hstu.model.batch import RankingRequest
+from hstu.ops.kvcache.planner import FixedSplit
 from hstu.scripts import report
 from hstu.scripts.bench_shapes import BenchShape, make_requests
 from hstu.scripts.profile_forward import as_front_end, profile_engine
 from hstu.scripts.workload import FreshUserIds, as_users
 
-HOST_PHASES = ("plan", "inputs", "wait", "finish", "split")
+HOST_PHASES = ("plan", "inputs", "wait", "onload", "finish", "split")
 # No kernel reads the model's width here: the narrowest model that keeps the layout.
 _NARROW = dict(embedding_dim=32, num_heads=2, head_dim=16, mlp_hidden=32, dtype="float32")
 
@@ -51,25 +52,32 @@ def narrow(shape: BenchShape) -> BenchShape:
     return dataclasses.replace(shape, **_NARROW)
 
 
-def host_engine(shape: BenchShape, batch: int) -> RankingEngine:
-    """A CPU engine whose graph buckets (uncaptured) fit the cached batch and its re-rank."""
-    return profile_engine(shape, torch.device("cpu"), batch, cuda_graphs=True, capture=False)
+def host_engine(shape: BenchShape, batch: int, onload_fraction: float | None = None) -> RankingEngine:
+    """A CPU engine whose graph buckets (uncaptured) fit the cached batch, its re-rank and, given an
+    onload fraction, the host-tier split's batch."""
+    return profile_engine(shape, torch.device("cpu"), batch, cuda_graphs=True, onload_fraction=onload_fraction,
+                          capture=False)
 
 
 @contextlib.contextmanager
 def device_copies_left_out():
-    """The offload's chunk gather and host stores as no-ops (GPU work: a kernel and DMAs)."""
-    saved = transfers.gather_kvcache_all_layers, transfers.store_host_chunks, transfers.store_hidden_chunks
+    """The offload's chunk gather and host stores, and the onload's copies, as no-ops (GPU work: kernels
+    and DMAs); what enqueues them still runs."""
+    names = ("gather_kvcache_all_layers", "store_host_chunks", "store_hidden_chunks", "onload_kvcache")
+    saved = [getattr(transfers, name) for name in names]
     transfers.gather_kvcache_all_layers = lambda kv_pages, page_ids: page_ids.new_empty(0)
     transfers.store_host_chunks = transfers.store_hidden_chunks = lambda arena, chunks, slot_ids: None
+    transfers.onload_kvcache = lambda kv_cache, host_arena, slot_ids, page_ids, layer: None
     try:
         yield
     finally:
-        transfers.gather_kvcache_all_layers, transfers.store_host_chunks, transfers.store_hidden_chunks = saved
+        for name, fn in zip(names, saved):
+            setattr(transfers, name, fn)
 
 
 def run_host_phases(engine: RankingEngine, requests: list[RankingRequest]) -> dict[str, float]:
-    """One batch's host phases (seconds), the forward left out."""
+    """One batch's host phases (seconds), the forward left out; a host-tier batch's onload enqueued
+    layer by layer where the segment replays enqueue it (PreparedBatch.ready before each layer)."""
     cache, model = engine.cache, engine.model
     logits = torch.zeros(sum(r.candidates.shape[0] for r in requests), len(engine.task_names))  # the graph's output
     t0 = time.perf_counter()
@@ -78,42 +86,58 @@ def run_host_phases(engine: RankingEngine, requests: list[RankingRequest]) -> di
     if plan.pad is not None:
         model.static_inputs(requests, plan.layout, engine.graphs.inputs_of(plan.pad))
     t2 = time.perf_counter()
-    cache.wait(plan)
+    prepared = cache.wait(plan)
     if plan.hidden_chunks and plan.pad is not None:  # host_format "hidden": what the replay hands finish
         plan.layer_inputs = engine.graphs.layer_inputs()
     t3 = time.perf_counter()
-    cache.finish(plan)
+    if prepared.onload_users:
+        for layer in range(engine.config.num_layers):
+            prepared.ready(layer)
     t4 = time.perf_counter()
-    engine._split(requests, logits, plan.cached_lens)
+    cache.finish(plan)
     t5 = time.perf_counter()
-    return dict(zip(HOST_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)))
+    engine._split(requests, logits, plan.cached_lens)
+    t6 = time.perf_counter()
+    return dict(zip(HOST_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)))
 
 
-def _batches(engine: RankingEngine, shape: BenchShape, batch: int, n: int, ids: FreshUserIds, rerank: bool = False):
+def _batches(
+    engine: RankingEngine, shape: BenchShape, batch: int, n: int, ids: FreshUserIds, rerank: bool = False,
+    onload_fraction: float | None = None,
+):
     """n times: commit fresh users' prefixes (untimed; rerank: their full histories, so the batch
-    re-ranks them unchanged), then yield their full requests, hashed."""
+    re-ranks them unchanged; onload_fraction: then evicted to the host tier, so the batch onloads
+    that share of them, FixedSplit, and recomputes the rest), then yield their full requests, hashed."""
     prefix, full = make_requests(shape, engine.config, batch)
+    cache = engine.cache
+    split = FixedSplit(onload_fraction) if onload_fraction is not None else None
     for _ in range(n):
         users = ids.take(batch)
         for r in (requests := as_users(full if rerank else prefix, users)):
             r.validate(engine.config)
+        cache.cost_model = None
         run_host_phases(engine, requests)
-        engine.cache.drain()
+        cache.drain()
+        if split is not None:
+            cache.evict_gpu(users)
+            cache.cost_model = split
         yield as_front_end(engine, as_users(full, users))
-        engine.cache.drain()
+        cache.drain()
 
 
-def profile_host(shape: BenchShape, batch: int, n: int, top: int = 20, rerank: bool = False) -> dict:
+def profile_host(
+    shape: BenchShape, batch: int, n: int, top: int = 20, rerank: bool = False, onload_fraction: float | None = None
+) -> dict:
     """Median ms per phase over n batches, then cProfile's top `top` functions by own time over
     another n (the profiler's overhead kept out of the medians)."""
     ids = FreshUserIds()
-    engine = host_engine(shape, batch)
+    engine = host_engine(shape, batch, onload_fraction)
     with device_copies_left_out(), contextlib.closing(engine):
-        for requests in _batches(engine, shape, batch, 3, ids, rerank):  # warm-up
+        for requests in _batches(engine, shape, batch, 3, ids, rerank, onload_fraction):  # warm-up
             run_host_phases(engine, requests)
-        times = [run_host_phases(engine, r) for r in _batches(engine, shape, batch, n, ids, rerank)]
+        times = [run_host_phases(engine, r) for r in _batches(engine, shape, batch, n, ids, rerank, onload_fraction)]
         prof = cProfile.Profile()
-        for requests in _batches(engine, shape, batch, n, ids, rerank):
+        for requests in _batches(engine, shape, batch, n, ids, rerank, onload_fraction):
             prof.enable()
             run_host_phases(engine, requests)
             prof.disable()
@@ -131,12 +155,17 @@ def profile_host(shape: BenchShape, batch: int, n: int, top: int = 20, rerank: b
     }
 
 
-def main(shape: BenchShape, batches: list[int], n: int, out: Path, rerank: bool = False) -> int:
+def main(
+    shape: BenchShape, batches: list[int], n: int, out: Path, rerank: bool = False, onload_fraction: float | None = None
+) -> int:
     shape = narrow(shape)
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host_only": True, "rerank": rerank,
-           "shape": dataclasses.asdict(shape), "environment": report.environment(torch.device("cpu"))}
+           "onload_fraction": onload_fraction, "shape": dataclasses.asdict(shape),
+           "environment": report.environment(torch.device("cpu"))}
     for batch in batches:
-        doc[str(batch)] = profile_host(dataclasses.replace(shape, batch_sizes=(batch,)), batch, n, rerank=rerank)
+        doc[str(batch)] = profile_host(
+            dataclasses.replace(shape, batch_sizes=(batch,)), batch, n, rerank=rerank, onload_fraction=onload_fraction
+        )
     report.write_json(out / "profile_host.json", doc)
     print(format_table(doc, batches))
     return 0
