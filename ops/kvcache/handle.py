@@ -22,7 +22,11 @@ class OnloadHandle:
     def __init__(self, num_layers: int, device: torch.device, timeout_s: float = 60.0) -> None:
         self.num_layers = num_layers
         self.timeout_s = timeout_s
-        self._ready = [threading.Event() for _ in range(num_layers)]
+        # layers [0, _ready_upto) are enqueued: they are marked in order (copies, then rebuilds, layer
+        # by layer), so one count and one condition serve where a threading.Event a layer cost
+        # ~6 us each to make, 50 us of a host-tier batch's plan on the dev CPU
+        self._ready_upto = 0
+        self._ready = threading.Condition(threading.Lock())
         self._events = [torch.cuda.Event() for _ in range(num_layers)] if device.type == "cuda" else None
         self._enqueued = threading.Event()  # every layer enqueued, or failed
         # events recorded with each layer's own (ForwardGraphs.layer_ready: a CUDA graph's waits);
@@ -35,25 +39,27 @@ class OnloadHandle:
     @classmethod
     def completed(cls, num_layers: int) -> "OnloadHandle":
         """A handle for a batch with nothing to onload: one shared instance per layer count (nine
-        threading.Events cost ~20 us a batch; a completed handle never changes, since only an onload
+        threading objects cost ~20 us a batch; a completed handle never changes, since only an onload
         (TierTransfers) marks or fails a handle, and none gets this one)."""
         handle = _COMPLETED.get(num_layers)
         if handle is None:
             handle = cls(num_layers, torch.device("cpu"))
-            for layer in range(num_layers):
-                handle._ready[layer].set()
+            handle._ready_upto = num_layers
             handle._enqueued.set()
             handle._done.set()
             handle = _COMPLETED.setdefault(num_layers, handle)
         return handle
 
     def mark_ready(self, layer: int, stream: "torch.cuda.Stream | None" = None) -> None:
-        """Worker side: layer's copies are enqueued (CUDA: on `stream`) or done (CPU)."""
+        """Worker side: layer's copies are enqueued (CUDA: on `stream`) or done (CPU); layers are
+        marked in order, so every earlier one was."""
         if self._events is not None and stream is not None:
             self._events[layer].record(stream)
             if self.mirror is not None:
                 self.mirror[layer].record(stream)
-        self._ready[layer].set()
+        with self._ready:
+            self._ready_upto = max(self._ready_upto, layer + 1)
+            self._ready.notify_all()
 
     def mark_enqueued(self) -> None:
         """Model thread: every layer's copies (and rebuilds) are enqueued without error."""
@@ -74,14 +80,15 @@ class OnloadHandle:
         """Worker side: onload failed; releases every waiter. Pages of this batch's onloaded users are garbage."""
         self.error = error
         self._events = None
-        for flag in self._ready:
-            flag.set()
+        with self._ready:
+            self._ready_upto = self.num_layers
+            self._ready.notify_all()
         self._enqueued.set()
         self._done.set()
 
     def wait(self, layer: int) -> None:
         """Compute side: block until layer's onload is enqueued, then order the current stream after it."""
-        if not self._ready[layer].wait(self.timeout_s):
+        if self._ready_upto <= layer and not self._wait_ready(layer):
             raise TimeoutError(f"onload of layer {layer} did not start within {self.timeout_s:.0f}s")
         events = self._events
         if events is not None:
@@ -89,6 +96,10 @@ class OnloadHandle:
             if self._compute is None:
                 self._compute = torch.cuda.current_stream()
             self._compute.wait_event(events[layer])
+
+    def _wait_ready(self, layer: int) -> bool:
+        with self._ready:
+            return self._ready.wait_for(lambda: self._ready_upto > layer, self.timeout_s)
 
     def wait_enqueued(self) -> bool:
         """Block until every layer is enqueued (True) or the onload failed (False: done, its copies
