@@ -165,8 +165,8 @@ class AsyncKVCacheManager:
             plan.seq = self._reuse.begin()
         try:
             unpin = split_host_prefixes(
-                plan, num_candidates, self.config, self.cost_model, self.stats, graph_buckets, self.transfers.slot_hidden,
-                self.plan_feedback,
+                plan, num_candidates, self.config, self.cost_model, self.stats, graph_buckets,
+                self.transfers.slot_hidden if self.config.host_format == "hidden" else None, self.plan_feedback,
             )
             if unpin:
                 with self._index_lock:

@@ -366,6 +366,8 @@ class TierTransfers:
         holds get their token index written into the graphs' buffer, on the rebuild stream, and the
         copy (current) stream waits for the rebuilds enqueued before (they may still read the rows
         these copies overwrite)."""
+        if self.config.host_format != "hidden":  # every slot holds K/V
+            return _OnloadParts(slot_ids, page_ids, slot_ids[:0], None, None)
         slots, rows = slot_ids.numpy(), page_ids.numpy()
         hidden = self.slot_hidden[slots] if slots.size else np.zeros(0, dtype=bool)
         if not hidden.any():
