@@ -113,7 +113,7 @@ def test_host_only_profile_times_the_host_phases_without_the_forward(tmp_path):
     assert doc["host_only"] is True and doc["shape"]["embedding_dim"] == 32  # the narrow model
     for batch in ("1", "2"):
         phases = doc[batch]["phases"]
-        assert set(phases) == {"plan_ms", "inputs_ms", "wait_ms", "finish_ms", "split_ms", "total_ms"}
+        assert set(phases) == {"plan_ms", "inputs_ms", "wait_ms", "onload_ms", "finish_ms", "split_ms", "total_ms"}
         assert phases["plan_ms"] > 0 and phases["inputs_ms"] > 0 and phases["total_ms"] >= phases["plan_ms"]
         assert any("plan" in row["function"] for row in doc[batch]["top_own_time"])
 
@@ -144,3 +144,32 @@ def test_host_only_profile_of_the_unchanged_history_rerank(tmp_path, monkeypatch
     # a re-rank computes no history token: each timed batch (every second call) leaves the count as it was
     counts = [c[0] for c in sources]
     assert all(counts[i + 1] == counts[i] for i in range(0, len(counts) - 1, 2))
+
+
+def test_host_only_profile_of_a_host_tier_split(tmp_path, monkeypatch):
+    """--onload-fraction with --host-only: every timed batch finds its users in the host tier, onloads
+    that share of their prefix (enqueued layer by layer, the copies left out) and recomputes the rest."""
+    from hstu.scripts import profile_host
+
+    onloaded = []
+    run = profile_host.run_host_phases
+
+    def spy(engine, requests):
+        before = engine.cache.stats.snapshot()
+        out = run(engine, requests)
+        after = engine.cache.stats.snapshot()
+        onloaded.append((after["tokens_onloaded"] - before["tokens_onloaded"], after["tokens_recomputed"] - before["tokens_recomputed"]))
+        return out
+
+    monkeypatch.setattr(profile_host, "run_host_phases", spy)
+    parser = argparse.ArgumentParser()
+    profile_forward.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["profile", "--tiny", "--host-only", "--onload-fraction", "0.5", "--device", "cpu", "--batch", "2",
+         "--forwards", "2", "--out", str(tmp_path)]
+    )
+    assert args.func(args) == 0
+    doc = json.loads((tmp_path / "profile_host.json").read_text())
+    assert doc["onload_fraction"] == 0.5 and doc["2"]["phases"]["onload_ms"] > 0
+    timed = onloaded[1::2]  # every second call is a timed batch, after its untimed prefill
+    assert timed and all(o > 0 and r > 0 for o, r in timed)
