@@ -49,7 +49,6 @@ class _Pending:
     predicted_s: float  # the layers' part of the prediction
     start: "torch.cuda.Event | None"
     end: "torch.cuda.Event | None"
-    measured_s: float | None = None  # CPU: known at once
 
 
 class PlanFeedback:
@@ -65,8 +64,8 @@ class PlanFeedback:
         self.alpha, self.low, self.high = alpha, low, high
         self._factors: dict[tuple[str, int], float] = {}
         self._counts: dict[tuple[str, int], int] = {}
-        self._pending: deque[_Pending] = deque()
-        self._max_pending = max_pending
+        # batches recorded, not yet read; past max_pending in flight the oldest goes unmeasured
+        self._pending: deque[_Pending] = deque(maxlen=max_pending)
         self._lock = threading.Lock()
         self._model: object = None
 
@@ -124,8 +123,6 @@ class PlanFeedback:
         pending.end.record()
         with self._lock:
             self._pending.append(pending)
-            dropped = self._pending.popleft() if len(self._pending) > self._max_pending else None
-        del dropped  # more batches in flight than kept: the oldest goes unmeasured
 
     def collect(self) -> None:
         """Fold every recorded batch whose end event completed, oldest first (never blocks)."""

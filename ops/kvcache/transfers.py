@@ -260,10 +260,11 @@ class TierTransfers:
         before the batch's first layer (None, and always with hidden-state chunks). Why: eight
         layers' enqueues (0.3-0.5 ms at batch 1, more at batch 8) held the first layer's launch,
         so a batch whose layers take longer than their copies (a split recomputing much of its
-        prefix) started computing that much later: on an H100 (run GB) a batch-1 split of 1,920
-        onloaded tokens ran 3.41 ms where its compute alone took 2.55 and its copies hid behind
-        it. One layer ahead keeps the copy engine fed: a layer's enqueue and segment launch take
-        ~0.07 ms, its copies 0.15 ms and up.
+        prefix) started computing that much later: on an H100 (run GB) a batch-1 split's first
+        kernel ran 0.93 ms after a GPU-resident batch's would have, its layer-0 pages landed 0.6 ms
+        before it. One layer ahead keeps the copy engine fed (a layer's enqueue and segment launch
+        take ~0.07 ms, its copies 0.15 ms and up); it took 0.04-0.15 ms off such splits and was
+        neutral elsewhere (run GC), so most of that late start lies elsewhere (benchmarks/RESULTS.md).
 
         Returns through(layer): enqueue what `layer` needs (the model thread calls it just before
         running that layer): the hidden-state chunks' K/V rebuilds of every layer up to `layer`,
