@@ -463,3 +463,22 @@ async def test_prefetch_over_http_puts_a_host_tier_user_back_on_the_gpu(referenc
     assert 'hstu_cache_prefetch_total{result="hit"} 1.0' in metrics
     assert 'hstu_planner_cost{input="h2d_bytes_per_s"}' in metrics
     assert 'hstu_planner_cost{input="min_gain"} 0.25' in metrics, "the override reaches the planner"
+
+
+@anyio
+async def test_a_planned_host_tier_batch_is_counted_and_its_measured_factor_exported(reference):
+    user = Timeline(43)
+    async with serving(tiny_settings(planner=True)) as (app, client):
+        for events in (20, 24):  # seen twice: its chunks are admitted to the host tier
+            assert (await client.post("/v1/rank", json=user.payload(events))).status_code == 200
+        app.state.runtime.manager.evict_gpu([43])
+        payload = user.payload(26)
+        r = await client.post("/v1/rank", json=payload)
+        assert r.status_code == 200 and matches_reference(reference, payload, r.json())
+        metrics = (await client.get("/metrics")).text
+    plans = {kind: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+             for kind in ("split", "onload", "recompute") if line.startswith(f'hstu_planner_plans_total{{kind="{kind}"}}')}
+    assert sum(plans.values()) == 1.0, plans
+    assert 'hstu_planner_plans_total{kind="overridden"} 0.0' in metrics
+    kind = next(k for k, v in plans.items() if v)
+    assert f'hstu_planner_feedback{{kind="{kind}",users="1"}}' in metrics
