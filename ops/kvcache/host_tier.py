@@ -62,7 +62,9 @@ def split_host_prefixes(
         if feedback is not None and isinstance(cost_model, CostModel):
             feedback.follow(cost_model)
             planned = plan_kind(chosen.onload_tokens, [u.host_tokens for u in shapes])
-            chosen, kind = reprice(chosen, shapes, cost_model, feedback, config.num_layers, config.chunk_tokens, buckets)
+            chosen, kind = reprice(
+                chosen, planned, shapes, cost_model, feedback, config.num_layers, config.chunk_tokens, buckets
+            )
             stats.add(**{f"plans_{kind}": 1, "plans_overridden": int(kind != planned)})
             plan.measure = (kind, len(shapes), chosen.predicted_s - cost_model.forward_s)
         onload = [min(chosen.onload_tokens[b], plan.cached_lens[b]) for b in host]

@@ -141,39 +141,37 @@ class PlanFeedback:
 
 
 def reprice(
-    chosen: Plan, shapes: list[UserShape], cost: CostModel, feedback: PlanFeedback, num_layers: int, chunk_tokens: int,
-    buckets: tuple[int, ...] | None = None,
+    chosen: Plan, kind: str, shapes: list[UserShape], cost: CostModel, feedback: PlanFeedback, num_layers: int,
+    chunk_tokens: int, buckets: tuple[int, ...] | None = None,
 ) -> tuple[Plan, str]:
-    """(plan, kind): the planner's `chosen` plan unless, with each kind's layers priced by its
-    measured factor, recomputing (or onloading every prefix whole) is predicted cheaper; the
-    same min_gain bar as the planner's keeps any plan but recomputing only where it saves that
-    share. Re-priced only once the chosen kind measured more than min_gain slower than predicted
-    (and than recomputing did): below that the planner's own margin covers the error, and what
-    the span measures beyond the layers (the embedding and head kernels, a few % of a batch)
-    cannot flip a choice. Costs two dict reads otherwise.
+    """(plan, kind): the planner's `chosen` plan, of `kind` (plan_kind), unless, with each kind's
+    layers priced by its measured factor, recomputing (or onloading every prefix whole) is
+    predicted cheaper; the same min_gain bar as the planner's keeps any plan but recomputing only
+    where it saves that share. Re-priced only once the chosen kind measured more than min_gain
+    slower than predicted (and than recomputing did): below that the planner's own margin covers
+    the error, and what the span measures beyond the layers (the embedding and head kernels, a
+    few % of a batch) cannot flip a choice. Costs two dict reads otherwise.
 
     Past that bar with recomputing never measured at this batch size, the batch recomputes: a
     probe, so both sides of the comparison are measured. Why: on an H100 (run GC) a batch-1 split
     measured ~1.25x its predicted layers, while recomputing, predicted 0.3 ms slower than it ran,
     kept the prior 1.0; priced so, the split still passed the bar and ran 0.87x of no cache. A
     probe costs at most what no cache costs (recomputing is what no cache does)."""
-    users, host = len(shapes), [s.host_tokens for s in shapes]
-    kind = plan_kind(chosen.onload_tokens, host)
     if kind == "recompute":
         return chosen, kind
+    users = len(shapes)
     if feedback.factor(kind, users) <= max(1.0, feedback.factor("recompute", users)) * (1 + cost.min_gain):
         return chosen, kind
+    zero = [0] * users
     if not feedback.measured("recompute", users):
-        zero = [0] * users
         return Plan(zero, *predict(shapes, zero, cost, num_layers, buckets, chunk_tokens)), "recompute"
     plans = {kind: chosen}
-    for other, onload in (("onload", host), ("recompute", [0] * users)):
+    for other, onload in (("onload", [s.host_tokens for s in shapes]), ("recompute", zero)):
         if other not in plans:
-            plans[other] = Plan(list(onload), *predict(shapes, list(onload), cost, num_layers, buckets, chunk_tokens))
-
-    def priced(k: str) -> float:
-        return cost.forward_s + (plans[k].predicted_s - cost.forward_s) * feedback.factor(k, users)
-
-    bar = priced("recompute") * (1 - cost.min_gain)
-    best = min((k for k in plans if k != "recompute" and priced(k) <= bar), key=priced, default="recompute")
+            plans[other] = Plan(onload, *predict(shapes, onload, cost, num_layers, buckets, chunk_tokens))
+    priced = {
+        k: cost.forward_s + (p.predicted_s - cost.forward_s) * feedback.factor(k, users) for k, p in plans.items()
+    }
+    bar = priced["recompute"] * (1 - cost.min_gain)
+    best = min((k for k in plans if k != "recompute" and priced[k] <= bar), key=priced.get, default="recompute")
     return plans[best], best

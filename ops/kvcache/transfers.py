@@ -319,12 +319,10 @@ class TierTransfers:
     def _through(self, pending: "_PendingOnload", layer: int) -> None:
         """onload_async's through(layer): the rebuilds of layers up to `layer`, or a lazy K/V
         onload's copies up to `layer + ahead`, not yet enqueued."""
-        lazy_copies = pending.parts is not None and pending.parts.hidden_slots.numel() == 0
-        if lazy_copies and pending.ahead is None:
-            return  # every copy went at once
+        lazy_copies = pending.ahead is not None  # set for K/V-only onloads enqueued lazily (onload_async)
         end = min(self.config.num_layers, layer + 1 + (pending.ahead if lazy_copies else 0))
         if pending.settling or pending.next_layer >= end:
-            return
+            return  # (a K/V onload copied whole is settling: nothing is left to enqueue)
         try:
             with self._enqueue_lock:
                 if lazy_copies:
@@ -339,10 +337,11 @@ class TierTransfers:
                     finally:
                         if stream is not None:
                             torch.cuda.set_stream(pending.caller_stream)
-                while pending.next_layer < end:
-                    i = pending.next_layer
-                    pending.handle.mark_ready(i, self._rebuild_layer(pending.parts, i, pending.caller_stream))
-                    pending.next_layer += 1
+                else:
+                    while pending.next_layer < end:
+                        i = pending.next_layer
+                        pending.handle.mark_ready(i, self._rebuild_layer(pending.parts, i, pending.caller_stream))
+                        pending.next_layer += 1
         except BaseException as exc:
             pending.error = exc
         self._settle_if_enqueued(pending)

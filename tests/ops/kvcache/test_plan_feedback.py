@@ -54,12 +54,12 @@ def test_a_split_measured_slower_than_predicted_gives_way_to_recomputing():
     chosen = plan(SEED_USERS, SPLITTING, LAYERS, CHUNK)
     assert plan_kind(chosen.onload_tokens, [3968] * 8) == "split"
     fb = PlanFeedback()
-    assert reprice(chosen, SEED_USERS, SPLITTING, fb, LAYERS, CHUNK) == (chosen, "split")  # nothing measured
+    assert reprice(chosen, "split", SEED_USERS, SPLITTING, fb, LAYERS, CHUNK) == (chosen, "split")  # nothing measured
     fb.observe("split", 8, 1.0, 1.05)  # within the planner's margin: its choice stands
-    assert reprice(chosen, SEED_USERS, SPLITTING, fb, LAYERS, CHUNK)[1] == "split"
+    assert reprice(chosen, "split", SEED_USERS, SPLITTING, fb, LAYERS, CHUNK)[1] == "split"
     fb.observe("split", 8, 1.0, 3.0)
     fb.observe("recompute", 8, 1.0, 1.0)
-    repriced, kind = reprice(chosen, SEED_USERS, SPLITTING, fb, LAYERS, CHUNK)
+    repriced, kind = reprice(chosen, "split", SEED_USERS, SPLITTING, fb, LAYERS, CHUNK)
     assert kind == "recompute" and repriced.onload_tokens == [0] * 8
     assert repriced.predicted_s == pytest.approx(predict(SEED_USERS, [0] * 8, SPLITTING, LAYERS)[0])
 
@@ -70,12 +70,12 @@ def test_a_split_slower_than_predicted_probes_recomputing_once_then_compares_bot
     chosen = plan(SEED_USERS, SPLITTING, LAYERS, CHUNK)
     fb = PlanFeedback(alpha=1.0)
     fb.observe("split", 8, 1.0, 1.3)
-    probe, kind = reprice(chosen, SEED_USERS, SPLITTING, fb, LAYERS, CHUNK)
+    probe, kind = reprice(chosen, "split", SEED_USERS, SPLITTING, fb, LAYERS, CHUNK)
     assert kind == "recompute" and probe.onload_tokens == [0] * 8
     fb.observe("recompute", 8, 1.0, 1.3)
-    assert reprice(chosen, SEED_USERS, SPLITTING, fb, LAYERS, CHUNK)[1] == "split"
+    assert reprice(chosen, "split", SEED_USERS, SPLITTING, fb, LAYERS, CHUNK)[1] == "split"
     fb.observe("recompute", 8, 1.0, 0.9)  # recomputing ran faster than predicted: priced by both, the split loses
-    assert reprice(chosen, SEED_USERS, SPLITTING, fb, LAYERS, CHUNK)[1] == "recompute"
+    assert reprice(chosen, "split", SEED_USERS, SPLITTING, fb, LAYERS, CHUNK)[1] == "recompute"
 
 
 def test_a_vetoed_split_falls_to_a_whole_onload_that_measured_well():
@@ -84,7 +84,7 @@ def test_a_vetoed_split_falls_to_a_whole_onload_that_measured_well():
     fb.observe("split", 8, 1.0, 3.0)
     fb.observe("recompute", 8, 1.0, 1.0)
     fb.observe("onload", 8, 1.0, 0.5)  # onloading whole measured twice as fast as predicted
-    assert reprice(chosen, SEED_USERS, SPLITTING, fb, LAYERS, CHUNK)[1] == "onload"
+    assert reprice(chosen, "split", SEED_USERS, SPLITTING, fb, LAYERS, CHUNK)[1] == "onload"
 
 
 def test_recomputing_slower_than_predicted_keeps_the_split():
@@ -92,7 +92,7 @@ def test_recomputing_slower_than_predicted_keeps_the_split():
     fb = PlanFeedback(alpha=1.0)
     fb.observe("split", 8, 1.0, 1.5)
     fb.observe("recompute", 8, 1.0, 1.5)  # both missed alike: the planner's comparison stands
-    assert reprice(chosen, SEED_USERS, SPLITTING, fb, LAYERS, CHUNK)[1] == "split"
+    assert reprice(chosen, "split", SEED_USERS, SPLITTING, fb, LAYERS, CHUNK)[1] == "split"
 
 
 def _engine(config) -> RankingEngine:
