@@ -228,8 +228,8 @@ inline std::pair<std::vector<int64_t>, std::vector<int64_t>> token_slots_host(
   return {std::move(tok_page), std::move(tok_off)};
 }
 
-// write_pinned: dst (host) and src the same dtype and element count, both contiguous.
-inline void check_write_pinned(const at::Tensor& dst, const at::Tensor& src) {
+// write_pinned, read_pinned: dst and src the same dtype and element count, both contiguous.
+inline void check_pinned_copy(const at::Tensor& dst, const at::Tensor& src) {
   TORCH_CHECK(dst.scalar_type() == src.scalar_type(), "dst dtype ", dst.scalar_type(), " must equal src dtype ",
               src.scalar_type());
   TORCH_CHECK(dst.numel() == src.numel(), "dst holds ", num(dst.numel()), " elements but src ", num(src.numel()));

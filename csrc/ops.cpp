@@ -95,9 +95,10 @@ void store_hidden_chunks_cpu(at::Tensor hidden_arena, const at::Tensor& chunks, 
   hidden_arena.index_copy_(0, slot_ids.to(at::kLong), chunks.to(hidden_arena.device()));
 }
 
-// src -> dst (the CUDA impl writes a device tensor into pinned host memory with a kernel).
-void write_pinned_cpu(at::Tensor dst, const at::Tensor& src) {
-  check_write_pinned(dst, src);
+// src -> dst (the CUDA impls copy between a device tensor and pinned host memory with a kernel:
+// write_pinned device -> host, read_pinned host -> device).
+void pinned_copy_cpu(at::Tensor dst, const at::Tensor& src) {
+  check_pinned_copy(dst, src);
   dst.copy_(src);
 }
 
@@ -115,6 +116,7 @@ TORCH_LIBRARY(hstu, m) {
   m.def("onload_hidden(Tensor(a!) out, Tensor hidden_arena, Tensor slot_ids, int layer) -> ()");
   m.def("store_hidden_chunks(Tensor(a!) hidden_arena, Tensor chunks, Tensor slot_ids) -> ()");
   m.def("write_pinned(Tensor(a!) dst, Tensor src) -> ()");
+  m.def("read_pinned(Tensor(a!) dst, Tensor src) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hstu, CPU, m) {
@@ -125,7 +127,8 @@ TORCH_LIBRARY_IMPL(hstu, CPU, m) {
   m.impl("store_host_chunks", &store_host_chunks_cpu);
   m.impl("onload_hidden", &onload_hidden_cpu);
   m.impl("store_hidden_chunks", &store_hidden_chunks_cpu);
-  m.impl("write_pinned", &write_pinned_cpu);
+  m.impl("write_pinned", &pinned_copy_cpu);
+  m.impl("read_pinned", &pinned_copy_cpu);
 }
 
 }  // namespace hstu

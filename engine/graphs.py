@@ -57,11 +57,13 @@ functions eagerly over the same static buffers: the padding path, tested where C
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
+from hstu.ops.kv_ops import read_pinned
 from hstu.ops.kvcache.metadata import KVCacheMetadata, PackedMetadata, PadSpec
 
 Replay = Callable[[], object]
@@ -69,6 +71,11 @@ Replay = Callable[[], object]
 
 _STAGING_SLOTS = 3  # batches in flight on the host side per bucket, plus one being copied
 _WAIT_SETS = 4  # waits_in_graph: event sets (and waited captures per bucket), more than batches in flight
+# How a batch's staging slot reaches its bucket's device buffer under capture: "kernel" (read_pinned: a
+# kernel reading the pinned slot, no copy engine, so a host-tier batch's onload may be enqueued
+# before it; RankingEngine starts it early then) or "engine" (torch's copy_, as before; the
+# onload starts at the first layer). An experiment knob for same-call comparisons.
+STAGE_BY_KERNEL = os.environ.get("HSTU_STAGE_COPY", "kernel").strip().lower() != "engine"
 
 
 @dataclass
@@ -162,6 +169,12 @@ class ForwardGraphs:
         return PadSpec(
             rows, self.max_batch, self.max_pages, self.scratch_page, bucket.staging[i], i, bucket.staged_inputs[i]
         )
+
+    @property
+    def onload_before_stage(self) -> bool:
+        """Whether a batch's onload copies may be enqueued before its stage() without delaying it:
+        captured graphs stage by a kernel (STAGE_BY_KERNEL), uncaptured ones (CPU) copy in place."""
+        return STAGE_BY_KERNEL or not self.capture
 
     def take_wait_set(self) -> int:
         """The next event set, once the last replay that waited on it completed (batches ago);
@@ -287,7 +300,10 @@ class ForwardGraphs:
             or meta.packed[0].data_ptr() != pad.staging.data_ptr()
         ):
             return False
-        bucket.device_buffer.copy_(pad.staging, non_blocking=True)
+        if self.capture and STAGE_BY_KERNEL:
+            read_pinned(bucket.device_buffer, pad.staging)
+        else:
+            bucket.device_buffer.copy_(pad.staging, non_blocking=True)
         if self.capture:
             if bucket.copied[slot] is None:
                 bucket.copied[slot] = torch.cuda.Event()

@@ -63,6 +63,11 @@ def _write_pinned_fake(dst, src) -> None:
     return None
 
 
+@torch.library.register_fake("hstu::read_pinned")
+def _read_pinned_fake(dst, src) -> None:
+    return None
+
+
 def append_kvcache(
     kv_cache: torch.Tensor,
     k: torch.Tensor,
@@ -122,6 +127,14 @@ def write_pinned(dst: torch.Tensor, src: torch.Tensor) -> None:
     engine, so a small result (a batch's logits) never waits behind a bulk D2H (an offload) that
     another stream queued on the engine first."""
     _ops.write_pinned(dst, src)
+
+
+def read_pinned(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """src -> dst, same dtype and size, both contiguous. On CUDA, dst on the GPU and src pinned host
+    memory read by a kernel through its mapped address, ordered on the current stream: no copy
+    engine, so a CUDA-graph batch's staged inputs never wait behind its onload's copies, which
+    may then be enqueued first (engine/graphs.py, ForwardGraphs.stage)."""
+    _ops.read_pinned(dst, src)
 
 
 def append_kvcache_reference(kv_cache, k, v, page_ids, page_offsets, layer, rows=None, skip_page=-1) -> None:

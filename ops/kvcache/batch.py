@@ -37,11 +37,12 @@ class PreparedBatch:
     _through: Callable[[int], None] | None = field(default=None, repr=False)
 
     def start_onload(self, after: "torch.cuda.Event | None" = None, ahead: int | None = None) -> None:
-        """Enqueue the copies, once, from the model thread after the batch's own
-        host->device inputs were enqueued. Why then: copies share the device's copy engines in
-        enqueue order, so a batch's metadata and features enqueued behind all layers' onloads
-        held its first layer (and so every later one) until every onload had landed; on the H200
-        a batch that onloaded 3/4 of its prefix took load + compute instead of their overlap.
+        """Enqueue the copies, once, from the model thread: after the batch's own host->device
+        inputs when those go through a copy engine, since copies share the engines in enqueue
+        order (a batch's metadata and features enqueued behind all layers' onloads held its
+        first layer until every onload had landed; on the H200 a batch that onloaded 3/4 of its
+        prefix took load + compute instead of their overlap); before them when a kernel stages
+        them (ForwardGraphs.onload_before_stage: RankingEngine starts it right after the plan).
         after: the compute-stream event the copies wait for (default: all work enqueued so far;
         TierTransfers.onload_async). ahead: K/V copies kept enqueued beyond the layer about to run,
         the rest as the model thread reaches them (None: every layer's now; onload_async)."""

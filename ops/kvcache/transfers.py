@@ -2,7 +2,8 @@
 
   onload   host chunks -> reserved GPU pages, layer by layer on the onload stream (after the last
            batch that used those pages, page_reuse.py; the model thread starts it after the
-           batch's own inputs copy, PreparedBatch.start_onload, and enqueues the layers' copies, one
+           batch's own inputs copy, or before a kernel stages them, PreparedBatch.start_onload,
+           and enqueues the layers' copies, one
            ahead of the layer it runs next or all at once, onload_async), one event
            per layer in the batch's OnloadHandle, which is `enqueued` once the last layer is (the
            batch may then commit); the worker waits for the batch's last event, drops the users'

@@ -542,6 +542,31 @@ def test_triton_attention_under_torch_compile_matches_eager(dtype):
 # H200 image (2026-12-02) an error message that formatted an integer once segfaulted inside the
 # extension (then built with -std=c++17 against torch's C++20 headers; fixed, see kv_checks.h).
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_pinned_lands_beside_a_bulk_copy_to_the_device(dtype):
+    """read_pinned (a kernel through src's mapped address) on the current stream while another
+    stream's 256 MiB H2D is in flight: the values land exactly (odd element counts included), and
+    src's block is not handed out again before the kernel read it (the host allocator saw it)."""
+    big_host = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+    big = torch.empty(big_host.shape, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    for n in (1, 37, 2048 * 3 + 5):
+        src = torch.randn(n).to(dtype).pin_memory()
+        dst = torch.full((n,), float("nan"), dtype=dtype, device="cuda")
+        with torch.cuda.stream(side):
+            big.copy_(big_host, non_blocking=True)
+        kv_ops.read_pinned(dst, src)
+        assert torch.equal(dst.cpu(), src)
+        side.synchronize()
+    ptr = src.data_ptr()
+    torch.cuda._sleep(50_000_000)  # the stream busy, so the kernel is still pending when src is dropped
+    kv_ops.read_pinned(dst, src)
+    del src
+    again = torch.empty(2048 * 3 + 5, dtype=dtype, pin_memory=True)
+    assert again.data_ptr() != ptr, "the host allocator handed out a block a pending kernel still reads"
+    torch.cuda.synchronize()
+
+
 _REJECT_PRELUDE = """
 import os, torch
 from hstu.ops import kv_ops
@@ -558,6 +583,10 @@ REJECTIONS = {
     "write_pinned_pageable_dst": (
         "kv_ops.write_pinned(torch.zeros(8), torch.ones(8, device='cuda'))",
         "write_pinned needs dst in pinned memory",
+    ),
+    "read_pinned_pageable_src": (
+        "kv_ops.read_pinned(torch.zeros(8, device='cuda'), torch.ones(8))",
+        "read_pinned needs src in pinned memory",
     ),
     "unknown_onload_impl": (
         "os.environ['HSTU_ONLOAD_IMPL'] = 'dma'; kv_ops.onload_kvcache(cache, arena, slots, pages, 0)",

@@ -190,17 +190,19 @@ def test_opcheck_hidden_ops():
     _opcheck(torch.ops.hstu.onload_hidden.default, (torch.zeros(2, 4, 6), arena, slots, 1))
 
 
-def test_write_pinned_copies_and_names_a_mismatch():
+@pytest.mark.parametrize("name", ["write_pinned", "read_pinned"])
+def test_pinned_copies_copy_and_name_a_mismatch(name):
+    copy = getattr(kv_ops, name)
     src, dst = torch.randn(6, 3).to(torch.bfloat16), torch.zeros(6, 3, dtype=torch.bfloat16)
-    kv_ops.write_pinned(dst, src)
+    copy(dst, src)
     assert torch.equal(dst, src)
     with pytest.raises(RuntimeError, match="dst holds 17 elements but src 18"):
-        kv_ops.write_pinned(torch.zeros(17), torch.zeros(18))
+        copy(torch.zeros(17), torch.zeros(18))
     with pytest.raises(RuntimeError, match="dst dtype Float must equal src dtype BFloat16"):
-        kv_ops.write_pinned(torch.zeros(18), src)
+        copy(torch.zeros(18), src)
     with pytest.raises(RuntimeError, match="must be contiguous"):
-        kv_ops.write_pinned(torch.zeros(3, 6).t(), torch.zeros(6, 3))
-    _opcheck(torch.ops.hstu.write_pinned.default, (torch.zeros(4, 2), torch.randn(4, 2)))
+        copy(torch.zeros(3, 6).t(), torch.zeros(6, 3))
+    _opcheck(getattr(torch.ops.hstu, name).default, (torch.zeros(4, 2), torch.randn(4, 2)))
 
 
 def test_append_rejects_page_out_of_range():
