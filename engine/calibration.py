@@ -190,7 +190,7 @@ def measure_onload(engine, cost: CostModel, max_users: int = 8, repeats: int = 3
 
 
 def measure_front(engine, cost: CostModel, max_users: int = 8, repeats: int = 3, fraction: float = 0.5) -> CostModel:
-    """`cost` with front_s: under host_split "compute_front", what a batch of all calibration users
+    """`cost` with front_s: under host_split "compute_front" (or "auto"), what a batch of all calibration users
     whose prefixes are in the host tier, `fraction` onloaded and the rest recomputed in a front pass,
     took beyond predict_front's figure for it. Why: the front pass is a forward of its own (features,
     metadata, a second graph launch, rows with no candidates) that the per-layer fit, measured on
@@ -203,7 +203,7 @@ def measure_front(engine, cost: CostModel, max_users: int = 8, repeats: int = 3,
     if prefix is None:
         return cost
     users, events, candidates, prefix_events, n, _, host_tokens = prefix
-    split = FixedSplit(fraction)
+    split = FixedSplit(fraction, order="compute_front")  # (its own order under host_split "auto")
     shapes = [prefilled_host_user(kv, host_tokens, n, candidates)] * users
     onload = split.choose(shapes, kv.num_layers, kv.chunk_tokens).onload_tokens
     reused = host_tokens - front_tokens(host_tokens, onload[0], kv.chunk_tokens)

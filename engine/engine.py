@@ -92,7 +92,7 @@ def default_graph_buckets(compile: bool = False, host_split: str = "load_front")
     """The row buckets enable_cuda_graphs captures when none are given (HSTU_GRAPH_BUCKETS, else
     the defaults above)."""
     buckets = buckets_from_env() or (DEFAULT_COMPILED_GRAPH_BUCKETS if compile else DEFAULT_GRAPH_BUCKETS)
-    if host_split == "compute_front" and not compile and FRONT_GRAPH_BUCKET > buckets[-1]:
+    if host_split in ("compute_front", "auto") and not compile and FRONT_GRAPH_BUCKET > buckets[-1]:
         return buckets + (FRONT_GRAPH_BUCKET,)
     return buckets
 
@@ -191,9 +191,9 @@ class RankingEngine:
         self.model = model
         self.cache = cache
         self.config = model.config
-        if cache is not None and cache.config.host_split == "compute_front" and model.config.num_contextual % 2:
+        if cache is not None and cache.config.may_compute_front and model.config.num_contextual % 2:
             raise ValueError(
-                f"host_split 'compute_front' recomputes whole chunks from the front, which end on an event only "
+                f"host_split {cache.config.host_split!r} recomputes whole chunks from the front, which end on an event only "
                 f"with an even number of contextual tokens; this model has {model.config.num_contextual}"
             )
         if cache is not None and cache.config.host_format == "hidden":
@@ -317,7 +317,7 @@ class RankingEngine:
             cost = CostModel(measure_h2d(self.model.device), kv.page_bytes // kv.page_size, per_row, per_pair,
                              forward_s=forward, hidden_bytes_per_token_layer=hidden_bytes)
             cost = measure_onload(self, cost)
-            if self.cache.config.host_split == "compute_front":
+            if self.cache.config.may_compute_front:
                 cost = measure_front(self, cost)
         with self._lock:
             self.cache.cost_model = cost

@@ -16,7 +16,7 @@ from hstu.model.batch import RankingRequest
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.ops.kvcache.host_tier import prefilled_host_user
-from hstu.ops.kvcache.planner import FixedSplit, predict, predict_front
+from hstu.ops.kvcache.planner import FixedSplit, choose_split, predict, predict_front
 from hstu.scripts.bench_shapes import BenchShape, make_requests
 from hstu.scripts.compare import compare_logits
 from hstu.scripts.timing import TimedRun, Timer, summarize
@@ -297,7 +297,7 @@ def split_sweep(e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: i
 
     users = [prefilled_host_user(mgr.config, cached, shape.history_tokens, shape.num_candidates)] * batch
     L = e2e.model_config.num_layers
-    front = mgr.config.host_split == "compute_front"
+    front = mgr.config.host_split == "compute_front"  # the sweep's order ("auto" sweeps load_front's)
     onloads = {f: FixedSplit(f).choose(users, L, chunk).onload_tokens for f in SPLIT_FRACTIONS}
     # (name, engine, setup, cost model during the timed forward), timed taking turns
     runs: list[tuple[str, RankingEngine, Callable[[dict], Callable[[], None]], Any]] = [
@@ -337,8 +337,9 @@ def split_sweep(e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: i
             row["predicted_ms"], row["predicted_onload_ms"], row["predicted_compute_ms"] = (t * 1e3 for t in predicted)
         out["splits"].append(row)
     if e2e.cost is not None:
-        chosen = e2e.cost.choose(users, L, chunk, e2e.cached.graph_buckets, front)
+        chosen, chosen_front = choose_split(e2e.cost, users, L, chunk, e2e.cached.graph_buckets, mgr.config.host_split)
         out["planner_onload_tokens_per_user"] = chosen.onload_tokens[0]
+        out["planner_order"] = "compute_front" if chosen_front else "load_front"
         out["planner_predicted_ms"] = chosen.predicted_s * 1e3
         out["cost_model"] = e2e.cost.as_dict()
     best = min(out["splits"], key=lambda r: r["host_tier_ms"])

@@ -59,7 +59,7 @@ _LABELLED_COUNTERS = (
     ("hstu_cache_offload_rejected", "Offloads not admitted to the host tier (users seen too rarely)", "unit",
      (("users", "offload_rejected_users"), ("bytes", "offload_rejected_bytes"))),
     ("hstu_planner_plans", "Host-tier batches by the planner's plan (after the measured feedback), and the plans "
-     "that feedback overrode", "kind", (("split", "plans_split"), ("onload", "plans_onload"),
+     "that feedback overrode", "kind", (("split", "plans_split"), ("front", "plans_front"), ("onload", "plans_onload"),
                                        ("recompute", "plans_recompute"), ("overridden", "plans_overridden"))),
     ("hstu_cache_prefetch", "Prefetches started and later found on the GPU", "result",
      (("started", "prefetches"), ("hit", "prefetch_hits"))),

@@ -136,8 +136,8 @@ class ServerSettings:
             object.__setattr__(self, "parse_processes", _CUDA_PARSE_PROCESSES if cuda else 0)
         if self.front_ends < 1:
             raise ValueError(f"front_ends must be >= 1, got {self.front_ends}")
-        if self.host_split not in ("load_front", "compute_front"):  # KVCacheConfig's check, before torch loads
-            raise ValueError(f"host_split must be 'load_front' or 'compute_front', got {self.host_split!r}")
+        if self.host_split not in ("load_front", "compute_front", "auto"):  # KVCacheConfig's check, before torch loads
+            raise ValueError(f"host_split must be one of load_front, compute_front, auto, got {self.host_split!r}")
         if self.host_format not in ("kv", "hidden"):  # KVCacheConfig's check, before torch loads
             raise ValueError(f"host_format must be 'kv' or 'hidden', got {self.host_format!r}")
         if self.front_ends > 1 and not self.engine_process:

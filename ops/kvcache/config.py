@@ -10,10 +10,11 @@ from hstu.model.config import HSTUConfig
 
 
 # KVCacheConfig.host_split's values, and the one help text of every command's --host-split flag.
-HOST_SPLITS = ("load_front", "compute_front")
+HOST_SPLITS = ("load_front", "compute_front", "auto")
 HOST_SPLIT_HELP = (
     "host-tier prefixes split by the planner: onload the front and recompute the back (load_front, the "
-    "default) or recompute the front in a pass of its own beside the back's onload (compute_front, Cake's order)"
+    "default), recompute the front in a pass of its own beside the back's onload (compute_front, Cake's "
+    "order), or either, per batch, whichever the cost model predicts faster (auto)"
 )
 
 
@@ -28,7 +29,7 @@ HOST_FORMAT_HELP = (
 
 def check_host_split(value: str) -> None:
     if value not in HOST_SPLITS:
-        raise ValueError(f"host_split must be 'load_front' or 'compute_front', got {value!r}")
+        raise ValueError(f"host_split must be one of {', '.join(HOST_SPLITS)}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class KVCacheConfig:
     "compute_front" (Cake's order): recompute [0, q) first, in a pass of its own that reads no
     onloaded page, while tokens [q, n) are onloaded beside it; then the new tokens and candidates
     attend to both. Needs an even number of contextual tokens (q falls on an event boundary).
+    "auto": each batch's planner prices both and takes the faster (planner.choose_split); batch 1
+    ran load_front's splits faster and batch 8 compute_front's on the H100 (runs BC, GB, GF). Needs
+    what compute_front needs.
     host_format: what a host chunk holds. "kv": every layer's K/V pages (2*H*d values a token and
     layer). "hidden": a chunk of an admitted user whose every token's layer inputs were at hand
     (computed whole by one forward, or completed from the tail its previous forward kept) holds
@@ -98,6 +102,12 @@ class KVCacheConfig:
     host_format: str = "kv"
     hidden_dim: int = 0
     hidden_tail_bytes: int = 256 << 20
+
+    @property
+    def may_compute_front(self) -> bool:
+        """Whether a batch may recompute host-tier prefixes' fronts in a pass of their own
+        (host_split "compute_front", or "auto" when the planner picks it)."""
+        return self.host_split in ("compute_front", "auto")
 
     def __post_init__(self) -> None:
         check_host_split(self.host_split)

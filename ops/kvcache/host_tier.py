@@ -19,7 +19,7 @@ from hstu.ops.kvcache.admission import FrequencyAdmission
 from hstu.ops.kvcache.batch import BatchPlan
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.plan_feedback import PlanFeedback, plan_kind, reprice
-from hstu.ops.kvcache.planner import CostModel, FixedSplit, UserShape, front_tokens
+from hstu.ops.kvcache.planner import CostModel, FixedSplit, UserShape, choose_split, front_tokens
 from hstu.ops.kvcache.stats import CacheStats
 from hstu.ops.kvcache.transfers import TierTransfers
 
@@ -46,7 +46,7 @@ def split_host_prefixes(
     if not host:
         return []
     onload = [plan.cached_lens[b] for b in host]
-    front = config.host_split == "compute_front"
+    front = config.host_split == "compute_front"  # (a planner's choice under "auto")
     if cost_model is not None:
         shapes = [
             UserShape(
@@ -58,10 +58,12 @@ def split_host_prefixes(
             )
             for b, s in enumerate(plan.sources)
         ]
-        chosen = cost_model.choose(shapes, config.num_layers, config.chunk_tokens, buckets, front)
+        chosen, front = choose_split(
+            cost_model, shapes, config.num_layers, config.chunk_tokens, buckets, config.host_split
+        )
         if feedback is not None and isinstance(cost_model, CostModel):
             feedback.follow(cost_model)
-            planned = plan_kind(chosen.onload_tokens, [u.host_tokens for u in shapes])
+            planned = plan_kind(chosen.onload_tokens, [u.host_tokens for u in shapes], front)
             chosen, kind = reprice(
                 chosen, planned, shapes, cost_model, feedback, config.num_layers, config.chunk_tokens, buckets
             )

@@ -29,17 +29,19 @@ import torch
 
 from hstu.ops.kvcache.planner import CostModel, Plan, UserShape, predict
 
-KINDS = ("split", "onload", "recompute")
+KINDS = ("split", "front", "onload", "recompute")
 
 
-def plan_kind(onload: list[int], host_tokens: list[int]) -> str:
-    """The kind of a plan onloading onload[u] of each host-tier user's host_tokens[u]."""
+def plan_kind(onload: list[int], host_tokens: list[int], front: bool = False) -> str:
+    """The kind of a plan onloading onload[u] of each host-tier user's host_tokens[u]; a split
+    whose users recompute fronts in a pass of their own (front: host_split compute_front, some
+    user split within its prefix) is "front": its timeline is another one."""
     pairs = [(p, n) for p, n in zip(onload, host_tokens) if n > 0]
     if all(p == 0 for p, _ in pairs):
         return "recompute"
     if all(p == n for p, n in pairs):
         return "onload"
-    return "split"
+    return "front" if front and any(0 < p < n for p, n in pairs) else "split"
 
 
 @dataclass

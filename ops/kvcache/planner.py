@@ -91,10 +91,14 @@ class FixedSplit:
     (`hstu bench --sections split`), and for pinning a split that measured best on a device."""
 
     fraction: float
+    # under host_split "auto": which order the split takes (None: load_front; choose_split)
+    order: str | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"fraction must be in [0, 1], got {self.fraction}")
+        if self.order not in (None, "load_front", "compute_front"):
+            raise ValueError(f"order must be None, 'load_front' or 'compute_front', got {self.order!r}")
 
     def choose(
         self, users: list["UserShape"], num_layers: int, chunk_tokens: int, buckets: tuple[int, ...] | None = None,
@@ -127,6 +131,25 @@ class Plan:
     predicted_s: float
     onload_s: float
     compute_s: float
+
+
+def choose_split(
+    cost: "CostModel | FixedSplit", users: list[UserShape], num_layers: int, chunk_tokens: int,
+    buckets: tuple[int, ...] | None, host_split: str,
+) -> tuple[Plan, bool]:
+    """(plan, front): the cost model's split of the batch under KVCacheConfig.host_split, and
+    whether it recomputes the prefixes' fronts (compute_front). "auto" prices both orders and
+    takes the faster (load_front on a tie; a FixedSplit, which predicts nothing, takes its own
+    order, load_front by default): at batch 1 load_front's splits measured faster, at batch 8
+    compute_front's, whose front pass runs beside the copies instead of after them (H100, runs
+    BC, GB, GF)."""
+    if host_split != "auto" or not isinstance(cost, CostModel):
+        order = cost.order if host_split == "auto" and isinstance(cost, FixedSplit) else host_split
+        front = order == "compute_front"
+        return cost.choose(users, num_layers, chunk_tokens, buckets, front), front
+    back = cost.choose(users, num_layers, chunk_tokens, buckets, False)
+    fronts = cost.choose(users, num_layers, chunk_tokens, buckets, True)
+    return (fronts, True) if fronts.predicted_s < back.predicted_s else (back, False)
 
 
 def layer_work(users: list[UserShape], onload: list[int]) -> tuple[int, int]:

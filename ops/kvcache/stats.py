@@ -33,6 +33,7 @@ class CacheStats:
     offload_rejected_users: int = 0  # not admitted to the host tier (seen too rarely)
     offload_rejected_bytes: int = 0
     plans_split: int = 0  # host-tier batches by the planner's kind of plan (after feedback)
+    plans_front: int = 0  # (a split recomputing the fronts: host_split compute_front)
     plans_onload: int = 0
     plans_recompute: int = 0
     plans_overridden: int = 0  # plans the measured feedback changed (plan_feedback.py)

@@ -27,6 +27,8 @@ def test_a_plans_kind_is_read_from_its_host_tier_users_only():
     assert plan_kind([0, 128], [0, 128]) == "onload"
     assert plan_kind([0, 0], [0, 128]) == "recompute"
     assert plan_kind([128, 0], [128, 128]) == "split"  # one whole, one recomputed: a mix
+    assert plan_kind([0, 5], [0, 128], front=True) == "front"  # fronts recomputed in a pass of their own
+    assert plan_kind([128, 0], [128, 128], front=True) == "split"  # (no user split within its prefix)
 
 
 def test_factors_average_measured_over_predicted_within_bounds_and_start_over_for_a_new_model():

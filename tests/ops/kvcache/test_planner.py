@@ -11,7 +11,7 @@ from hstu.engine import RankingEngine
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import KVCacheConfig
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
-from hstu.ops.kvcache.planner import CostModel, FixedSplit, UserShape, plan, predict
+from hstu.ops.kvcache.planner import CostModel, FixedSplit, UserShape, choose_split, plan, predict
 from tests.conftest import rel_err
 
 CHUNK, LAYERS = 128, 8
@@ -178,7 +178,7 @@ def _engine(config, **kv):
     return RankingEngine(InferenceRankingGR(config), AsyncKVCacheManager(cfg))
 
 
-@pytest.mark.parametrize("host_split", ["load_front", "compute_front"])
+@pytest.mark.parametrize("host_split", ["load_front", "compute_front", "auto"])
 @pytest.mark.parametrize("onload_chunks", [0, 1, 2, 3])
 def test_every_split_point_matches_the_no_cache_model(tiny_config, book, onload_chunks, host_split):
     """k of the prefix's three chunks onloaded, the rest recomputed: after the onloaded front
@@ -189,7 +189,8 @@ def test_every_split_point_matches_the_no_cache_model(tiny_config, book, onload_
     mgr = engine.cache
     engine.rank([book.request(1, 11)])  # 24 tokens: three full 8-token chunks in the host tier
     mgr.evict_gpu([1])
-    mgr.cost_model = FixedSplit(onload_chunks / 3)
+    # (under "auto" the split takes compute_front's order, the one load_front's test does not cover)
+    mgr.cost_model = FixedSplit(onload_chunks / 3, order="compute_front" if host_split == "auto" else None)
     req = book.request(1, 2)
     (out,) = engine.rank([req])
     assert out.cached_tokens == onload_chunks * 8 and out.computed_tokens == 28 - onload_chunks * 8 + 3
@@ -291,11 +292,54 @@ def test_the_front_timeline_agrees_with_the_plain_one_at_both_ends_and_counts_ea
 
 
 def test_compute_front_needs_an_even_number_of_contextual_tokens(tiny_config):
-    with pytest.raises(ValueError, match="host_split must be"):
+    with pytest.raises(ValueError, match="host_split must be one of load_front, compute_front, auto, got 'middle'"):
         KVCacheConfig.for_model(tiny_config, host_split="middle")
     odd = dataclasses.replace(tiny_config, num_contextual=3)
-    with pytest.raises(ValueError, match="even number of contextual tokens; this model has 3"):
-        _engine(odd, host_split="compute_front")
+    for host_split in ("compute_front", "auto"):
+        with pytest.raises(ValueError, match="even number of contextual tokens; this model has 3"):
+            _engine(odd, host_split=host_split)
+
+
+def test_auto_takes_whichever_order_is_predicted_faster():
+    """host_split "auto": the split order of the lower prediction; a fixed order keeps its own, a
+    FixedSplit under auto its `order` (load_front unless told)."""
+    cost = dataclasses.replace(_cost(55), min_gain=0.0)
+    back, fronts = plan(SEED_USERS, cost, LAYERS, CHUNK), plan(SEED_USERS, cost, LAYERS, CHUNK, front=True)
+    assert fronts.predicted_s < back.predicted_s  # (the front pass runs beside the copies)
+    assert choose_split(cost, SEED_USERS, LAYERS, CHUNK, None, "auto") == (fronts, True)
+    slow_front = dataclasses.replace(cost, front_s=1.0)  # a front pass that costs a second: load_front
+    assert choose_split(slow_front, SEED_USERS, LAYERS, CHUNK, None, "auto") == (
+        plan(SEED_USERS, slow_front, LAYERS, CHUNK), False
+    )
+    for host_split, front in (("load_front", False), ("compute_front", True)):
+        assert choose_split(cost, SEED_USERS, LAYERS, CHUNK, None, host_split) == (
+            plan(SEED_USERS, cost, LAYERS, CHUNK, front=front), front
+        )
+    half = FixedSplit(0.5)
+    assert choose_split(half, SEED_USERS, LAYERS, CHUNK, None, "auto")[1] is False
+    assert choose_split(FixedSplit(0.5, order="compute_front"), SEED_USERS, LAYERS, CHUNK, None, "auto")[1] is True
+    assert choose_split(half, SEED_USERS, LAYERS, CHUNK, None, "compute_front")[1] is True
+    with pytest.raises(ValueError, match="order must be None, 'load_front' or 'compute_front'"):
+        FixedSplit(0.5, order="middle")
+
+
+def test_a_calibrated_auto_planner_serves_host_tier_users_correctly(tiny_config, book):
+    """host_split "auto" with costs measured through the engine (front_s measured too): the oracle
+    over host-tier users, whichever order each batch's plan took."""
+    engine = _engine(tiny_config, host_split="auto")
+    cost = engine.calibrate()
+    assert cost is not None and cost.front_s >= 0
+    mgr = engine.cache
+    for step in range(3):
+        users = [10 * step + u for u in (1, 2, 3)]
+        engine.rank([book.request(u, 11 + u % 10) for u in users])
+        mgr.drain()
+        mgr.evict_gpu(users)
+        reqs = [book.request(u, 2) for u in users]
+        outs = engine.rank(reqs)
+        torch.testing.assert_close(torch.cat([o.logits for o in outs]), engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
+    mgr.drain()
+    engine.close()
 
 
 def test_costs_measured_through_the_engine_drive_the_planner_and_leave_no_trace(tiny_config):
