@@ -191,6 +191,9 @@ class RankingEngine:
         self.model = model
         self.cache = cache
         self.config = model.config
+        if cache is not None and cache.config.host_split == "auto" and model.config.num_contextual % 2:
+            # a front of whole chunks never ends on an event here: every split onloads the front
+            cache.config = dataclasses.replace(cache.config, host_split="load_front")
         if cache is not None and cache.config.may_compute_front and model.config.num_contextual % 2:
             raise ValueError(
                 f"host_split {cache.config.host_split!r} recomputes whole chunks from the front, which end on an event only "

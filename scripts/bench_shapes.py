@@ -33,7 +33,7 @@ class BenchShape:
     num_items: int = 100_000
     mlp_hidden: int = 512
     prepare_worker: bool = False  # KVCacheConfig.prepare_worker: each batch's prepare job on a worker thread
-    host_split: str = "load_front"  # KVCacheConfig.host_split: which end of a host-tier prefix is onloaded
+    host_split: str = "auto"  # KVCacheConfig.host_split: which end of a host-tier prefix is onloaded
     host_format: str = "kv"  # KVCacheConfig.host_format: host chunks as K/V or, computed whole, as layer inputs
 
     def __post_init__(self) -> None:

@@ -390,7 +390,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--cold-requests", action="store_true",
                    help="requests neither validated nor hashed before the timed forward (as hstu bench times them)")
-    p.add_argument("--host-split", choices=HOST_SPLITS, default="load_front", help=HOST_SPLIT_HELP)
+    p.add_argument("--host-split", choices=HOST_SPLITS, default="auto", help=HOST_SPLIT_HELP)
     p.add_argument("--host-format", choices=HOST_FORMATS, default="kv", help=HOST_FORMAT_HELP)
     p.add_argument("--prepare-worker", action="store_true",
                    help="each batch's prepare job on the cache's prepare worker instead of the model thread")

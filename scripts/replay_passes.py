@@ -48,7 +48,7 @@ class CacheSettings:
     host_capacity_bytes: int = 256 << 20
     offload_min_seen: int = ServerSettings.offload_min_seen
     prepare_worker: bool = False
-    host_split: str = "load_front"
+    host_split: str = "auto"
     host_format: str = "kv"
 
     def build(self, model: HSTUConfig, workload: WorkloadConfig, batch_size: int) -> KVCacheConfig:

@@ -86,9 +86,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--host-split", choices=["load_front", "compute_front", "auto"], default=None,
                    # ops/kvcache/config.py's HOST_SPLITS and HOST_SPLIT_HELP, spelled out: this module stays torch-free
-                   help="host-tier prefixes split by the planner: onload the front and recompute the back (load_front, "
-                   "the default), recompute the front in a pass of its own beside the back's onload (compute_front, "
-                   "Cake's order), or either, per batch, whichever the cost model predicts faster (auto)")
+                   help="host-tier prefixes split by the planner: onload the front and recompute the back (load_front), "
+                   "recompute the front in a pass of its own beside the back's onload (compute_front, Cake's order), "
+                   "or either, per batch, whichever the cost model predicts faster (auto, the default)")
     p.add_argument("--host-format", choices=["kv", "hidden"], default=None,
                    # ops/kvcache/config.py's HOST_FORMATS and HOST_FORMAT_HELP, spelled out (torch-free module)
                    help="what the host tier holds of a chunk: its K/V pages (kv, the default), or, for chunks whose layer "

@@ -119,8 +119,8 @@ class ServerSettings:
     # requests/s against 733-762 with a model thread, same call (run CD). Needs engine_process (in
     # one process it would stall HTTP during every launch).
     model_on_loop: bool | None = None
-    # KVCacheConfig.host_split: which end of a host-tier prefix the planner onloads (load_front measured)
-    host_split: str = "load_front"
+    # KVCacheConfig.host_split: which end of a host-tier prefix the planner onloads (auto: either, per batch)
+    host_split: str = "auto"
     # KVCacheConfig.host_format: host chunks as K/V pages or, computed whole, as layer inputs (hidden)
     host_format: str = "kv"
 

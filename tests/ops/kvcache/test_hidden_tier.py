@@ -240,7 +240,8 @@ def test_the_planner_prices_a_users_hidden_chunks_from_their_slots(tiny_config, 
     model's."""
     from hstu.ops.kvcache.planner import CostModel
 
-    engine = _engine(tiny_config, num_pages=128, host_format=host_format)
+    # (load_front: a front pass beside the K/V onload would beat recomputing it whole here)
+    engine = _engine(tiny_config, num_pages=128, host_format=host_format, host_split="load_front")
     mgr, kv = engine.cache, engine.cache.config
     _check(engine, [book.request(1, 11)])  # 24 tokens: three chunks in the host tier
     mgr.drain()

@@ -98,7 +98,7 @@ def test_recomputing_slower_than_predicted_keeps_the_split():
 
 
 def _engine(config) -> RankingEngine:
-    cfg = KVCacheConfig.for_model(config, page_size=4, num_pages=128, chunk_tokens=8)
+    cfg = KVCacheConfig.for_model(config, page_size=4, num_pages=128, chunk_tokens=8, host_split="load_front")
     return RankingEngine(InferenceRankingGR(config), AsyncKVCacheManager(cfg))
 
 
@@ -140,3 +140,25 @@ def test_a_cuda_batch_is_measured_by_its_events_once_they_complete():
     fb.end(pending, 0.0)
     torch.cuda.synchronize()
     assert fb.as_dict()["split@1"]["batches"] == 1 and fb.factor("split", 1) != 1.0
+
+
+def test_a_front_split_is_measured_and_counted_as_its_own_kind(tiny_config, book):
+    """host_split "auto" choosing compute_front's order for a host-tier user: the batch is measured
+    and counted as a "front" plan, apart from load_front's splits, with the no-cache model's answer."""
+    cfg = KVCacheConfig.for_model(tiny_config, page_size=4, num_pages=128, chunk_tokens=8, host_split="auto")
+    engine = RankingEngine(InferenceRankingGR(tiny_config), AsyncKVCacheManager(cfg))
+    mgr = engine.cache
+    # onloading a token costs about what computing one does, and a front pass nothing extra: a front split
+    mgr.cost_model = CostModel(h2d_bytes_per_s=1e7, bytes_per_token_layer=1024, per_row_s=1e-4, per_pair_s=0.0,
+                               min_gain=0.0)
+    engine.rank([book.request(1, 11)])  # 24 tokens: three 8-token chunks in the host tier
+    mgr.drain()
+    mgr.evict_gpu([1])
+    req = book.request(1, 2)
+    (out,) = engine.rank([req])
+    assert rel_err(out.logits, engine.forward_no_cache([req])) < 1e-5
+    stats = mgr.stats.snapshot()
+    assert (stats["plans_front"], stats["plans_split"]) == (1, 0)
+    assert stats["tokens_onloaded"] > 0 and stats["tokens_recomputed"] > 0
+    assert mgr.plan_feedback.as_dict()["front@1"]["batches"] == 1
+    engine.close()

@@ -295,9 +295,11 @@ def test_compute_front_needs_an_even_number_of_contextual_tokens(tiny_config):
     with pytest.raises(ValueError, match="host_split must be one of load_front, compute_front, auto, got 'middle'"):
         KVCacheConfig.for_model(tiny_config, host_split="middle")
     odd = dataclasses.replace(tiny_config, num_contextual=3)
-    for host_split in ("compute_front", "auto"):
-        with pytest.raises(ValueError, match="even number of contextual tokens; this model has 3"):
-            _engine(odd, host_split=host_split)
+    with pytest.raises(ValueError, match="even number of contextual tokens; this model has 3"):
+        _engine(odd, host_split="compute_front")
+    engine = _engine(odd, host_split="auto")  # (the default) every split onloads the front instead
+    assert engine.cache.config.host_split == "load_front"
+    engine.close()
 
 
 def test_auto_takes_whichever_order_is_predicted_faster():
