@@ -58,12 +58,19 @@ def split_host_prefixes(
             )
             for b, s in enumerate(plan.sources)
         ]
-        chosen, front = choose_split(
-            cost_model, shapes, config.num_layers, config.chunk_tokens, buckets, config.host_split
-        )
+        host_tokens = [u.host_tokens for u in shapes]
+        measured = None
         if feedback is not None and isinstance(cost_model, CostModel):
             feedback.follow(cost_model)
-            planned = plan_kind(chosen.onload_tokens, [u.host_tokens for u in shapes], front)
+
+            def measured(chosen, front: bool) -> float:  # each order's plan priced by what its kind measured
+                return feedback.factor(plan_kind(chosen.onload_tokens, host_tokens, front), len(shapes))
+
+        chosen, front = choose_split(
+            cost_model, shapes, config.num_layers, config.chunk_tokens, buckets, config.host_split, measured
+        )
+        if measured is not None:
+            planned = plan_kind(chosen.onload_tokens, host_tokens, front)
             chosen, kind = reprice(
                 chosen, planned, shapes, cost_model, feedback, config.num_layers, config.chunk_tokens, buckets
             )

@@ -29,6 +29,7 @@ onloaded a 4k-token prefix in 3.9-4.2 ms where recomputing it took 3.3 ms).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -135,21 +136,29 @@ class Plan:
 
 def choose_split(
     cost: "CostModel | FixedSplit", users: list[UserShape], num_layers: int, chunk_tokens: int,
-    buckets: tuple[int, ...] | None, host_split: str,
+    buckets: tuple[int, ...] | None, host_split: str, factor: "Callable[[Plan, bool], float] | None" = None,
 ) -> tuple[Plan, bool]:
     """(plan, front): the cost model's split of the batch under KVCacheConfig.host_split, and
     whether it recomputes the prefixes' fronts (compute_front). "auto" prices both orders and
     takes the faster (load_front on a tie; a FixedSplit, which predicts nothing, takes its own
     order, load_front by default): at batch 1 load_front's splits measured faster, at batch 8
     compute_front's, whose front pass runs beside the copies instead of after them (H100, runs
-    BC, GB, GF)."""
+    BC, GB, GF). factor(plan, front): what such a plan measured against its prediction so far
+    (plan_feedback.py), which scales each order's layers before they are compared: on an H100 (run
+    GI) a batch-1 front split measured 2x its prediction while load_front's splits had measured
+    ~1.1x, and without it the next batches recomputed instead of taking load_front's split."""
     if host_split != "auto" or not isinstance(cost, CostModel):
         order = cost.order if host_split == "auto" and isinstance(cost, FixedSplit) else host_split
         front = order == "compute_front"
         return cost.choose(users, num_layers, chunk_tokens, buckets, front), front
-    back = cost.choose(users, num_layers, chunk_tokens, buckets, False)
-    fronts = cost.choose(users, num_layers, chunk_tokens, buckets, True)
-    return (fronts, True) if fronts.predicted_s < back.predicted_s else (back, False)
+    best: tuple[float, Plan, bool] | None = None
+    for front in (False, True):  # load_front first: it keeps a tie
+        chosen = cost.choose(users, num_layers, chunk_tokens, buckets, front)
+        scale = factor(chosen, front) if factor is not None else 1.0
+        priced_s = cost.forward_s + (chosen.predicted_s - cost.forward_s) * scale
+        if best is None or priced_s < best[0]:
+            best = (priced_s, chosen, front)
+    return best[1], best[2]
 
 
 def layer_work(users: list[UserShape], onload: list[int]) -> tuple[int, int]:

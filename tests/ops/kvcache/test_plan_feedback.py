@@ -144,7 +144,8 @@ def test_a_cuda_batch_is_measured_by_its_events_once_they_complete():
 
 def test_a_front_split_is_measured_and_counted_as_its_own_kind(tiny_config, book):
     """host_split "auto" choosing compute_front's order for a host-tier user: the batch is measured
-    and counted as a "front" plan, apart from load_front's splits, with the no-cache model's answer."""
+    and counted as a "front" plan, apart from load_front's splits, with the no-cache model's answer;
+    once front splits measured 4x their prediction, the next batch takes load_front's split."""
     cfg = KVCacheConfig.for_model(tiny_config, page_size=4, num_pages=128, chunk_tokens=8, host_split="auto")
     engine = RankingEngine(InferenceRankingGR(tiny_config), AsyncKVCacheManager(cfg))
     mgr = engine.cache
@@ -161,4 +162,14 @@ def test_a_front_split_is_measured_and_counted_as_its_own_kind(tiny_config, book
     assert (stats["plans_front"], stats["plans_split"]) == (1, 0)
     assert stats["tokens_onloaded"] > 0 and stats["tokens_recomputed"] > 0
     assert mgr.plan_feedback.as_dict()["front@1"]["batches"] == 1
+    mgr.plan_feedback.observe("front", 1, 1.0, 4.0)
+    mgr.plan_feedback.observe("front", 1, 1.0, 4.0)
+    engine.rank([book.request(2, 11)])
+    mgr.drain()
+    mgr.evict_gpu([2])
+    req = book.request(2, 2)
+    (out,) = engine.rank([req])
+    assert rel_err(out.logits, engine.forward_no_cache([req])) < 1e-5
+    stats = mgr.stats.snapshot()
+    assert (stats["plans_front"], stats["plans_split"], stats["plans_overridden"]) == (1, 1, 0)
     engine.close()

@@ -317,6 +317,11 @@ def test_auto_takes_whichever_order_is_predicted_faster():
         assert choose_split(cost, SEED_USERS, LAYERS, CHUNK, None, host_split) == (
             plan(SEED_USERS, cost, LAYERS, CHUNK, front=front), front
         )
+    # what each order measured scales its layers: a front split measured 2x its prediction loses to load_front's
+    assert choose_split(cost, SEED_USERS, LAYERS, CHUNK, None, "auto", lambda p, front: 2.0 if front else 1.0) == (
+        back, False
+    )
+    assert choose_split(cost, SEED_USERS, LAYERS, CHUNK, None, "auto", lambda p, front: 1.0)[1] is True
     half = FixedSplit(0.5)
     assert choose_split(half, SEED_USERS, LAYERS, CHUNK, None, "auto")[1] is False
     assert choose_split(FixedSplit(0.5, order="compute_front"), SEED_USERS, LAYERS, CHUNK, None, "auto")[1] is True
