@@ -145,8 +145,8 @@ def choose_split(
     compute_front's, whose front pass runs beside the copies instead of after them (H100, runs
     BC, GB, GF). factor(plan, front): what such a plan measured against its prediction so far
     (plan_feedback.py), which scales each order's layers before they are compared: on an H100 (run
-    GI) a batch-1 front split measured 2x its prediction while load_front's splits had measured
-    ~1.1x, and without it the next batches recomputed instead of taking load_front's split."""
+    GI) a batch-1 front split measured 2x its prediction (load_front's measured ~1.1x in other
+    runs), and without it the next batches recomputed instead of taking load_front's split."""
     if host_split != "auto" or not isinstance(cost, CostModel):
         order = cost.order if host_split == "auto" and isinstance(cost, FixedSplit) else host_split
         front = order == "compute_front"
