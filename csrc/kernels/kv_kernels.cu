@@ -471,7 +471,7 @@ void store_hidden_chunks_cuda(at::Tensor hidden_arena, const at::Tensor& chunks,
                         chunks, slot_ids);
 }
 
-// write_pinned: the whole byte range is one item, spread over the grid by copy_items.
+// write_pinned, read_pinned: the whole byte range is one item, spread over the grid by copy_items.
 struct LinearAddr {
   const char* from;
   char* to;
@@ -480,43 +480,42 @@ struct LinearAddr {
   __device__ char* dst(int64_t) const { return to; }
 };
 
+// write_pinned, read_pinned: the bytes of `device` (a GPU tensor) into (to_host) or out of the
+// pinned host tensor `host` (`host_name` in the messages), by copy_items through host's mapped
+// address on the current stream. The host allocator is told the stream, so host's block is not
+// handed out again before the kernel completed.
+void copy_mapped(const char* op, const at::Tensor& host, const char* host_name, const at::Tensor& device,
+                 bool to_host) {
+  TORCH_CHECK(host.is_pinned(), op, " needs ", host_name, " in pinned memory (pin_memory=True)");
+  const int64_t bytes = device.numel() * device.element_size();
+  if (bytes == 0) return;
+  const c10::cuda::CUDAGuard guard(device.device());
+  cudaPointerAttributes attr{};
+  C10_CUDA_CHECK(cudaPointerGetAttributes(&attr, host.data_ptr()));
+  TORCH_CHECK(attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, op, ": ", host_name,
+              " is not pinned host memory mapped into the device's address space");
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto& storage = host.storage().data_ptr();
+  at::getHostAllocator(at::kCUDA)->record_event(storage.get(), storage.get_context(), stream.unwrap());
+  char* mapped = static_cast<char*>(attr.devicePointer);
+  char* on_device = static_cast<char*>(device.data_ptr());
+  const LinearAddr addr = to_host ? LinearAddr{on_device, mapped} : LinearAddr{mapped, on_device};
+  const int vec = vector_bytes({addr_of(addr.from), addr_of(addr.to), static_cast<uint64_t>(bytes)});
+  copy_items(addr, 1, bytes, vec, stream);
+}
+
 void write_pinned_cuda(at::Tensor dst, const at::Tensor& src) {
   TORCH_CHECK(src.is_cuda() && dst.is_cpu(), "write_pinned on CUDA takes src on the GPU and dst on the CPU, got ",
               src.device(), ", ", dst.device());
   check_pinned_copy(dst, src);
-  TORCH_CHECK(dst.is_pinned(), "write_pinned needs dst in pinned memory (pin_memory=True)");
-  const int64_t bytes = src.numel() * src.element_size();
-  if (bytes == 0) return;
-  const c10::cuda::CUDAGuard guard(src.device());
-  cudaPointerAttributes attr{};
-  C10_CUDA_CHECK(cudaPointerGetAttributes(&attr, dst.data_ptr()));
-  TORCH_CHECK(attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr,
-              "write_pinned: dst is not pinned host memory mapped into the device's address space");
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const auto& storage = dst.storage().data_ptr();
-  at::getHostAllocator(at::kCUDA)->record_event(storage.get(), storage.get_context(), stream.unwrap());
-  LinearAddr addr{static_cast<const char*>(src.data_ptr()), static_cast<char*>(attr.devicePointer)};
-  const int vec = vector_bytes({addr_of(addr.from), addr_of(addr.to), static_cast<uint64_t>(bytes)});
-  copy_items(addr, 1, bytes, vec, stream);
+  copy_mapped("write_pinned", dst, "dst", src, /*to_host=*/true);
 }
 
 void read_pinned_cuda(at::Tensor dst, const at::Tensor& src) {
   TORCH_CHECK(dst.is_cuda() && src.is_cpu(), "read_pinned on CUDA takes dst on the GPU and src on the CPU, got ",
               dst.device(), ", ", src.device());
   check_pinned_copy(dst, src);
-  const int64_t bytes = src.numel() * src.element_size();
-  if (bytes == 0) return;
-  const c10::cuda::CUDAGuard guard(dst.device());
-  cudaPointerAttributes attr{};
-  C10_CUDA_CHECK(cudaPointerGetAttributes(&attr, src.data_ptr()));
-  TORCH_CHECK(attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr,
-              "read_pinned needs src in pinned memory (pin_memory=True) mapped into the device's address space");
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const auto& storage = src.storage().data_ptr();
-  at::getHostAllocator(at::kCUDA)->record_event(storage.get(), storage.get_context(), stream.unwrap());
-  LinearAddr addr{static_cast<const char*>(attr.devicePointer), static_cast<char*>(dst.data_ptr())};
-  const int vec = vector_bytes({addr_of(addr.from), addr_of(addr.to), static_cast<uint64_t>(bytes)});
-  copy_items(addr, 1, bytes, vec, stream);
+  copy_mapped("read_pinned", src, "src", dst, /*to_host=*/false);
 }
 
 }  // namespace

@@ -142,6 +142,17 @@ def test_a_cuda_batch_is_measured_by_its_events_once_they_complete():
     assert fb.as_dict()["split@1"]["batches"] == 1 and fb.factor("split", 1) != 1.0
 
 
+def _rank_from_the_host_tier(engine: RankingEngine, book, user: int) -> None:
+    """Prefill `user` with 24 tokens (three 8-token chunks in the host tier), evict it from the GPU,
+    rank two new events from there and check the no-cache model's answer."""
+    engine.rank([book.request(user, 11)])
+    engine.cache.drain()
+    engine.cache.evict_gpu([user])
+    req = book.request(user, 2)
+    (out,) = engine.rank([req])
+    assert rel_err(out.logits, engine.forward_no_cache([req])) < 1e-5
+
+
 def test_a_front_split_is_measured_and_counted_as_its_own_kind(tiny_config, book):
     """host_split "auto" choosing compute_front's order for a host-tier user: the batch is measured
     and counted as a "front" plan, apart from load_front's splits, with the no-cache model's answer;
@@ -152,24 +163,14 @@ def test_a_front_split_is_measured_and_counted_as_its_own_kind(tiny_config, book
     # onloading a token costs about what computing one does, and a front pass nothing extra: a front split
     mgr.cost_model = CostModel(h2d_bytes_per_s=1e7, bytes_per_token_layer=1024, per_row_s=1e-4, per_pair_s=0.0,
                                min_gain=0.0)
-    engine.rank([book.request(1, 11)])  # 24 tokens: three 8-token chunks in the host tier
-    mgr.drain()
-    mgr.evict_gpu([1])
-    req = book.request(1, 2)
-    (out,) = engine.rank([req])
-    assert rel_err(out.logits, engine.forward_no_cache([req])) < 1e-5
+    _rank_from_the_host_tier(engine, book, 1)
     stats = mgr.stats.snapshot()
     assert (stats["plans_front"], stats["plans_split"]) == (1, 0)
     assert stats["tokens_onloaded"] > 0 and stats["tokens_recomputed"] > 0
     assert mgr.plan_feedback.as_dict()["front@1"]["batches"] == 1
     mgr.plan_feedback.observe("front", 1, 1.0, 4.0)
     mgr.plan_feedback.observe("front", 1, 1.0, 4.0)
-    engine.rank([book.request(2, 11)])
-    mgr.drain()
-    mgr.evict_gpu([2])
-    req = book.request(2, 2)
-    (out,) = engine.rank([req])
-    assert rel_err(out.logits, engine.forward_no_cache([req])) < 1e-5
+    _rank_from_the_host_tier(engine, book, 2)
     stats = mgr.stats.snapshot()
     assert (stats["plans_front"], stats["plans_split"], stats["plans_overridden"]) == (1, 1, 0)
     engine.close()
