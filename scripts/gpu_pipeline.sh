@@ -4,7 +4,7 @@
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
 # STAGES picks the stages (default: the first six; also split, split_front, pressure_ab, pytest_hidden, split_hidden,
-# split_b1, profile_b1, trace_b1, ahead_ab, split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
+# split_b1, profile_b1, trace_b1, ahead_ab, stage_ab, split_orders, split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, modes_kernels,
 # modes_replay, modes_pressure, modes_bench, gluon_tests, sanitize_gluon, profile_pipelined, pipeline_gluon,
@@ -33,6 +33,11 @@ stage() {  # stage NAME SECONDS CMD...: run under a time limit, append to the on
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$LOG"
+# The server's wheels for the device's Python 3.12 (carry .whl), fetched on the dev machine with:
+#   pip download 'fastapi>=0.110' 'uvicorn>=0.29' 'httptools>=0.6' 'prometheus-client>=0.20' 'pydantic>=2' \
+#     'msgspec>=0.18' 'swagger-ui-bundle>=1.1' 'httpx>=0.27' --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+#     --platform any -d .whl
 if [ -d .whl ]; then  # wheels (.rayk: the Ray Serve kit of tools/ray_kit.py), and pre-installed trees as .tar.xz
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     $(ls .rayk/*.whl 2>/dev/null) && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
@@ -120,6 +125,28 @@ ahead_ab() {
   done
 }
 stage ahead_ab 240 bash -c "$(declare -f ahead_ab); ahead_ab"
+# a graph batch's inputs staged by torch's copy_ (the onload after them) against read_pinned's kernel (the onload
+# first), alternately: batch 1's split sweep and e2e, then batch 8's compute_front sweep (runs GF, GH)
+stage_ab() {
+  local m b="python3 -m hstu.cli bench --device cuda --cuda-graphs --warmup 2 --repeats 10"
+  for m in engine kernel engine kernel; do
+    HSTU_STAGE_COPY=$m $b --sections e2e split --batch-sizes 1 --out "$OUT/stage_${m}_b1" | sed "s/^/stage $m: /" || return 1
+  done
+  for m in engine kernel; do
+    HSTU_STAGE_COPY=$m $b --sections e2e split --batch-sizes 8 --host-split compute_front --out "$OUT/stage_${m}_b8" \
+      | sed "s/^/stage $m: /" || return 1
+  done
+}
+stage stage_ab 300 bash -c "$(declare -f stage_ab); stage_ab"
+# the host-tier planner under each host_split, one after another (auto is the default; run GH)
+split_orders() {
+  local h
+  for h in auto load_front compute_front; do
+    python3 -m hstu.cli bench --device cuda --cuda-graphs --warmup 2 --repeats 10 --sections e2e --batch-sizes 1 8 \
+      --host-split $h --out "$OUT/orders_$h" | grep -E "host tier" | sed "s/^/$h: /" || return 1
+  done
+}
+stage split_orders 200 bash -c "$(declare -f split_orders); split_orders"
 # the seed replay synchronised per batch and pipelined, alternately, twice (one machine, one call)
 replay_ab() {
   for k in 1 2 1 2; do
