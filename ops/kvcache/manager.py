@@ -454,7 +454,8 @@ class AsyncKVCacheManager:
                 slots += user_slots
                 page_ids.append(pages[b][first : first + len(user_slots) * ppc])
         page_ids = np.concatenate(page_ids) if page_ids else np.zeros(0, dtype=np.int32)
-        return torch.tensor(slots, dtype=torch.int32), torch.from_numpy(page_ids).reshape(-1, ppc)
+        # (through numpy: 2 against 8 us for torch.tensor of a batch-1 list on the dev CPU)
+        return torch.from_numpy(np.asarray(slots, dtype=np.int32)), torch.from_numpy(page_ids).reshape(-1, ppc)
 
     def wait(self, plan: BatchPlan) -> PreparedBatch:
         """Join the prepare job (re-raising its error); the metadata moves to the device (views over
