@@ -94,7 +94,7 @@ class OnloadHandle:
 
     def wait(self, layer: int) -> None:
         """Compute side: block until layer's onload is enqueued, then order the current stream after it."""
-        if self._ready_upto <= layer and not self._wait_ready(layer):
+        if self._ready_upto <= layer and not self._wait_for(lambda: self._ready_upto > layer):
             raise TimeoutError(f"onload of layer {layer} did not start within {self.timeout_s:.0f}s")
         events = self._events
         if events is not None:
@@ -102,9 +102,6 @@ class OnloadHandle:
             if self._compute is None:
                 self._compute = torch.cuda.current_stream()
             self._compute.wait_event(events[layer])
-
-    def _wait_ready(self, layer: int) -> bool:
-        return self._wait_for(lambda: self._ready_upto > layer)
 
     def _wait_for(self, predicate) -> bool:
         """Block until predicate() (read under the condition) holds; False on timeout."""

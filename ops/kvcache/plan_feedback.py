@@ -171,9 +171,7 @@ def reprice(
     for other, onload in (("onload", [s.host_tokens for s in shapes]), ("recompute", zero)):
         if other not in plans:
             plans[other] = Plan(onload, *predict(shapes, onload, cost, num_layers, buckets, chunk_tokens))
-    priced = {
-        k: cost.forward_s + (p.predicted_s - cost.forward_s) * feedback.factor(k, users) for k, p in plans.items()
-    }
+    priced = {k: cost.scaled(p.predicted_s, feedback.factor(k, users)) for k, p in plans.items()}
     bar = priced["recompute"] * (1 - cost.min_gain)
     best = min((k for k in plans if k != "recompute" and priced[k] <= bar), key=priced.get, default="recompute")
     return plans[best], best

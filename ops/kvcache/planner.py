@@ -77,6 +77,11 @@ class CostModel:
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
+    def scaled(self, predicted_s: float, factor: float) -> float:
+        """A batch's predicted seconds with its layers' part (all but forward_s) scaled by `factor`,
+        what such plans measured against their predictions (plan_feedback.py)."""
+        return self.forward_s + (predicted_s - self.forward_s) * factor
+
     def choose(
         self, users: list["UserShape"], num_layers: int, chunk_tokens: int, buckets: tuple[int, ...] | None = None,
         front: bool = False,
@@ -155,7 +160,7 @@ def choose_split(
     for front in (False, True):  # load_front first: it keeps a tie
         chosen = cost.choose(users, num_layers, chunk_tokens, buckets, front)
         scale = factor(chosen, front) if factor is not None else 1.0
-        priced_s = cost.forward_s + (chosen.predicted_s - cost.forward_s) * scale
+        priced_s = cost.scaled(chosen.predicted_s, scale)
         if best is None or priced_s < best[0]:
             best = (priced_s, chosen, front)
     return best[1], best[2]
