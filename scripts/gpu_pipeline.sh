@@ -3,7 +3,7 @@
 # present), build, every `cuda` test (kernels, Triton attention, pipeline oracle, CUDA graphs,
 # server), the end-to-end benchmark (eager, then CUDA graphs) and the seed replay with --verify.
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
-# STAGES picks the stages (default: the first six; also split, split_front, pressure_ab, pytest_hidden, split_hidden,
+# STAGES picks the stages (default: the first six; also pytest_cuda_ops, pytest_cuda_rest, bounds, split, split_front, pressure_ab, pytest_hidden, split_hidden,
 # split_b1, profile_b1, trace_b1, ahead_ab, stage_ab, split_orders, split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, modes_kernels,
@@ -46,9 +46,16 @@ fi
 python3 -m pip install -e . --no-deps --no-build-isolation -q 2>&1 | tail -2 | tee -a "$LOG"
 stage build 240 python3 -c "from hstu.ops._build import cuda_build_enabled, load_extension; assert cuda_build_enabled(); load_extension(); print('extension built')"
 stage pytest_cuda 300 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/
+# the same suite in two steps, for a call with little else in it (the whole suite ran past 330 s on an H100, run GJ):
+# the kernels' tests (tests/ops, 166 of 192), then the rest (pipeline, graphs, export, server)
+stage pytest_cuda_ops 360 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/ops
+stage pytest_cuda_rest 200 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/ --ignore=tests/ops
 stage bench 120 python3 -m hstu.cli bench --device cuda --out "$OUT/bench"
 stage replay 100 python3 -m hstu.cli replay --preset seed --device cuda --verify --no-progress --out "$OUT/replay"
 stage bench_graphs 90 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e --out "$OUT/bench_graphs"
+# what the cost model calibrated by bench_graphs predicts for each open bar, beside what that stage measured
+# (scripts/bar_bounds.py; needs bench_graphs earlier in the same call)
+stage bounds 30 python3 -m hstu.scripts.bar_bounds "$OUT/bench_graphs/bench.json" --out "$OUT/bounds.json"
 stage replay_graphs 120 python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress \
   --out "$OUT/replay_graphs"
 # issue 11: every onload/recompute split of the host-tier batch against the planner's prediction
