@@ -10,7 +10,8 @@ connections (a minimal client on asyncio streams: no per-request client objects)
 processes, each with its own loop and share of the rate. Reports achieved vs offered rate,
 p50/p99 latency, answers by status, the server's mean batch size and the mean time of a request
 in each server phase (read and parse, the pipes to and from an engine process, the batcher's
-queue, rank, respond: from /metrics, this run's counter deltas), a short
+queue, rank, respond: from /metrics, this run's counter deltas), each answer's latency split into
+the handler's own (its latency_ms) and the rest (HTTP both ways, event loops, the client), a short
 table last and JSON under --out; --verify checks every answer against the no-cache model of the
 server's config, built here (as `hstu replay --server --verify`). Loopback servers only.
 --in-process 'SERVE FLAGS' runs the same requests, arrivals and order through a serving runtime in
@@ -25,6 +26,7 @@ import asyncio
 import json
 import logging
 import multiprocessing
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -303,6 +305,7 @@ def _report(results: list[dict], shares: list[list[int]], before, after, rate: f
     answers = {share[i]: payload for share, r in zip(shares, results) for i, payload in r["answers"].items()}
     batches, batched, model_s = (batch_after[k] - batch_before[k] for k in _BATCH_SAMPLES)
     n = len(latencies)
+    handler, outside = _handler_split(results)
     return {
         "requests": n,
         "order": order,
@@ -318,9 +321,34 @@ def _report(results: list[dict], shares: list[list[int]], before, after, rate: f
         "phase_mean_ms": _phase_means_ms(phases_before, phases_after),
         "phase_p50_ms": _phase_quantiles_ms(phases_before, phases_after, 0.5),
         "phase_p90_ms": _phase_quantiles_ms(phases_before, phases_after, 0.9),
+        # each 200 answer's own latency_ms (the handler, from its first line to the body encoded) and
+        # the rest of what the client measured (HTTP both ways, the event loops' queues, the client)
+        "handler_p50_ms": _percentile(handler, 50),
+        "outside_handler_p50_ms": _percentile(outside, 50),
+        "outside_handler_p99_ms": _percentile(outside, 99),
         "wall_s": wall,
         "answers": answers,  # request index -> 200 body (bytes; RankOutput in process); main() checks them with --verify
     }
+
+
+_LATENCY_FIELD = re.compile(rb'"latency_ms":(-?[0-9][0-9.eE+-]*)')
+
+
+def _handler_split(results: list[dict]) -> tuple[list[float], list[float]]:
+    """(the server's own latency_ms, the client's latency less it) of every answer that is a 200
+    body (bytes) naming its latency_ms; empty in process (answers are RankOutputs: no handler)."""
+    handler, outside = [], []
+    for r in results:
+        for i, payload in r["answers"].items():
+            found = _LATENCY_FIELD.search(payload) if isinstance(payload, bytes) else None
+            if found is not None:
+                handler.append(float(found.group(1)))
+                outside.append(r["latencies_ms"][i] - handler[-1])
+    return handler, outside
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def in_process_settings(flags: str):
@@ -401,6 +429,10 @@ def main(args: argparse.Namespace) -> int:
           f"(200s {doc['ok_rate']:.1f}/s)  p50 {doc['latency_p50_ms']:.1f} ms  p99 {doc['latency_p99_ms']:.1f} ms  "
           f"mean batch {doc['mean_batch_size']:.2f} ({doc['mean_batch_model_ms']:.1f} ms from start to outputs, summing "
           f"to {doc['model_busy_share']:.0%} of the wall)  statuses {doc['statuses']}")
+    if doc["handler_p50_ms"] == doc["handler_p50_ms"]:  # not NaN: answers over HTTP
+        print(f"per answer: the handler's own latency_ms p50 {doc['handler_p50_ms']:.2f} ms; the rest of the client's "
+              f"latency (HTTP, event loops, client) p50 {doc['outside_handler_p50_ms']:.2f} ms, "
+              f"p99 {doc['outside_handler_p99_ms']:.2f} ms")
     if doc["phase_mean_ms"]:
         means = ", ".join(f"{k} {v:.2f}" for k, v in doc["phase_mean_ms"].items())
         print(f"server phases, mean ms per request (batch_*, forward_*: per batch): {means}")

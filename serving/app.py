@@ -22,12 +22,14 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
 
 from hstu import __version__
 from hstu.model.batch import RankingRequest
@@ -72,6 +74,41 @@ _ERROR_STATUSES = {
 _HTTP_KINDS = {404: "not_found", 405: "method_not_allowed"}
 _INLINE_PARSE_BYTES = 32 << 10
 _CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by a client
+
+
+RANK_PATH = "/v1/rank"
+
+
+class RankingApp(FastAPI):
+    """FastAPI with POST /v1/rank handed straight to its handler (`rank_handler`), past the
+    middleware stack and the router. The route stays registered: OpenAPI documents it, other
+    methods get FastAPI's 405, and a path under a root_path is routed as before.
+
+    Why: the stack around one endpoint (error and exception middlewares, the exit-stack middleware,
+    routing, the request/response wrappers) took ~0.13 ms before the handler's first line and
+    about as much after it, per request, on every front end's event loop (dev CPU, tiny model:
+    ASGI call p50 4.87 ms against the handler's own 4.45 ms). The handler already answers every
+    error it knows in the one error shape; anything else is a 500 in that shape here, where the
+    stack's error middleware answered plain text."""
+
+    rank_handler: Callable[[Request], Awaitable[Response]] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = self.rank_handler
+        if handler is None or scope["type"] != "http" or scope["path"] != RANK_PATH or scope["method"] != "POST":
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self
+        try:
+            response = await handler(Request(scope, receive))
+        except Exception as exc:  # what the handler does not answer itself (a bug): a 500 in the error shape
+            logger.exception("POST %s failed", RANK_PATH)
+            metrics = getattr(self.state, "metrics", None)
+            if metrics is not None:
+                metrics.errors.labels("internal").inc()
+            detail = f"the server failed to answer this request ({type(exc).__name__})"
+            response = error_response(500, "internal", detail)
+        await response(scope, receive, send)
 
 
 def _responses(*statuses: int) -> dict:
@@ -121,7 +158,7 @@ def create_app(settings: ServerSettings | None = None, runtime_factory: RuntimeF
             if parse_pool is not None:
                 await asyncio.to_thread(parse_pool.close)
 
-    app = FastAPI(
+    app = RankingApp(
         title="hstu-kvcache ranking server",
         version=__version__,
         description=(
@@ -150,7 +187,7 @@ def create_app(settings: ServerSettings | None = None, runtime_factory: RuntimeF
         return error_response(exc.status_code, kind, detail, None, exc.headers)
 
     @app.post(
-        "/v1/rank",
+        RANK_PATH,
         response_model=RankResponse,
         responses=_responses(400, 409, 412, 413, 422, 500, 503, 504),
         summary="Score candidates for one user",
@@ -210,6 +247,7 @@ def create_app(settings: ServerSettings | None = None, runtime_factory: RuntimeF
         metrics.phase.labels("respond").observe(done - answered)
         return Response(content=body, media_type="application/json")
 
+    app.rank_handler = rank
     parse_prefetch = json_parser(PrefetchRequest)
 
     @app.post("/v1/prefetch", response_model=PrefetchResponse, responses=_responses(400, 413, 422, 503),

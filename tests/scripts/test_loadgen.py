@@ -31,6 +31,17 @@ def test_loadgen_reports_rate_latency_and_batch_size_gets_only_200s_and_verifies
             assert phases["rank"] >= phases["engine_queue"], "the queue wait is part of the rank phase"
             p50, p90 = doc["phase_p50_ms"], doc["phase_p90_ms"]
             assert set(p50) == set(p90) == set(phases) and all(0 <= p50[k] <= p90[k] for k in p50)
+            # each answer's latency split into the handler's own latency_ms and the rest (HTTP, loops, client)
+            assert 0 < doc["handler_p50_ms"] < doc["latency_p99_ms"]
+            assert 0 < doc["outside_handler_p50_ms"] <= doc["outside_handler_p99_ms"]
+
+
+def test_handler_split_reads_each_answers_latency_ms_and_leaves_the_rest_to_the_transport():
+    results = [{"latencies_ms": [5.0, 7.5, 9.0], "answers": {0: b'{"a":1,"latency_ms":3.25,"b":2}', 2: b'{"x":[1]}'}},
+               {"latencies_ms": [4.0], "answers": {0: b'{"latency_ms":1e0}'}}]
+    handler, outside = loadgen._handler_split(results)
+    assert handler == [3.25, 1.0] and outside == [1.75, 3.0]
+    assert loadgen._handler_split([{"latencies_ms": [1.0], "answers": {0: object()}}]) == ([], [])
 
 
 def test_phase_quantiles_interpolate_within_the_bucket_of_this_runs_counts():
@@ -89,6 +100,7 @@ def test_in_process_runs_the_same_arrivals_through_a_runtime_here_with_its_batch
         assert doc["achieved_rate"] > 0 and doc["latency_p99_ms"] >= doc["latency_p50_ms"] > 0
         assert doc["mean_batch_size"] >= 1 and "engine_queue" in doc["phase_mean_ms"]
         assert "read_parse" not in doc["phase_mean_ms"], "no HTTP in process"
+        assert doc["handler_p50_ms"] != doc["handler_p50_ms"], "no handler in process: NaN"
 
 
 def test_loadgen_takes_a_server_or_in_process_flags_and_verifies_servers_only(tmp_path):

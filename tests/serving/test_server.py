@@ -482,3 +482,41 @@ async def test_a_planned_host_tier_batch_is_counted_and_its_measured_factor_expo
     assert 'hstu_planner_plans_total{kind="overridden"} 0.0' in metrics
     kind = next(k for k, v in plans.items() if v)
     assert f'hstu_planner_feedback{{kind="{kind}",users="1"}}' in metrics
+
+
+@anyio
+async def test_rank_goes_straight_to_its_handler_and_a_bug_there_is_a_500_in_the_error_shape(reference, monkeypatch):
+    """RankingApp: POST /v1/rank skips the middleware stack and router (the route stays for OpenAPI
+    and 405s); an exception the handler does not answer is a counted 500 in the one error shape."""
+    from fastapi import FastAPI
+
+    import hstu.serving.app as app_module
+    from .conftest import assert_error_shape
+
+    routed = []
+    router_call = FastAPI.__call__
+
+    async def spy(self, scope, receive, send):
+        routed.append(scope.get("path"))
+        await router_call(self, scope, receive, send)
+
+    monkeypatch.setattr(FastAPI, "__call__", spy)
+    async with serving() as (app, client):
+        payload = Timeline(3).payload(8)
+        r = await client.post("/v1/rank", json=payload)
+        assert r.status_code == 200 and matches_reference(reference, payload, r.json())
+        assert "/v1/rank" not in routed, "the rank handler ran without FastAPI's stack"
+        assert_error_shape(await client.get("/v1/rank"), 405, "method_not_allowed")
+        assert "/v1/rank" in (await client.get("/openapi.json")).json()["paths"]
+
+        def broken(doc):
+            raise KeyError("injected encoding bug")
+
+        monkeypatch.setattr(app_module, "encode_response", broken)
+        body = assert_error_shape(await client.post("/v1/rank", json=Timeline(4).payload(8)), 500, "internal")
+        assert "KeyError" in body["detail"]
+        assert 'hstu_errors_total{kind="internal"} 1.0' in (await client.get("/metrics")).text
+        monkeypatch.undo()
+        again = Timeline(4).payload(9)
+        r = await client.post("/v1/rank", json=again)
+        assert r.status_code == 200 and matches_reference(reference, again, r.json())
