@@ -28,6 +28,7 @@ namespace hstu {
 void bind_batch_features(py::module& m);  // batch_features.cpp
 void bind_pack_metadata(py::module& m);   // pack_metadata.cpp
 void bind_request_checks(py::module& m);  // request_checks.cpp
+void bind_response_json(py::module& m);   // response_json.cpp
 void bind_split_planner(py::module& m);   // split_planner.cpp
 }
 
@@ -59,6 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   hstu::bind_batch_features(m);
   hstu::bind_pack_metadata(m);
   hstu::bind_request_checks(m);
+  hstu::bind_response_json(m);
   hstu::bind_split_planner(m);
 
   py::class_<GpuPageManager>(m, "GpuPageManager",
