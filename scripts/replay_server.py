@@ -223,13 +223,14 @@ def verify_answers(
     """(mismatched requests, max abs logit difference) of the server's scores against `reference`.
 
     The server answers probabilities; they are compared as logits (log p - log(1 - p), float64),
-    the scale compare_logits' per-dtype tolerance is defined on."""
+    the scale compare_logits' per-dtype tolerance is defined on. Each probability is read as the
+    float32 the server computed (it writes the shortest text of that float32), then widened."""
     tally = VerifyTally(reference.config.dtype, "server scores (as logits)")
     for start in range(0, len(answers), batch_size):
         chunk = answers[start : start + batch_size]
         requests = [request for request, _ in chunk]
         expected = torch.split(reference.forward_no_cache(requests), [r.candidates.shape[0] for r in requests])
         for (request, result), want in zip(chunk, expected):
-            probs = torch.tensor([result.scores[t] for t in task_names], dtype=torch.float64).T
+            probs = torch.tensor([result.scores[t] for t in task_names], dtype=torch.float32).double().T
             tally.check(request.user_id, torch.log(probs) - torch.log1p(-probs), want.double().cpu())
     return tally.mismatches, tally.max_abs_diff
