@@ -82,7 +82,9 @@ RANK_PATH = "/v1/rank"
 class RankingApp(FastAPI):
     """FastAPI with POST /v1/rank handed straight to its handler (`rank_handler`), past the
     middleware stack and the router. The route stays registered: OpenAPI documents it, other
-    methods get FastAPI's 405, and a path under a root_path is routed as before.
+    methods get FastAPI's 405, and a path under a root_path is routed as before. Once any
+    middleware is added (add_middleware: authentication, CORS), every request takes the stack again,
+    so none is bypassed.
 
     Why: the stack around one endpoint (error and exception middlewares, the exit-stack middleware,
     routing, the request/response wrappers) took ~0.13 ms before the handler's first line and
@@ -95,7 +97,10 @@ class RankingApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = self.rank_handler
-        if handler is None or scope["type"] != "http" or scope["path"] != RANK_PATH or scope["method"] != "POST":
+        if (
+            handler is None or self.user_middleware or scope["type"] != "http" or scope["path"] != RANK_PATH
+            or scope["method"] != "POST"
+        ):
             await super().__call__(scope, receive, send)
             return
         scope["app"] = self

@@ -520,3 +520,22 @@ async def test_rank_goes_straight_to_its_handler_and_a_bug_there_is_a_500_in_the
         again = Timeline(4).payload(9)
         r = await client.post("/v1/rank", json=again)
         assert r.status_code == 200 and matches_reference(reference, again, r.json())
+
+
+@anyio
+async def test_rank_takes_the_stack_once_middleware_is_added(reference):
+    """A middleware added to the app (authentication, CORS) sees POST /v1/rank too."""
+    seen = []
+
+    async with serving(ready=False) as (app, client):  # no request yet: middleware may still be added
+        @app.middleware("http")
+        async def note(request, call_next):
+            seen.append(request.url.path)
+            return await call_next(request)
+
+        await wait_ready(client)
+        seen.clear()
+        payload = Timeline(8).payload(6)
+        r = await client.post("/v1/rank", json=payload)
+        assert r.status_code == 200 and matches_reference(reference, payload, r.json())
+        assert seen == ["/v1/rank"]
