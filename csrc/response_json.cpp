@@ -17,6 +17,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -30,13 +31,25 @@ constexpr char kOpenNext[] = ",{\"item_id\":";
 constexpr char kClose[] = "}}";
 
 template <typename Float>
+char* write_shortest(char* out, char* end, Float value) {
+#if defined(__cpp_lib_to_chars) && __cpp_lib_to_chars >= 201611L
+  return std::to_chars(out, end, value).ptr;
+#else  // a standard library without floating-point to_chars (libstdc++ before GCC 11): enough digits
+  // to read back exactly (9 for a float32, 17 for a double), not always the shortest
+  const int n = std::snprintf(out, static_cast<size_t>(end - out), sizeof(Float) == 4 ? "%.9g" : "%.17g",
+                              static_cast<double>(value));
+  return out + n;
+#endif
+}
+
+template <typename Float>
 char* write_probability(char* out, char* end, Float value) {
   if (!std::isfinite(value)) {
     for (const char c : {'n', 'u', 'l', 'l'}) *out++ = c;
     return out;
   }
   char* start = out;
-  out = std::to_chars(out, end, value).ptr;
+  out = write_shortest(out, end, value);
   bool floating = false;
   for (const char* p = start; p < out; ++p) floating |= (*p == '.' || *p == 'e');
   if (!floating) {  // an integral value ("0", "1"): written as a float, as msgspec does
