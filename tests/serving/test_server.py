@@ -539,3 +539,14 @@ async def test_rank_takes_the_stack_once_middleware_is_added(reference):
         r = await client.post("/v1/rank", json=payload)
         assert r.status_code == 200 and matches_reference(reference, payload, r.json())
         assert seen == ["/v1/rank"]
+
+
+def test_generated_request_ids_are_unique_per_process_and_after_a_fork():
+    from hstu.serving.app import RequestIds
+
+    ids = RequestIds()
+    first = [ids() for _ in range(1000)]
+    assert len(set(first)) == 1000 and all(len(i) == 32 and int(i, 16) >= 0 for i in first)
+    assert RequestIds()() != RequestIds()(), "each process (and each app) draws its own random prefix"
+    ids._restart()  # what a forked child runs (os.register_at_fork): a new prefix, the counter from 0
+    assert not set(first) & {ids() for _ in range(1000)}
