@@ -15,7 +15,9 @@ each to be met:
               cached history) run the same kernel less efficiently than the uncached ones (0.33 of
               the bf16 peak at the batch-8 re-rank against 0.57 uncached, run CM), so this is how
               much closer to the uncached efficiency they would have to come.
-A factor of 1 means met as things stand; "-" that no factor of that cost alone meets the bar. The
+The measured column is the same call's figure where the JSONs hold it (`hstu bench`'s e2e speedups;
+the seed replay from --replay-json). A factor of 1 means met as things stand; "-" that no factor of
+that cost alone meets the bar. The
 ceiling column is the ratio with no per-forward cost at all. `--no-padding` prices the cached side
 without graph-bucket padding (rows as computed, not as a bucket runs them): the seed replay's
 measured ratio sits between the two.
@@ -49,12 +51,15 @@ Times = Callable[[CostModel, float], tuple[float, float]]  # (cost, cached per-p
 
 @dataclass(frozen=True)
 class Bar:
-    """One acceptance bar: uncached time / cached time >= target."""
+    """One acceptance bar: uncached time / cached time >= target. measured_key: where `hstu bench`'s
+    JSON holds what the bar measured (e2e/<batch>/<key>), None when it does not (the seed replay:
+    `hstu replay`'s JSON, --replay-json)."""
 
     name: str
     issue: int
     target: float
     times: Times
+    measured_key: tuple[str, str] | None = None
 
     def ratio(self, cost: CostModel, cached_pairs: float = 1.0) -> float:
         cached, uncached = self.times(cost, cached_pairs)
@@ -63,7 +68,10 @@ class Bar:
 
 def load_cost(path: Path) -> CostModel:
     """The first calibrated cost model in a `hstu bench` JSON (under e2e/<batch>/ or split/<batch>/)."""
-    doc = json.loads(Path(path).read_text())
+    return cost_of(json.loads(Path(path).read_text()), path)
+
+
+def cost_of(doc: dict, path: Path | str = "bench JSON") -> CostModel:
     for section in ("e2e", "split"):
         for entry in (doc.get(section) or {}).values():
             if isinstance(entry, dict) and isinstance(entry.get("cost_model"), dict):
@@ -76,7 +84,7 @@ def _scaled_pairs(cost: CostModel, factor: float) -> CostModel:
 
 
 def forward_bar(name: str, issue: int, target: float, cached: list[UserShape], layers: int,
-                buckets: tuple[int, ...] | None) -> Bar:
+                buckets: tuple[int, ...] | None, measured_key: tuple[str, str] | None = None) -> Bar:
     """A batch whose users' GPU-resident prefixes are `cached` (gpu_tokens), against the same users
     computed from scratch."""
     uncached = [dataclasses.replace(u, gpu_tokens=0, host_tokens=0) for u in cached]
@@ -85,11 +93,11 @@ def forward_bar(name: str, issue: int, target: float, cached: list[UserShape], l
         c = predict(cached, [0] * len(cached), _scaled_pairs(cost, pairs), layers, buckets)[0]
         return c, predict(uncached, [0] * len(uncached), cost, layers, None)[0]
 
-    return Bar(name, issue, target, times)
+    return Bar(name, issue, target, times, measured_key)
 
 
 def host_tier_bar(name: str, issue: int, target: float, users: list[UserShape], layers: int, chunk_tokens: int,
-                  buckets: tuple[int, ...] | None) -> Bar:
+                  buckets: tuple[int, ...] | None, measured_key: tuple[str, str] | None = None) -> Bar:
     """A batch whose users' prefixes sit in the host tier, split as the planner chooses (auto)."""
     uncached = [dataclasses.replace(u, gpu_tokens=0, host_tokens=0) for u in users]
 
@@ -97,7 +105,7 @@ def host_tier_bar(name: str, issue: int, target: float, users: list[UserShape], 
         plan, _ = choose_split(_scaled_pairs(cost, pairs), users, layers, chunk_tokens, buckets, "auto")
         return plan.predicted_s, predict(uncached, [0] * len(uncached), cost, layers, None)[0]
 
-    return Bar(name, issue, target, times)
+    return Bar(name, issue, target, times, measured_key)
 
 
 def replay_batches(config: HSTUConfig, workload: WorkloadConfig, max_batch: int) -> list[list[UserShape]]:
@@ -137,11 +145,13 @@ def open_bars(shape: BenchShape = BenchShape(), replay_batch: int = 8, padded: b
     n, cached, m = shape.history_tokens, shape.cached_tokens, shape.num_candidates
     resident = lambda b: [UserShape(0, cached, n, m)] * b  # noqa: E731
     bars = [
-        forward_bar("b1 GPU-resident", 12, 3.0, resident(1), L, buckets),
-        forward_bar("b8 GPU-resident", 12, 6.0, resident(8), L, buckets),
-        forward_bar("b8 re-rank", 11, 10.0, [UserShape(0, n, n, m)] * 8, L, buckets),
-        host_tier_bar("b1 host tier", 11, 1.2, [UserShape(cached, 0, n, m)], L, chunk, buckets),
-        host_tier_bar("b8 host tier", 11, 1.5, [UserShape(cached, 0, n, m)] * 8, L, chunk, buckets),
+        forward_bar("b1 GPU-resident", 12, 3.0, resident(1), L, buckets, ("1", "speedup")),
+        forward_bar("b8 GPU-resident", 12, 6.0, resident(8), L, buckets, ("8", "speedup")),
+        forward_bar("b8 re-rank", 11, 10.0, [UserShape(0, n, n, m)] * 8, L, buckets, ("8", "speedup_rerank")),
+        host_tier_bar("b1 host tier", 11, 1.2, [UserShape(cached, 0, n, m)], L, chunk, buckets,
+                      ("1", "speedup_host_tier_planned")),
+        host_tier_bar("b8 host tier", 11, 1.5, [UserShape(cached, 0, n, m)] * 8, L, chunk, buckets,
+                      ("8", "speedup_host_tier_planned")),
     ]
     batches = replay_batches(shape.model_config(), WorkloadConfig(), replay_batch)
     bars.append(replay_bar("seed replay", 12, 3.0, batches, L, buckets))
@@ -162,14 +172,27 @@ def needed_factor(ratio: Callable[[float], float], target: float, tolerance: flo
     return lo
 
 
-def bounds(cost: CostModel, bars: list[Bar]) -> list[dict[str, Any]]:
-    """Per bar: the predicted times and ratio, and the factor each cost would need (needed_factor)."""
+def measured(bar: Bar, bench: dict | None, replay: dict | None) -> float | None:
+    """What the bar measured, from `hstu bench`'s JSON (e2e speedups) or, for the seed replay,
+    `hstu replay`'s (requests/s cached over uncached); None where neither has it."""
+    if bar.measured_key is not None and bench is not None:
+        value = (bench.get("e2e") or {}).get(bar.measured_key[0], {}).get(bar.measured_key[1])
+        return float(value) if isinstance(value, (int, float)) else None
+    if bar.measured_key is None and replay is not None:
+        value = (replay.get("speedup") or {}).get("speedup req/s (cached/uncached)")
+        return float(value) if isinstance(value, (int, float)) else None
+    return None
+
+
+def bounds(cost: CostModel, bars: list[Bar], bench: dict | None = None, replay: dict | None = None) -> list[dict[str, Any]]:
+    """Per bar: what was measured (when the JSONs hold it), the predicted times and ratio, and the
+    factor each cost would need (needed_factor)."""
     rows = []
     for bar in bars:
         cached, uncached = bar.times(cost, 1.0)
         on_forward = lambda k, bar=bar: bar.ratio(dataclasses.replace(cost, forward_s=cost.forward_s * k))  # noqa: E731
         rows.append({
-            "bar": bar.name, "issue": bar.issue, "target": bar.target,
+            "bar": bar.name, "issue": bar.issue, "target": bar.target, "measured": measured(bar, bench, replay),
             "cached_ms": cached * 1e3, "uncached_ms": uncached * 1e3, "ratio": uncached / cached,
             "ceiling": on_forward(0.0),
             "forward_factor": needed_factor(on_forward, bar.target),
@@ -179,11 +202,12 @@ def bounds(cost: CostModel, bars: list[Bar]) -> list[dict[str, Any]]:
 
 
 def format_bounds(rows: list[dict[str, Any]], cost: CostModel) -> str:
-    table = [["bar", "issue", "target", "cached ms", "uncached ms", "predicted", "ceiling", "forward_s x", "attention x"]]
+    table = [["bar", "issue", "target", "measured", "cached ms", "uncached ms", "predicted", "ceiling", "forward_s x",
+              "attention x"]]
     for r in rows:
-        table.append([r["bar"], str(r["issue"]), f"{r['target']:g}x", fmt(r["cached_ms"], ".2f"), fmt(r["uncached_ms"], ".2f"),
-                      f"{r['ratio']:.2f}x", f"{r['ceiling']:.2f}x", fmt(r["forward_factor"], ".2f"),
-                      fmt(r["attention_factor"], ".2f")])
+        table.append([r["bar"], str(r["issue"]), f"{r['target']:g}x", fmt(r["measured"], ".2f"), fmt(r["cached_ms"], ".2f"),
+                      fmt(r["uncached_ms"], ".2f"), f"{r['ratio']:.2f}x", f"{r['ceiling']:.2f}x",
+                      fmt(r["forward_factor"], ".2f"), fmt(r["attention_factor"], ".2f")])
     head = (f"cost model: forward_s {cost.forward_s * 1e3:.3f} ms, per_row_s {cost.per_row_s:.3g}, "
             f"per_pair_s {cost.per_pair_s:.3g}, H2D {cost.h2d_bytes_per_s / 1e9:.1f} GB/s")
     return head + "\n" + format_table(table)
@@ -194,10 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("bench_json", type=Path, help="a `hstu bench` JSON with a calibrated cost_model")
     p.add_argument("--replay-batch", type=int, default=8, help="the seed replay's max distinct users per batch")
     p.add_argument("--no-padding", action="store_true", help="the cached side's rows without graph-bucket padding")
+    p.add_argument("--replay-json", type=Path, help="a `hstu replay` JSON: the seed replay's measured ratio")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = p.parse_args(argv)
-    cost = load_cost(args.bench_json)
-    rows = bounds(cost, open_bars(replay_batch=args.replay_batch, padded=not args.no_padding))
+    bench = json.loads(args.bench_json.read_text())
+    replay = json.loads(args.replay_json.read_text()) if args.replay_json and args.replay_json.exists() else None
+    cost = cost_of(bench, args.bench_json)
+    rows = bounds(cost, open_bars(replay_batch=args.replay_batch, padded=not args.no_padding), bench, replay)
     print(format_bounds(rows, cost))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

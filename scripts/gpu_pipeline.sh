@@ -53,11 +53,12 @@ stage pytest_cuda_rest 200 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider
 stage bench 120 python3 -m hstu.cli bench --device cuda --out "$OUT/bench"
 stage replay 100 python3 -m hstu.cli replay --preset seed --device cuda --verify --no-progress --out "$OUT/replay"
 stage bench_graphs 90 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e --out "$OUT/bench_graphs"
-# what the cost model calibrated by bench_graphs predicts for each open bar, beside what that stage measured
-# (scripts/bar_bounds.py; needs bench_graphs earlier in the same call)
-stage bounds 30 python3 -m hstu.scripts.bar_bounds "$OUT/bench_graphs/bench.json" --out "$OUT/bounds.json"
 stage replay_graphs 120 python3 -m hstu.cli replay --preset seed --device cuda --cuda-graphs --verify --no-progress \
   --out "$OUT/replay_graphs"
+# what the cost model calibrated by bench_graphs predicts for each open bar, beside what bench_graphs and
+# replay_graphs measured in the same call (scripts/bar_bounds.py; needs bench_graphs earlier in the call)
+stage bounds 30 python3 -m hstu.scripts.bar_bounds "$OUT/bench_graphs/bench.json" \
+  --replay-json "$OUT/replay_graphs/replay.json" --out "$OUT/bounds.json"
 # issue 11: every onload/recompute split of the host-tier batch against the planner's prediction
 stage split 240 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e split --warmup 2 --repeats 8 \
   --out "$OUT/split"

@@ -60,11 +60,17 @@ def test_bounds_report_every_open_bar_and_the_cli_writes_json(tmp_path, capsys):
         assert r["ceiling"] >= r["ratio"]  # no per-forward cost can only help the cached side's ratio
         assert r["forward_factor"] is None or 0.0 <= r["forward_factor"] <= 1.0
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"e2e": {"1": {"cost_model": COST.as_dict()}}}))
+    bench.write_text(json.dumps({"e2e": {"1": {"cost_model": COST.as_dict(), "speedup": 3.1},
+                                         "8": {"speedup_rerank": 8.5}}}))
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"speedup": {"speedup req/s (cached/uncached)": 2.4}}))
     out = tmp_path / "bounds.json"
-    assert bar_bounds.main([str(bench), "--no-padding", "--out", str(out)]) == 0
+    assert bar_bounds.main([str(bench), "--no-padding", "--replay-json", str(replay), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["padded"] is False and len(doc["bars"]) == 6
+    got = {r["bar"]: r["measured"] for r in doc["bars"]}
+    assert got == {"b1 GPU-resident": 3.1, "b8 GPU-resident": None, "b8 re-rank": 8.5, "b1 host tier": None,
+                   "b8 host tier": None, "seed replay": 2.4}, "the same call's figures where the JSONs hold them"
     assert "seed replay" in capsys.readouterr().out
 
 
