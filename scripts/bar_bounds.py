@@ -72,6 +72,7 @@ def load_cost(path: Path) -> CostModel:
 
 
 def cost_of(doc: dict, path: Path | str = "bench JSON") -> CostModel:
+    """load_cost over a parsed document (`path` names it in the error)."""
     for section in ("e2e", "split"):
         for entry in (doc.get(section) or {}).values():
             if isinstance(entry, dict) and isinstance(entry.get("cost_model"), dict):
