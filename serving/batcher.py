@@ -69,9 +69,10 @@ _GAP_WEIGHT = 0.2  # weight of the latest inter-arrival gap in the running mean
 class _Item:
     request: RankingRequest
     future: asyncio.Future
-    enqueued: float
+    enqueued: float  # when submit() queued it here (the queue-wait metric counts from then)
     deadline: float
     queue_deadline: float
+    arrived: float  # when it reached the server (its batch window and queue limit count from then)
     started: bool = False  # its batch went to the model thread
     refused: bool = False  # answered 503/504 before that (by its timer or when its batch started)
     timer: asyncio.TimerHandle | None = None
@@ -187,8 +188,11 @@ class Batcher:
             raise RuntimeError("batcher already started")
         self._task = asyncio.get_running_loop().create_task(self._run(), name="hstu-batcher")
 
-    async def submit(self, request: RankingRequest, deadline: float = math.inf) -> RankOutput:
+    async def submit(self, request: RankingRequest, deadline: float = math.inf, arrived: float | None = None) -> RankOutput:
         """Queue one request and wait for its output until `deadline` (time.monotonic()).
+        `arrived`: when the request reached the server, if earlier than now (an engine process
+        gets it from its front end, a pipe transit later): the batch it opens closes max_wait_s
+        after that, and its queue wait counts from then, so the transit is not waited again.
 
         Raises RankError when it gets none: 503 unavailable (closed), 503 overloaded (queue full
         or queued longer than max_queue_wait_s), 504 timeout (deadline). Cancelling the caller
@@ -203,7 +207,8 @@ class Batcher:
         if len(self._live) >= self.max_queue:
             raise self._overloaded(f"{len(self._live)} requests are already waiting (max_queue {self.max_queue})")
         now = time.monotonic()
-        item = _Item(request, asyncio.get_running_loop().create_future(), now, deadline, now + self.max_queue_wait_s)
+        at = now if arrived is None else min(now, arrived)
+        item = _Item(request, asyncio.get_running_loop().create_future(), now, deadline, at + self.max_queue_wait_s, at)
         self._live.add(item)
         self._queue.put_nowait(item)
         self._arm(item)
@@ -236,9 +241,9 @@ class Batcher:
         """Why `item` gets no scores any more at `now` (deadline, queue wait), else None."""
         if now >= item.deadline:
             where = "while running" if item.started else "in the queue"
-            return RankError(504, "timeout", f"request deadline passed {where} after {now - item.enqueued:.3f}s")
+            return RankError(504, "timeout", f"request deadline passed {where} after {now - item.arrived:.3f}s")
         if not item.started and now >= item.queue_deadline:
-            waited = f"waited {now - item.enqueued:.3f}s in the queue (max_queue_wait {self.max_queue_wait_s:.3f}s)"
+            waited = f"waited {now - item.arrived:.3f}s in the queue (max_queue_wait {self.max_queue_wait_s:.3f}s)"
             return self._overloaded(waited)
         return None
 
@@ -385,7 +390,7 @@ class Batcher:
                 self._getter = self._getter or asyncio.ensure_future(self._queue.get())
                 timeout = None
                 if busy is None and batch:
-                    timeout = batch[0].enqueued + self._wait_s() - time.monotonic()
+                    timeout = batch[0].arrived + self._wait_s() - time.monotonic()
                     if timeout <= 0 and not self._getter.done():
                         break
                 waits = (self._getter,) if busy is None else (self._getter, busy)
@@ -396,7 +401,7 @@ class Batcher:
             if item is _CLOSE:
                 self._input_done = True
                 break
-            self._note_arrival(item.enqueued)
+            self._note_arrival(item.arrived)
             self._offer(item, batch, users)
         return batch
 

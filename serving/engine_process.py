@@ -327,8 +327,11 @@ async def _serve_engine(conns: list[Connection], settings: ServerSettings) -> No
     async def answer(link: int, kind: str, rid: int, *args) -> None:
         try:
             if kind == "rank":
-                runtime.metrics.phase.labels("pipe_to_engine").observe(time.monotonic() - args[2])
-                outcome = await runtime.submit(args[0], time.monotonic() + args[1])
+                # args: request, seconds left when sent, sent at (one monotonic clock per host): the
+                # deadline and the batch window count from the send, not from this later read
+                sent = args[2]
+                runtime.metrics.phase.labels("pipe_to_engine").observe(time.monotonic() - sent)
+                outcome = await runtime.submit(args[0], sent + args[1], arrived=sent)
             elif kind == "prefetch":
                 outcome = await runtime.prefetch_users(args[0])
             else:

@@ -143,9 +143,9 @@ class ServingRuntime(Runtime):
     def pending(self) -> int:
         return self.batcher.pending if self.batcher is not None else 0
 
-    async def submit(self, request: RankingRequest, deadline: float) -> RankOutput:
-        """Through the batcher."""
-        return await self.batcher.submit(request, deadline)
+    async def submit(self, request: RankingRequest, deadline: float, arrived: float | None = None) -> RankOutput:
+        """Through the batcher (`arrived`: Batcher.submit's)."""
+        return await self.batcher.submit(request, deadline, arrived)
 
     async def prefetch_users(self, user_ids: list[int]) -> int:
         """prefetch() on the model thread, between batches."""

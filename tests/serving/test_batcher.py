@@ -102,6 +102,22 @@ async def test_batch_closes_when_full_or_after_max_wait():
     assert 0.15 <= waited < 2.0, f"a lone request waits about max_wait_s, waited {waited:.3f}s"
 
 
+async def test_the_batch_window_and_queue_limit_count_from_when_the_request_reached_the_server():
+    """An engine process reads a request a pipe transit after its front end sent it: the batch it
+    opens closes max_wait_s after the send, not after the read, and its queue wait counts from then."""
+    model = FakeModel()
+    batcher = Batcher(model.rank, max_batch_size=4, max_wait_s=0.4, max_queue=100, max_queue_wait_s=1.0)
+    batcher.start()
+    started = time.monotonic()
+    await batcher.submit(request(1, 1), arrived=started - 0.3)  # no arrival history: the window applies
+    waited = time.monotonic() - started
+    assert waited < 0.25, f"0.3 s of the 0.4 s window had passed before it was queued; waited {waited:.3f}s"
+    with pytest.raises(RankError) as refused:  # already past its queue limit when it is queued
+        await batcher.submit(request(2, 2), deadline=time.monotonic() + 5, arrived=time.monotonic() - 2.0)
+    assert refused.value.status == 503 and "waited 2." in refused.value.detail
+    await batcher.close()
+
+
 async def test_batch_over_capacity_is_split_and_a_single_request_over_capacity_gets_503():
     def fail(batch):
         if len(batch) > 2 or any(u == 99 for u, _ in batch):
