@@ -333,7 +333,7 @@ def create_app(settings: ServerSettings | None = None, runtime_factory: RuntimeF
     async def _rank_one(request: RankingRequest, deadline: float):
         if not runtime.ready:
             raise _unavailable()
-        return await runtime.submit(request, deadline)
+        return await runtime.submit(request, deadline, arrived=deadline - request_timeout_s)
 
     def _not_ready() -> JSONResponse:
         """503 in the error shape, with `status` for the health probes; never exception text."""

@@ -13,7 +13,7 @@ Protocol over one multiprocessing pipe per front end, pickled tuples (RankingReq
 identities' digests, so nothing is hashed again, and not their token records, which the engine
 rebuilds from the arrays: RankingRequest.__reduce__; a RankOutput pickles its logits as numpy,
 see RankOutput.__reduce__):
-  front -> engine   ("rank", id, request, seconds left, sent at) | ("prefetch", id, user_ids) |
+  front -> engine   ("rank", id, request, seconds left, sent at, arrived) | ("prefetch", id, user_ids) |
                     ("scrape", id) | ("cancel", id) | ("metrics", text) | ("drain",) | ("close",)
   engine -> front   ("ready", fingerprint) | ("failed", detail) | ("done", id, outcome, sent at)
 ("sent at": time.monotonic(), one clock for the processes of a host; each side reports how long its
@@ -327,11 +327,12 @@ async def _serve_engine(conns: list[Connection], settings: ServerSettings) -> No
     async def answer(link: int, kind: str, rid: int, *args) -> None:
         try:
             if kind == "rank":
-                # args: request, seconds left when sent, sent at (one monotonic clock per host): the
-                # deadline and the batch window count from the send, not from this later read
-                sent = args[2]
+                # args: request, seconds left when sent, sent at, arrived (at the front end, or None;
+                # one monotonic clock per host): the deadline and the batch window count from the
+                # front end, not from this later read
+                sent, arrived = args[2], args[3]
                 runtime.metrics.phase.labels("pipe_to_engine").observe(time.monotonic() - sent)
-                outcome = await runtime.submit(args[0], sent + args[1], arrived=sent)
+                outcome = await runtime.submit(args[0], sent + args[1], arrived=sent if arrived is None else arrived)
             elif kind == "prefetch":
                 outcome = await runtime.prefetch_users(args[0])
             else:
@@ -468,12 +469,12 @@ class _EngineClient(Runtime):
             raise outcome
         return outcome
 
-    async def submit(self, request: RankingRequest, deadline: float) -> RankOutput:
+    async def submit(self, request: RankingRequest, deadline: float, arrived: float | None = None) -> RankOutput:
         """The engine's batcher answers 504 at the deadline; the front end stops waiting shortly after
         even if the engine process hangs."""
         now = time.monotonic()
         left = deadline - now
-        return await self._call("rank", request, left, now, timeout_s=left + _ANSWER_GRACE_S)
+        return await self._call("rank", request, left, now, arrived, timeout_s=left + _ANSWER_GRACE_S)
 
     async def prefetch_users(self, user_ids: list[int]) -> int:
         return await self._call("prefetch", user_ids, timeout_s=self.settings.request_timeout_ms / 1000.0)

@@ -239,9 +239,10 @@ class RemoteRuntime(Runtime):
             self.metrics.ready.set(1)
             logger.info("ingress ready: ranking replicas serve weights %s", self.fingerprint)
 
-    async def submit(self, request: RankingRequest, deadline: float) -> RankOutput:
+    async def submit(self, request: RankingRequest, deadline: float, arrived: float | None = None) -> RankOutput:
         """Rank on the user's replica, in one call with whatever else waits for it (CallCoalescer);
-        a lost replica means a retry elsewhere until `deadline`."""
+        a lost replica means a retry elsewhere until `deadline`. (`arrived` does not cross to the
+        replica: its batch window counts from its own receipt.)"""
         self._in_flight += 1
         try:
             return await self._calls.submit(request, deadline)

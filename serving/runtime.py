@@ -103,8 +103,9 @@ class Runtime(ABC):
         """Become ready (state 'ready'), or 'failed'; runs in the background of the app's lifespan."""
 
     @abstractmethod
-    async def submit(self, request: RankingRequest, deadline: float) -> RankOutput:
-        """Rank one request by `deadline` (time.monotonic()); RankError otherwise."""
+    async def submit(self, request: RankingRequest, deadline: float, arrived: float | None = None) -> RankOutput:
+        """Rank one request by `deadline` (time.monotonic()); RankError otherwise. `arrived`: when it
+        reached the server (time.monotonic()), from which its batch window counts (Batcher.submit)."""
 
     @abstractmethod
     async def prefetch_users(self, user_ids: list[int]) -> int:

@@ -550,3 +550,28 @@ def test_generated_request_ids_are_unique_per_process_and_after_a_fork():
     assert RequestIds()() != RequestIds()(), "each process (and each app) draws its own random prefix"
     ids._restart()  # what a forked child runs (os.register_at_fork): a new prefix, the counter from 0
     assert not set(first) & {ids() for _ in range(1000)}
+
+
+@anyio
+async def test_a_requests_batch_window_counts_from_its_arrival_at_the_http_handler(reference, monkeypatch):
+    """The handler hands the runtime the request's arrival (time.monotonic() at its first line): the
+    batch window, queue limit and deadline count from there, whatever parsing and pipes took."""
+    from hstu.serving.batcher import Batcher
+
+    seen = []
+    submit = Batcher.submit
+
+    async def spy(self, request, deadline=float("inf"), arrived=None):
+        seen.append((time.monotonic(), deadline, arrived))
+        return await submit(self, request, deadline, arrived)
+
+    monkeypatch.setattr(Batcher, "submit", spy)
+    settings = tiny_settings()
+    async with serving(settings) as (_, client):
+        before = time.monotonic()
+        payload = Timeline(9).payload(7)
+        r = await client.post("/v1/rank", json=payload)
+        assert r.status_code == 200 and matches_reference(reference, payload, r.json())
+    (queued, deadline, arrived), = seen
+    assert before <= arrived <= queued
+    assert deadline - arrived == pytest.approx(settings.request_timeout_ms / 1000.0)
