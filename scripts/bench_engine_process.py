@@ -114,7 +114,8 @@ def run_mode(model_on_loop: bool, requests: list[RankingRequest], window: int = 
         cpu0, t0 = _cpu_seconds(process.pid), time.perf_counter()
         for i, r in enumerate(requests):
             slots.acquire()
-            fronts[i % _FRONT_ENDS].send(("rank", i, r, 60.0, time.monotonic()))
+            now = time.monotonic()  # the engine process's rank message: request, seconds left, sent at, arrived
+            fronts[i % _FRONT_ENDS].send(("rank", i, r, 60.0, now, now))
         while answered[0] < n:
             time.sleep(0.001)
         wall, cpu = time.perf_counter() - t0, _cpu_seconds(process.pid) - cpu0
