@@ -15,7 +15,7 @@ Invariants:
     its logits while the model thread launches the next batch, so one batch's host work overlaps
     the previous one's kernels. At most `_MAX_IN_FLIGHT` batches are between formed and answered.
   - With the model thread idle, a batch is closed when it holds `max_batch_size` requests or
-    `max_wait_s` after its oldest request arrived; the wait is skipped while requests arrive
+    `max_wait_s` after its oldest request arrived (at the server: submit's `arrived`); the wait is skipped while requests arrive
     further apart than max_wait_s (it would add latency without adding requests).
   - Of two requests of one user in the queue, the older one runs first: the one whose last event
     is earlier, or, at equal last events, the shorter history. (Shorter-first alone ran a
@@ -190,9 +190,10 @@ class Batcher:
 
     async def submit(self, request: RankingRequest, deadline: float = math.inf, arrived: float | None = None) -> RankOutput:
         """Queue one request and wait for its output until `deadline` (time.monotonic()).
-        `arrived`: when the request reached the server, if earlier than now (an engine process
-        gets it from its front end, a pipe transit later): the batch it opens closes max_wait_s
-        after that, and its queue wait counts from then, so the transit is not waited again.
+        `arrived`: when the request reached the server (the HTTP handler's first line), if earlier
+        than now: its body was parsed since, and an engine process reads it a pipe transit later.
+        The batch it opens closes max_wait_s after that arrival, and its queue wait counts from
+        then, so time already spent is not waited again.
 
         Raises RankError when it gets none: 503 unavailable (closed), 503 overloaded (queue full
         or queued longer than max_queue_wait_s), 504 timeout (deadline). Cancelling the caller
