@@ -97,6 +97,9 @@ class RequestIds:
         return f"{self._prefix}{next(self._count):016x}"
 
 
+_new_request_id = RequestIds()  # one per process (every app of it shares it; one fork hook)
+
+
 class RankingApp(FastAPI):
     """FastAPI with POST /v1/rank handed straight to its handler (`rank_handler`), past the
     middleware stack and the router. The route stays registered: OpenAPI documents it, other
@@ -167,7 +170,6 @@ def create_app(settings: ServerSettings | None = None, runtime_factory: RuntimeF
     histories = IncrementalHistories(HistoryStore(settings.history_store_bytes), config, metrics)
     metrics.watch_history_store(histories.store)
     request_timeout_s = settings.request_timeout_ms / 1000.0
-    new_request_id = RequestIds()
     parse_pool = ParsePool(settings.parse_processes, limits, config) if settings.parse_processes else None
 
     @asynccontextmanager
@@ -233,13 +235,14 @@ def create_app(settings: ServerSettings | None = None, runtime_factory: RuntimeF
     )
     async def rank(request: Request) -> Response:
         arrived = time.perf_counter()
-        deadline = time.monotonic() + request_timeout_s
+        reached = time.monotonic()  # the batch window, queue limit and deadline count from here
+        deadline = reached + request_timeout_s
         request_id = None
         try:
             parsed = await _parse(await read_body(request, limits.max_body_bytes))
-            request_id = parsed.request_id or new_request_id()
+            request_id = parsed.request_id or _new_request_id()
             handed = time.perf_counter()
-            output = await cancel_on_disconnect(request.receive, _rank_one(parsed.request, deadline))
+            output = await cancel_on_disconnect(request.receive, _rank_one(parsed.request, deadline, reached))
             answered = time.perf_counter()
         except RankError as exc:
             return _failed(exc.status, exc.kind, arrived, rank_error_response(exc, request_id))
@@ -330,10 +333,10 @@ def create_app(settings: ServerSettings | None = None, runtime_factory: RuntimeF
         detail = f"server is {runtime.state}: {runtime.detail}"
         return RankError(503, "unavailable", detail, retry_after_s=RETRY_AFTER_S, request_id=request_id)
 
-    async def _rank_one(request: RankingRequest, deadline: float):
+    async def _rank_one(request: RankingRequest, deadline: float, reached: float):
         if not runtime.ready:
             raise _unavailable()
-        return await runtime.submit(request, deadline, arrived=deadline - request_timeout_s)
+        return await runtime.submit(request, deadline, arrived=reached)
 
     def _not_ready() -> JSONResponse:
         """503 in the error shape, with `status` for the health probes; never exception text."""
