@@ -84,15 +84,24 @@ def _scaled_pairs(cost: CostModel, factor: float) -> CostModel:
     return cost if factor == 1.0 else dataclasses.replace(cost, per_pair_s=cost.per_pair_s * factor)
 
 
+def _from_scratch(users: list[UserShape]) -> list[UserShape]:
+    """The same users with nothing cached (the uncached side)."""
+    return [dataclasses.replace(u, gpu_tokens=0, host_tokens=0) for u in users]
+
+
+def _batch_s(users: list[UserShape], cost: CostModel, layers: int, buckets: tuple[int, ...] | None = None) -> float:
+    """A batch's predicted seconds computing everything past each user's GPU-resident prefix."""
+    return predict(users, [0] * len(users), cost, layers, buckets)[0]
+
+
 def forward_bar(name: str, issue: int, target: float, cached: list[UserShape], layers: int,
                 buckets: tuple[int, ...] | None, measured_key: tuple[str, str] | None = None) -> Bar:
     """A batch whose users' GPU-resident prefixes are `cached` (gpu_tokens), against the same users
     computed from scratch."""
-    uncached = [dataclasses.replace(u, gpu_tokens=0, host_tokens=0) for u in cached]
+    uncached = _from_scratch(cached)
 
     def times(cost: CostModel, pairs: float) -> tuple[float, float]:
-        c = predict(cached, [0] * len(cached), _scaled_pairs(cost, pairs), layers, buckets)[0]
-        return c, predict(uncached, [0] * len(uncached), cost, layers, None)[0]
+        return _batch_s(cached, _scaled_pairs(cost, pairs), layers, buckets), _batch_s(uncached, cost, layers)
 
     return Bar(name, issue, target, times, measured_key)
 
@@ -100,11 +109,11 @@ def forward_bar(name: str, issue: int, target: float, cached: list[UserShape], l
 def host_tier_bar(name: str, issue: int, target: float, users: list[UserShape], layers: int, chunk_tokens: int,
                   buckets: tuple[int, ...] | None, measured_key: tuple[str, str] | None = None) -> Bar:
     """A batch whose users' prefixes sit in the host tier, split as the planner chooses (auto)."""
-    uncached = [dataclasses.replace(u, gpu_tokens=0, host_tokens=0) for u in users]
+    uncached = _from_scratch(users)
 
     def times(cost: CostModel, pairs: float) -> tuple[float, float]:
         plan, _ = choose_split(_scaled_pairs(cost, pairs), users, layers, chunk_tokens, buckets, "auto")
-        return plan.predicted_s, predict(uncached, [0] * len(uncached), cost, layers, None)[0]
+        return plan.predicted_s, _batch_s(uncached, cost, layers)
 
     return Bar(name, issue, target, times, measured_key)
 
@@ -128,12 +137,12 @@ def replay_batches(config: HSTUConfig, workload: WorkloadConfig, max_batch: int)
 def replay_bar(name: str, issue: int, target: float, batches: list[list[UserShape]], layers: int,
                buckets: tuple[int, ...] | None) -> Bar:
     """Requests/s of the cached replay over the uncached one: the sums of their batches' times."""
-    plain = [[dataclasses.replace(u, gpu_tokens=0) for u in b] for b in batches]
+    plain = [_from_scratch(b) for b in batches]
 
     def times(cost: CostModel, pairs: float) -> tuple[float, float]:
         cached_cost = _scaled_pairs(cost, pairs)
-        c = sum(predict(b, [0] * len(b), cached_cost, layers, buckets)[0] for b in batches)
-        return c, sum(predict(b, [0] * len(b), cost, layers, None)[0] for b in plain)
+        c = sum(_batch_s(b, cached_cost, layers, buckets) for b in batches)
+        return c, sum(_batch_s(b, cost, layers) for b in plain)
 
     return Bar(name, issue, target, times)
 
