@@ -357,6 +357,24 @@ void enqueue_runs(const std::vector<CopyRun>& runs, cudaMemcpyKind kind, bool ho
   for (const CopyRun& r : runs) C10_CUDA_CHECK(cudaMemcpyAsync(r.dst, r.src, r.bytes, kind, stream));
 }
 
+// The address through which the current device reads and writes the host tensor `host` (its op and
+// name in the messages; the caller checked it is pinned). The calling thread's first CUDA call may be
+// this one: the engine process launches batches on its event loop's thread, which had made none when
+// its first graph batch staged its inputs (run HD, 2026-12-06: that request failed). With no context
+// current on the thread, cudaPointerGetAttributes answers without a device pointer, so cudaSetDevice
+// (which since CUDA 12 makes the device's primary context current on the thread) runs first; the
+// caller holds a CUDAGuard for the device.
+void* mapped_address(const char* op, const at::Tensor& host, const char* host_name) {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaSetDevice(device));
+  cudaPointerAttributes attr{};
+  C10_CUDA_CHECK(cudaPointerGetAttributes(&attr, host.data_ptr()));
+  TORCH_CHECK(attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, op, ": ", host_name,
+              " is not pinned host memory mapped into the device's address space");
+  return attr.devicePointer;
+}
+
 void onload_kvcache_cuda(at::Tensor kv_cache, const at::Tensor& host_arena, const at::Tensor& slot_ids,
                          const at::Tensor& page_ids, int64_t layer) {
   TORCH_CHECK(kv_cache.is_cuda() && host_arena.is_cpu() && slot_ids.is_cpu() && page_ids.is_cpu(),
@@ -388,8 +406,7 @@ void onload_kvcache_cuda(at::Tensor kv_cache, const at::Tensor& host_arena, cons
   }
 
   TORCH_CHECK(host_arena.is_pinned(), "HSTU_ONLOAD_IMPL=zerocopy needs a pinned host_arena (pin_memory=True)");
-  void* arena_dev = nullptr;
-  C10_CUDA_CHECK(cudaHostGetDevicePointer(&arena_dev, host_arena.data_ptr(), 0));
+  const void* arena_dev = mapped_address("onload_kvcache", host_arena, "host_arena");
   // Slot ids then page ids, staged in pinned memory so the H2D copy is asynchronous; the caching
   // host allocator keeps the buffer alive until the copy on `stream` completed.
   auto idx_host = at::empty({n + n * ppc}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
@@ -490,14 +507,10 @@ void copy_mapped(const char* op, const at::Tensor& host, const char* host_name, 
   const int64_t bytes = device.numel() * device.element_size();
   if (bytes == 0) return;
   const c10::cuda::CUDAGuard guard(device.device());
-  cudaPointerAttributes attr{};
-  C10_CUDA_CHECK(cudaPointerGetAttributes(&attr, host.data_ptr()));
-  TORCH_CHECK(attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, op, ": ", host_name,
-              " is not pinned host memory mapped into the device's address space");
+  char* mapped = static_cast<char*>(mapped_address(op, host, host_name));
   const auto stream = at::cuda::getCurrentCUDAStream();
   const auto& storage = host.storage().data_ptr();
   at::getHostAllocator(at::kCUDA)->record_event(storage.get(), storage.get_context(), stream.unwrap());
-  char* mapped = static_cast<char*>(attr.devicePointer);
   char* on_device = static_cast<char*>(device.data_ptr());
   const LinearAddr addr = to_host ? LinearAddr{on_device, mapped} : LinearAddr{mapped, on_device};
   const int vec = vector_bytes({addr_of(addr.from), addr_of(addr.to), static_cast<uint64_t>(bytes)});

@@ -9,6 +9,7 @@ import functools
 import math
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -566,6 +567,44 @@ def test_read_pinned_lands_beside_a_bulk_copy_to_the_device(dtype):
     assert again.data_ptr() != ptr, "the host allocator handed out a block a pending kernel still reads"
     torch.cuda.synchronize()
 
+
+def _first_cuda_call_on_a_new_thread(op) -> None:
+    """op() on a fresh thread, where it is the thread's first CUDA call (no context current yet)."""
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            op()
+        except BaseException as exc:  # re-raised on the test's thread
+            failures.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if failures:
+        raise failures[0]
+
+
+def test_pinned_copies_as_a_threads_first_cuda_call(monkeypatch):
+    """read_pinned, write_pinned and the zerocopy onload as the first CUDA call of a new thread: the
+    engine process's event-loop thread made none before its first graph batch staged its inputs by
+    read_pinned, whose pointer query then found no device address (run HD, a 500)."""
+    src = torch.arange(4099, dtype=torch.float32).pin_memory()
+    dst = torch.zeros(4099, device="cuda")
+    _first_cuda_call_on_a_new_thread(lambda: kv_ops.read_pinned(dst, src))
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), src)
+    back = torch.zeros(4099).pin_memory()
+    _first_cuda_call_on_a_new_thread(lambda: kv_ops.write_pinned(back, dst))
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)
+    cache = torch.zeros((2, 10, 2, 8, 2, 64), device="cuda", dtype=torch.bfloat16)
+    arena = torch.randn((4, 2, 2, 2, 8, 2, 64)).to(torch.bfloat16).pin_memory()
+    slots, pages = torch.tensor([1], dtype=torch.int32), torch.tensor([[3, 4]], dtype=torch.int32)
+    monkeypatch.setenv("HSTU_ONLOAD_IMPL", "zerocopy")
+    _first_cuda_call_on_a_new_thread(lambda: kv_ops.onload_kvcache(cache, arena, slots, pages, 0))
+    torch.cuda.synchronize()
+    assert torch.equal(cache[0, 3:5].cpu(), arena[1, 0])
 
 _REJECT_PRELUDE = """
 import os, torch
