@@ -13,7 +13,7 @@
 # replay and the answered and sent runs alike (default 200: a sent run then lasts ~0.15 s on the H200, and
 # sent runs in one call spread by 15-60%; 2000 measures over ~1.5 s); "paced" in LOADS adds a sent run at
 # PACED_RATE requests/s (default 800, below what the server serves: its p50 is then a request's latency, not the
-# queue's), in process too when LOADS has "inproc"; SENT_RATE (default 3000), LOADGEN_PROCESSES (default 4, 32
+# queue's), in process too when LOADS has "inproc" (PACED_REPEATS=k: k more of each, users of their own); SENT_RATE (default 3000), LOADGEN_PROCESSES (default 4, 32
 # connections each) and USERS (default 64) set the answered and sent loads' offered rate, client processes and users
 # (scripts/gpu_scale.sh raises them for two replicas); PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
 # during one more, longer load run (collapsed stacks per thread, busy samples only, in OUT_DIR/pyspy.txt;
@@ -41,8 +41,10 @@ if [[ $loads == *" inproc "* ]]; then  # the sent load through the same serve se
   python3 -m hstu.cli loadgen --in-process "$serve_flags" --workload replay --order sent --rate 3000 --requests "$requests" \
     --users 64 --first-user 900000 --out "$out/loadgen_inproc" || rc=1
   if [[ $loads == *" paced "* ]]; then
-    python3 -m hstu.cli loadgen --in-process "$serve_flags" --workload replay --order sent --rate "${PACED_RATE:-800}" \
-      --requests "$requests" --users 64 --first-user 950000 --out "$out/loadgen_inproc_paced" || rc=1
+    for k in $(seq 0 "${PACED_REPEATS:-0}"); do
+      python3 -m hstu.cli loadgen --in-process "$serve_flags" --workload replay --order sent --rate "${PACED_RATE:-800}" \
+        --requests "$requests" --users 64 --first-user $((950000 + 10000 * k)) --out "$out/loadgen_inproc_paced${k#0}" || rc=1
+    done
   fi
 fi
 python3 -m hstu.cli serve $serve_flags --port "$port" > "$out/serve.log" 2>&1 &
@@ -74,7 +76,11 @@ replay_load() {  # replay_load ORDER FIRST_USER NAME [RATE]: the seed workload's
 }
 [[ $loads == *" answered "* ]] && replay_load answered 200000 loadgen_answered
 [[ $loads == *" sent "* ]] && replay_load sent 300000 loadgen_sent
-[[ $loads == *" paced "* ]] && replay_load sent 350000 loadgen_paced "${PACED_RATE:-800}"
+if [[ $loads == *" paced "* ]]; then
+  for k in $(seq 0 "${PACED_REPEATS:-0}"); do
+    replay_load sent $((350000 + 10000 * k)) "loadgen_paced${k#0}" "${PACED_RATE:-800}"
+  done
+fi
 # SENT_REPEATS=k: k more sent runs against the same server, each with users of its own (sent runs in one
 # call spread by 15-30%; compare medians)
 for k in $(seq "${SENT_REPEATS:-0}"); do
