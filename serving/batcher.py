@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -76,6 +77,9 @@ class _Item:
     started: bool = False  # its batch went to the model thread
     refused: bool = False  # answered 503/504 before that (by its timer or when its batch started)
     timer: asyncio.TimerHandle | None = None
+    # submit's `answer`: called with the outcome as soon as it is known, on whichever thread has it
+    answer: Callable[[RankOutput | RankError], None] | None = None
+    claimed: bool = False  # its outcome is decided (an early answer, a timer, the shutdown), under Batcher._claims
 
 
 @dataclass
@@ -171,6 +175,7 @@ class Batcher:
         # engine process, ServerSettings.model_on_loop); else on a model thread of their own
         self._executor = None if inline else ThreadPoolExecutor(1, thread_name_prefix="hstu-model")
         self._completer = ThreadPoolExecutor(1, thread_name_prefix="hstu-complete")
+        self._claims = threading.Lock()  # _Item.claimed, set by the loop's timers and the early answers
         self._task: asyncio.Task | None = None
         self._getter: asyncio.Task | None = None
         self._last_arrival: float | None = None
@@ -188,12 +193,25 @@ class Batcher:
             raise RuntimeError("batcher already started")
         self._task = asyncio.get_running_loop().create_task(self._run(), name="hstu-batcher")
 
-    async def submit(self, request: RankingRequest, deadline: float = math.inf, arrived: float | None = None) -> RankOutput:
+    async def submit(
+        self,
+        request: RankingRequest,
+        deadline: float = math.inf,
+        arrived: float | None = None,
+        answer: Callable[[RankOutput | RankError], None] | None = None,
+    ) -> RankOutput:
         """Queue one request and wait for its output until `deadline` (time.monotonic()).
         `arrived`: when the request reached the server (the HTTP handler's first line), if earlier
         than now: its body was parsed since, and an engine process reads it a pipe transit later.
         The batch it opens closes max_wait_s after that arrival, and its queue wait counts from
         then, so time already spent is not waited again.
+
+        `answer(outcome)`, if given, is called once with the batch's outcome (scores or RankError)
+        the moment it is known, on the completion thread (or wherever the launch finished), before
+        the loop resolves this call: an engine process sends it to its front end from there, so an
+        answer does not wait while the loop launches the next batch (up to 1.5 ms on an H100 host,
+        run HE). It is not called when a timer or the shutdown answered first; the returned value or
+        raised RankError is the same outcome either way.
 
         Raises RankError when it gets none: 503 unavailable (closed), 503 overloaded (queue full
         or queued longer than max_queue_wait_s), 504 timeout (deadline). Cancelling the caller
@@ -209,7 +227,9 @@ class Batcher:
             raise self._overloaded(f"{len(self._live)} requests are already waiting (max_queue {self.max_queue})")
         now = time.monotonic()
         at = now if arrived is None else min(now, arrived)
-        item = _Item(request, asyncio.get_running_loop().create_future(), now, deadline, at + self.max_queue_wait_s, at)
+        item = _Item(
+            request, asyncio.get_running_loop().create_future(), now, deadline, at + self.max_queue_wait_s, at, answer=answer
+        )
         self._live.add(item)
         self._queue.put_nowait(item)
         self._arm(item)
@@ -227,11 +247,13 @@ class Batcher:
             item.timer = asyncio.get_running_loop().call_later(max(0.0, limit - time.monotonic()), self._expire, item)
 
     def _expire(self, item: _Item) -> None:
-        if item.future.done():
+        if item.future.done() or item.claimed:  # (claimed: answered early; the loop resolves it shortly)
             return
         refusal = self._refusal(item, time.monotonic())
         if refusal is None:  # it started in time: wait for the deadline now
             self._arm(item)
+            return
+        if not self._claim(item):
             return
         if not item.started:
             item.refused = True
@@ -262,13 +284,45 @@ class Batcher:
         """_run_batch on the model thread, or inline on this one (the future then done already)."""
         loop = asyncio.get_running_loop()
         if self._executor is not None:
-            return loop.run_in_executor(self._executor, self._run_batch, batch, time.monotonic())
+            return loop.run_in_executor(self._executor, self._launch_now, batch, time.monotonic())
         launched = loop.create_future()
         try:
-            launched.set_result(self._run_batch(batch, time.monotonic()))
+            launched.set_result(self._launch_now(batch, time.monotonic()))
         except Exception as exc:  # as the executor would hand it over
             launched.set_exception(exc)
         return launched
+
+    def _launch_now(self, batch: list[_Item], formed: float) -> "_Ran":
+        """_run_batch; a batch whose outputs are already there (CPU) is settled and answered
+        early here, before the next batch launches on this thread."""
+        ran = self._run_batch(batch, formed)
+        if ran.pending is None or ran.pending[1].done():
+            self._answer_early(ran.settle())
+        return ran
+
+    def _settled(self, ran: "_Ran") -> "_Ran":
+        """On the completion thread: wait for the batch's outputs, then answer early."""
+        self._answer_early(ran.settle())
+        return ran
+
+    def _claim(self, item: _Item) -> bool:
+        """Decide `item`'s outcome here, unless something decided it already (any thread)."""
+        with self._claims:
+            if item.claimed:
+                return False
+            item.claimed = True
+            return True
+
+    def _answer_early(self, ran: "_Ran") -> None:
+        """Hand each outcome of a settled batch to its request's `answer`, if it has one and no
+        timer answered it first. A failing callback is logged; the loop still resolves the call."""
+        for item, outcome in ran.outcomes:
+            if item.answer is None or item.future.done() or not self._claim(item):
+                continue
+            try:
+                item.answer(outcome)
+            except Exception:
+                logger.exception("answering request of user %d early failed", item.request.user_id)
 
     async def close(self, timeout_s: float | None = None) -> None:
         """Refuse new requests and finish the queued ones; after `timeout_s` answer the rest 503.
@@ -286,7 +340,7 @@ class Batcher:
         self._completer.shutdown(wait=True)
 
     def _refuse_all(self, detail: str) -> None:
-        live = [item for item in self._live if not item.future.done()]
+        live = [item for item in self._live if not item.future.done() and self._claim(item)]
         logger.warning("shutdown deadline: answering %d unfinished requests 503", len(live))
         for item in live:
             item.future.set_exception(RankError(503, "unavailable", detail))
@@ -321,11 +375,9 @@ class Batcher:
         """Wait for the launch, then (on the completion thread) for its outputs; deliver them."""
         try:
             ran = await launched
-            if ran.pending is not None and ran.pending[1].done():
-                ran = ran.settle()  # finished at launch (CPU): no thread hop
-            elif ran.pending is not None:
+            if ran.pending is not None:  # outputs still on their way (a launch that finished was settled)
                 self._overlapping = True
-                ran = await asyncio.get_running_loop().run_in_executor(self._completer, ran.settle)
+                ran = await asyncio.get_running_loop().run_in_executor(self._completer, self._settled, ran)
         except Exception as exc:  # _run_batch maps errors itself; this is a last line of defence
             logger.exception("batch of %d requests failed outside the model call", len(batch))
             error = RankError(500, "internal", f"batch failed: {type(exc).__name__}: {exc}")

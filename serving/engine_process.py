@@ -325,6 +325,13 @@ async def _serve_engine(conns: list[Connection], settings: ServerSettings) -> No
     pushed: dict[int, str] = {}  # each front end's latest metrics text
 
     async def answer(link: int, kind: str, rid: int, *args) -> None:
+        answered_early = False
+
+        def answer_early(outcome) -> None:  # on the completion thread, as soon as the batch's outputs are there
+            nonlocal answered_early
+            answered_early = True
+            outs[link].send(("done", rid, outcome, time.monotonic()))
+
         try:
             if kind == "rank":
                 # args: request, seconds left when sent, sent at, arrived (at the front end, or None;
@@ -332,7 +339,9 @@ async def _serve_engine(conns: list[Connection], settings: ServerSettings) -> No
                 # front end, not from this later read
                 sent, arrived = args[2], args[3]
                 runtime.metrics.phase.labels("pipe_to_engine").observe(time.monotonic() - sent)
-                outcome = await runtime.submit(args[0], sent + args[1], arrived=sent if arrived is None else arrived)
+                outcome = await runtime.submit(
+                    args[0], sent + args[1], arrived=sent if arrived is None else arrived, answer=answer_early
+                )
             elif kind == "prefetch":
                 outcome = await runtime.prefetch_users(args[0])
             else:
@@ -343,7 +352,8 @@ async def _serve_engine(conns: list[Connection], settings: ServerSettings) -> No
         except Exception as exc:  # the front end gets an answer whatever happened
             logger.exception("engine call %s failed", kind)
             outcome = RankError(500, "internal", f"engine call failed: {type(exc).__name__}: {exc}")
-        outs[link].send(("done", rid, outcome, time.monotonic()))
+        if not answered_early:
+            outs[link].send(("done", rid, outcome, time.monotonic()))
 
     while True:
         link, message = await inbox.get()

@@ -37,6 +37,7 @@ from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.serving.gc_policy import freeze_startup_objects
 from hstu.serving.batcher import Batcher
+from hstu.serving.errors import RankError
 from hstu.serving.metrics import ServingMetrics
 from hstu.serving.schemas import RequestLimits
 from hstu.serving.settings import ServerSettings
@@ -144,9 +145,15 @@ class ServingRuntime(Runtime):
     def pending(self) -> int:
         return self.batcher.pending if self.batcher is not None else 0
 
-    async def submit(self, request: RankingRequest, deadline: float, arrived: float | None = None) -> RankOutput:
-        """Through the batcher (`arrived`: Batcher.submit's)."""
-        return await self.batcher.submit(request, deadline, arrived)
+    async def submit(
+        self,
+        request: RankingRequest,
+        deadline: float,
+        arrived: float | None = None,
+        answer: Callable[[RankOutput | RankError], None] | None = None,
+    ) -> RankOutput:
+        """Through the batcher (`arrived`, `answer`: Batcher.submit's)."""
+        return await self.batcher.submit(request, deadline, arrived, answer)
 
     async def prefetch_users(self, user_ids: list[int]) -> int:
         """prefetch() on the model thread, between batches."""

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.anyio
 _NEEDS_MODEL_THREAD = {
     "test_a_formed_batch_starts_when_the_running_one_ends_even_with_the_loop_busy",
     "test_cancelled_request_is_dropped_without_stopping_the_batcher",  # cancels during the first launch
+    "test_a_request_its_timer_answered_gets_no_early_answer",  # the timer fires during the launch
 }
 
 
@@ -374,3 +375,61 @@ async def test_a_batch_that_fails_when_its_outputs_are_read_answers_500_and_the_
     await batcher.close()
     assert all(isinstance(e, RankError) and e.status == 500 and "illegal memory access" in e.detail for e in failed), failed
     assert int(served[0].logits[0, 0]) == 3
+
+
+async def test_an_early_answer_comes_from_the_completion_thread_before_the_call_returns():
+    """submit(answer=): the outcome reaches the callback on the thread that saw the outputs arrive,
+    once, before the loop resolves the call, which returns the same outcome."""
+    from hstu.engine import PendingRank
+
+    model = FakeModel()
+    gate = _Gate()
+    answers: list[tuple[str, RankOutput]] = []
+    batcher = Batcher(lambda rs: PendingRank(model.rank(rs), gate), max_batch_size=2, max_wait_s=0.0, max_queue=10)
+    batcher.start()
+    call = asyncio.create_task(
+        batcher.submit(request(1, 7), answer=lambda o: answers.append((threading.current_thread().name, o)))
+    )
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if model.batches:
+            break
+    assert answers == [] and not call.done(), "answered before the outputs arrived"
+    gate.released.set()
+    output = await call
+    await batcher.close()
+    assert len(answers) == 1 and answers[0][1] is output and int(output.logits[0, 0]) == 7
+    assert answers[0][0].startswith("hstu-complete")
+
+
+async def test_a_finished_batch_is_answered_before_the_next_one_launches():
+    """A launch that returns its outputs at once (CPU) answers them on the launching thread, before
+    the next batch of the same user launches (on the loop's thread, inline, the loop itself would
+    otherwise launch it before resuming the first call)."""
+    events: list[tuple[str, int]] = []
+    model = FakeModel()
+
+    def rank(requests):
+        events.append(("launch", int(requests[0].candidates[0])))
+        return model.rank(requests)
+
+    batcher = Batcher(rank, max_batch_size=2, max_wait_s=0.0, max_queue=10)
+    batcher.start()
+    await asyncio.gather(
+        *(batcher.submit(request(1, tag), answer=lambda o: events.append(("answer", int(o.logits[0, 0])))) for tag in (1, 2))
+    )
+    await batcher.close()
+    assert events == [("launch", 1), ("answer", 1), ("launch", 2), ("answer", 2)]
+
+
+async def test_a_request_its_timer_answered_gets_no_early_answer():
+    """The deadline passes while the batch runs: the timer answers 504 and the late outputs are
+    neither handed to `answer` nor returned."""
+    model = FakeModel(delay_s=0.3)
+    answers = []
+    batcher = Batcher(model.rank, max_batch_size=2, max_wait_s=0.0, max_queue=10)
+    batcher.start()
+    with pytest.raises(RankError) as raised:
+        await batcher.submit(request(1, 1), deadline=time.monotonic() + 0.05, answer=answers.append)
+    await batcher.close()
+    assert raised.value.status == 504 and answers == []
