@@ -21,6 +21,10 @@ Invariants:
     is earlier, or, at equal last events, the shorter history. (Shorter-first alone ran a
     restarted user's new, short history before the old, long requests still queued, and each
     switch between the two invalidated and recomputed the user: ~4 per restart under load.)
+  - A request submitted with `answer` also has its outcome handed to that callback, once, on the
+    thread that saw its batch's outputs arrive (the completion thread, or the launching thread when
+    the launch finished them), before the loop resolves it; never when a timer or the shutdown
+    answered it first (`_Item.claimed`, under one lock: whichever decides first wins).
   - Every submitted request gets exactly one outcome (scores or a RankError); no exception from
     a batch stops the loop. A batch that needs more KV pages than exist unpinned is split in
     halves; a batch that raises anything else is retried one request at a time, so each request
