@@ -561,9 +561,9 @@ async def test_a_requests_batch_window_counts_from_its_arrival_at_the_http_handl
     seen = []
     submit = Batcher.submit
 
-    async def spy(self, request, deadline=float("inf"), arrived=None):
+    async def spy(self, request, deadline=float("inf"), arrived=None, answer=None):
         seen.append((time.monotonic(), deadline, arrived))
-        return await submit(self, request, deadline, arrived)
+        return await submit(self, request, deadline, arrived, answer)
 
     monkeypatch.setattr(Batcher, "submit", spy)
     settings = tiny_settings()
