@@ -30,10 +30,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
 
 stage "install"
-if [ -d .whl ]; then  # server wheels carried from the dev machine (the GPU image has no fastapi)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+source scripts/gpu_wheels.sh  # the server wheels carried in .whl
 if ! python3 -m pip install -e . --no-deps --no-build-isolation -q 2>&1 | tee "$OUT/install.log"; then
   # Fallback: a package folder of links mirroring pyproject's package-dir (hstu.ops -> ops/ ...).
   echo "editable install failed; using a linked package folder on PYTHONPATH"

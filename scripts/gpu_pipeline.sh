@@ -33,16 +33,7 @@ stage() {  # stage NAME SECONDS CMD...: run under a time limit, append to the on
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$LOG"
-# The server's wheels for the device's Python 3.12 (carry .whl), fetched on the dev machine with:
-#   pip download 'fastapi>=0.110' 'uvicorn>=0.29' 'httptools>=0.6' 'prometheus-client>=0.20' 'pydantic>=2' \
-#     'msgspec>=0.18' 'swagger-ui-bundle>=1.1' 'httpx>=0.27' --only-binary=:all: --python-version 3.12 \
-#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-#     --platform any -d .whl
-if [ -d .whl ]; then  # wheels (.rayk: the Ray Serve kit of tools/ray_kit.py), and pre-installed trees as .tar.xz
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    $(ls .rayk/*.whl 2>/dev/null) && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
-  for tree in .whl/*.tar.xz; do [ -e "$tree" ] && tar -xJf "$tree" -C /tmp/site; done
-fi
+source scripts/gpu_wheels.sh  # the server wheels carried in .whl
 python3 -m pip install -e . --no-deps --no-build-isolation -q 2>&1 | tail -2 | tee -a "$LOG"
 stage build 240 python3 -c "from hstu.ops._build import cuda_build_enabled, load_extension; assert cuda_build_enabled(); load_extension(); print('extension built')"
 stage pytest_cuda 300 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/

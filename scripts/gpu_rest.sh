@@ -21,7 +21,12 @@
 # PYSPY_RATE: that load's offered requests/s, default 3000), with
 # the GPU's utilisation every 100 ms beside it (OUT_DIR/gpu_util.csv). The server's /metrics at the end: metrics_end.txt.
 set -uo pipefail
-out=$1
+out=$(realpath -m "$1")
+cd "$(dirname "$0")/.."
+# run by itself (not as gpu_pipeline.sh's stage): the server wheels and the package first (run HC, on its own,
+# stopped at the missing pydantic)
+python3 -c "import fastapi, pydantic" 2>/dev/null || source scripts/gpu_wheels.sh
+python3 -c "import hstu.cli" 2>/dev/null || python3 -m pip install -e . --no-deps --no-build-isolation -q
 port=${PORT:-8123}
 url=http://127.0.0.1:$port
 mkdir -p "$out"
