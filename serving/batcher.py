@@ -231,9 +231,8 @@ class Batcher:
             raise self._overloaded(f"{len(self._live)} requests are already waiting (max_queue {self.max_queue})")
         now = time.monotonic()
         at = now if arrived is None else min(now, arrived)
-        item = _Item(
-            request, asyncio.get_running_loop().create_future(), now, deadline, at + self.max_queue_wait_s, at, answer=answer
-        )
+        future = asyncio.get_running_loop().create_future()
+        item = _Item(request, future, now, deadline, at + self.max_queue_wait_s, at, answer=answer)
         self._live.add(item)
         self._queue.put_nowait(item)
         self._arm(item)

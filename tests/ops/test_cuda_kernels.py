@@ -606,6 +606,7 @@ def test_pinned_copies_as_a_threads_first_cuda_call(monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(cache[0, 3:5].cpu(), arena[1, 0])
 
+
 _REJECT_PRELUDE = """
 import os, torch
 from hstu.ops import kv_ops

@@ -415,9 +415,10 @@ async def test_a_finished_batch_is_answered_before_the_next_one_launches():
 
     batcher = Batcher(rank, max_batch_size=2, max_wait_s=0.0, max_queue=10)
     batcher.start()
-    await asyncio.gather(
-        *(batcher.submit(request(1, tag), answer=lambda o: events.append(("answer", int(o.logits[0, 0])))) for tag in (1, 2))
-    )
+    def answer(outcome) -> None:
+        events.append(("answer", int(outcome.logits[0, 0])))
+
+    await asyncio.gather(*(batcher.submit(request(1, tag), answer=answer) for tag in (1, 2)))
     await batcher.close()
     assert events == [("launch", 1), ("answer", 1), ("launch", 2), ("answer", 2)]
 
