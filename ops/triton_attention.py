@@ -719,6 +719,15 @@ def _tma_fitted(cfg: AttentionConfig, page_size: int, head_dim: int) -> Attentio
     return cfg if cfg.block_n == page_size else dataclasses.replace(cfg, block_n=page_size)
 
 
+def kernel_in_force(device: torch.device) -> str:
+    """The kernel the default configuration runs on `device` for 16-bit inputs at the head dims the
+    Gluon kernel takes: "gluon" or "triton" (what a benchmark's header reports)."""
+    from hstu.ops import gluon_attention
+
+    cfg = _CONFIG_LARGE_HEAD
+    return "gluon" if cfg.kernel == "gluon" and cfg.silu == "tanh" and gluon_attention.available(device) else "triton"
+
+
 def _gluon_fits(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     from hstu.ops import gluon_attention
 

@@ -76,7 +76,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     try:
         from hstu.ops import triton_attention
 
-        env["attention"] = "triton" if triton_attention.available() else "torch"
+        env["attention"] = triton_attention.kernel_in_force(device) if triton_attention.available() else "torch"
     except ImportError as exc:
         env["attention"] = f"torch (triton kernel not importable: {exc})"
     return env

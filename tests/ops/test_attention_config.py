@@ -1,6 +1,9 @@
 """AttentionConfig's checks and the TMA tile fit, without triton (plain Python)."""
 
+import dataclasses
+
 import pytest
+import torch
 
 from hstu.ops import knobs
 from hstu.ops import triton_attention as ta
@@ -44,3 +47,16 @@ def test_flag_knobs_take_only_0_or_1(monkeypatch):
         knobs.flag("HSTU_ATTENTION_LONG_FIRST")
     monkeypatch.setenv("HSTU_ATTENTION_LONG_FIRST", "1")
     assert knobs.flag("HSTU_ATTENTION_LONG_FIRST") is True
+
+
+def test_the_kernel_in_force_is_gluon_only_where_it_runs(monkeypatch):
+    from hstu.ops import gluon_attention
+
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(gluon_attention, "available", lambda d=None: True)
+    assert ta.kernel_in_force(device) == "gluon"
+    monkeypatch.setattr(ta, "_CONFIG_LARGE_HEAD", dataclasses.replace(ta._CONFIG_LARGE_HEAD, kernel="triton"))
+    assert ta.kernel_in_force(device) == "triton"
+    monkeypatch.setattr(gluon_attention, "available", lambda d=None: False)
+    monkeypatch.setattr(ta, "_CONFIG_LARGE_HEAD", dataclasses.replace(ta._CONFIG_LARGE_HEAD, kernel="gluon"))
+    assert ta.kernel_in_force(device) == "triton"
