@@ -6,8 +6,9 @@
 For each batch size: N cached forwards (GPU-resident prefix, new tokens + candidates), each after
 an untimed prefill, measured three times: the engine's own per-phase host timings, cProfile
 (host functions by own time; the model thread's Python work) and torch.profiler (union of
-compute kernel time over the forward's wall time = GPU busy share; the top kernels and copies by
-device time). `--cached-tokens` shortens the GPU-resident prefix (the forward recomputes the
+compute kernel time over the wall time until every stream is idle, its offload included = GPU busy
+share; the compute stream's kernels over the time until the logits are ready = forward busy share;
+the top kernels and copies by device time). `--cached-tokens` shortens the GPU-resident prefix (the forward recomputes the
 rest); `--onload-fraction F` puts the prefix in the host tier and onloads its share F; `--rerank`
 ranks the whole cached history again with its candidates (the unchanged-history re-rank: candidates
 only); `--pipelined N` also launches N cached batches back to back as the server does (rank_async,
@@ -163,6 +164,19 @@ def kernel_busy_us(events) -> float:
     return merged
 
 
+def compute_stream_busy_us(events) -> float:
+    """Union of the kernels on the stream that ran the most kernel time: the forward's compute
+    stream. The offload's gather and the tiers' copies run on streams of their own."""
+    by_stream: dict[str, list] = {}
+    for e in events:
+        by_stream.setdefault(_stream_of(e), []).append(e)
+    return max((kernel_busy_us(stream_events) for stream_events in by_stream.values()), default=0.0)
+
+
+def _stream_of(event) -> str:
+    return str(getattr(event, "device_resource_id", None) or event.thread)
+
+
 def pipelined_profile(engine, shape, batch, n, device, depth: int = 2) -> dict:
     """The GPU's busy share while n cached batches run back to back as the server runs them:
     rank_async launches a batch while up to depth - 1 earlier ones still run on the device, so
@@ -228,7 +242,7 @@ def stream_timeline(events, max_gap_us: float = 2.0, max_segments: int = 400) ->
     t0 = min(e.time_range.start for e in events)
     streams: dict[str, list[list]] = {}
     for e in sorted(events, key=lambda e: e.time_range.start):
-        stream = str(getattr(e, "device_resource_id", None) or e.thread)
+        stream = _stream_of(e)
         kind = "copy" if e.name.startswith(("Memcpy", "Memset")) else "kernel"
         start, end = e.time_range.start - t0, e.time_range.end - t0
         runs = streams.setdefault(stream, [])
@@ -247,7 +261,7 @@ def device_profile(engine, shape, batch, n, device, rerank=False, cold=False, tr
         return {}
     from torch.profiler import ProfilerActivity, profile
 
-    busy, wall = 0.0, 0.0
+    busy, wall, forward_busy, forward_wall = 0.0, 0.0, 0.0, 0.0
     by_kernel: dict[str, float] = {}
     by_runtime: dict[str, list[float]] = {}  # CUDA runtime/driver calls on the host: [ms, calls]
     timeline: dict = {}
@@ -255,12 +269,15 @@ def device_profile(engine, shape, batch, n, device, rerank=False, cold=False, tr
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
             engine.rank(requests)
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()  # the forward's logits are ready
+            forward_wall += time.perf_counter() - t0
+            torch.cuda.synchronize(device)  # and its offload has landed
             wall += time.perf_counter() - t0
         events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         for e in events:
             by_kernel[e.name] = by_kernel.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
         busy += kernel_busy_us(events) / 1e3
+        forward_busy += compute_stream_busy_us(events) / 1e3
         for e in prof.events():
             if e.device_type != torch.autograd.DeviceType.CUDA and e.name.startswith("cu"):
                 total = by_runtime.setdefault(e.name, [0.0, 0])
@@ -280,6 +297,10 @@ def device_profile(engine, shape, batch, n, device, rerank=False, cold=False, tr
         "kernel_busy_ms_per_forward": busy / n,
         "wall_ms_per_forward": wall / n * 1e3,
         "gpu_busy_share": busy / wall / 1e3,
+        # the forward alone: the compute stream's kernels over the time until its logits were ready
+        # (the share above also waits out the offload that follows on its own stream)
+        "forward_wall_ms": forward_wall / n * 1e3,
+        "forward_busy_share": forward_busy / forward_wall / 1e3 if forward_wall else 0.0,
         "top_kernels": [{"kernel": name[:120], "ms_per_forward": ms / n} for name, ms in top],
         # host time inside CUDA calls (launches, syncs, allocations, event waits): where a model
         # thread's time goes that no Python function owns
@@ -332,11 +353,13 @@ def main(args: argparse.Namespace) -> int:
 
 def format_table(doc: dict, batches: list[int]) -> str:
     """Per batch: wall, profiled host and GPU busy time per forward; then its top own-time functions."""
-    rows = [["batch", "wall ms", "profiled host ms", "GPU busy"]]
+    rows = [["batch", "wall ms", "profiled host ms", "GPU busy", "forward ms", "forward busy"]]
     for batch in batches:
         h, d = doc[str(batch)]["host"], doc[str(batch)]["device"]
         busy = f"{100 * d['gpu_busy_share']:.0f}% ({d['kernel_busy_ms_per_forward']:.2f} ms)" if d else "-"
-        rows.append([str(batch), f"{h['wall_ms_per_forward']:.2f}", f"{h['profiled_host_ms_per_forward']:.2f}", busy])
+        forward = [f"{d['forward_wall_ms']:.2f}", f"{100 * d['forward_busy_share']:.0f}%"] if d else ["-", "-"]
+        rows.append([str(batch), f"{h['wall_ms_per_forward']:.2f}", f"{h['profiled_host_ms_per_forward']:.2f}", busy,
+                     *forward])
     parts = [report.format_table(rows)]
     piped = [(b, doc[str(b)].get("pipelined")) for b in batches]
     if any(p for _, p in piped):

@@ -173,3 +173,19 @@ def test_host_only_profile_of_a_host_tier_split(tmp_path, monkeypatch):
     assert doc["onload_fraction"] == 0.5 and doc["2"]["phases"]["onload_ms"] > 0
     timed = onloaded[1::2]  # every second call is a timed batch, after its untimed prefill
     assert timed and all(o > 0 and r > 0 for o, r in timed)
+
+
+def test_the_forward_busy_share_counts_the_compute_stream_only():
+    from types import SimpleNamespace as NS
+
+    def event(name, stream, start, end):
+        return NS(name=name, device_resource_id=stream, thread=0, time_range=NS(start=start, end=end))
+
+    events = [
+        event("attn", 3, 0, 100), event("gemm", 3, 50, 150), event("ln", 3, 200, 210),  # 160 us of compute
+        event("gather", 9, 300, 340), event("Memcpy DtoH", 9, 340, 900),  # the offload after it
+        event("Memcpy HtoD", 3, 150, 200),  # a copy is not compute
+    ]
+    assert profile_forward.compute_stream_busy_us(events) == 160
+    assert profile_forward.kernel_busy_us(events) == 200
+    assert profile_forward.compute_stream_busy_us([]) == 0.0
