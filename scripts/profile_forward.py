@@ -9,11 +9,11 @@ an untimed prefill, measured three times: the engine's own per-phase host timing
 compute kernel time over the wall time until every stream is idle, its offload included = GPU busy
 share; the compute stream's kernels over the time until the logits are ready = forward busy share;
 the top kernels and copies by device time). `--cached-tokens` shortens the GPU-resident prefix (the
-forward recomputes the rest); `--onload-fraction F` puts the prefix in the host tier and onloads its share F; `--rerank`
-ranks the whole cached history again with its candidates (the unchanged-history re-rank: candidates
-only); `--pipelined N` also launches N cached batches back to back as the server does (rank_async,
-two in flight) and reports the GPU's busy share over them; `--trace` writes the last profiled
-forward's Chrome trace. Prints a short table last and writes profile.json.
+forward recomputes the rest); `--onload-fraction F` puts the prefix in the host tier and onloads its
+share F; `--rerank` ranks the whole cached history again with its candidates (the unchanged-history
+re-rank: candidates only); `--pipelined N` also launches N cached batches back to back as the server
+does (rank_async, two in flight) and reports the GPU's busy share over them; `--trace` writes the
+last profiled forward's Chrome trace. Prints a short table last and writes profile.json.
 """
 
 from __future__ import annotations
