@@ -719,13 +719,17 @@ def _tma_fitted(cfg: AttentionConfig, page_size: int, head_dim: int) -> Attentio
     return cfg if cfg.block_n == page_size else dataclasses.replace(cfg, block_n=page_size)
 
 
+def _asks_gluon(cfg: AttentionConfig) -> bool:
+    """Whether `cfg` runs the Gluon kernel where it fits (the tanh SiLU is its only SiLU form)."""
+    return cfg.kernel == "gluon" and cfg.silu == "tanh"
+
+
 def kernel_in_force(device: torch.device) -> str:
     """The kernel the default configuration runs on `device` for 16-bit inputs at the head dims the
     Gluon kernel takes: "gluon" or "triton" (what a benchmark's header reports)."""
     from hstu.ops import gluon_attention
 
-    cfg = _CONFIG_LARGE_HEAD
-    return "gluon" if cfg.kernel == "gluon" and cfg.silu == "tanh" and gluon_attention.available(device) else "triton"
+    return "gluon" if _asks_gluon(_CONFIG_LARGE_HEAD) and gluon_attention.available(device) else "triton"
 
 
 def _gluon_fits(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -756,7 +760,7 @@ def paged_hstu_attention_triton(
     cfg = config or default_config(q.shape[2])
     if cfg.tma:
         cfg = _tma_fitted(cfg, kv_cache.shape[3], q.shape[2])
-    gluon = cfg.kernel == "gluon" and cfg.silu == "tanh" and _gluon_fits(q, kv_cache)  # its only SiLU form
+    gluon = _asks_gluon(cfg) and _gluon_fits(q, kv_cache)
     args = (
         q, k, v, kv_cache, layer, meta.page_table, meta.kv_lens, meta.q_offsets, meta.q_pos, meta.max_q, scale_len,
         cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, num_splits,

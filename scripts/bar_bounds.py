@@ -185,13 +185,11 @@ def needed_factor(ratio: Callable[[float], float], target: float, tolerance: flo
 def measured(bar: Bar, bench: dict | None, replay: dict | None) -> float | None:
     """What the bar measured, from `hstu bench`'s JSON (e2e speedups) or, for the seed replay,
     `hstu replay`'s (requests/s cached over uncached); None where neither has it."""
-    if bar.measured_key is not None and bench is not None:
-        value = (bench.get("e2e") or {}).get(bar.measured_key[0], {}).get(bar.measured_key[1])
-        return float(value) if isinstance(value, (int, float)) else None
-    if bar.measured_key is None and replay is not None:
-        value = (replay.get("speedup") or {}).get("speedup req/s (cached/uncached)")
-        return float(value) if isinstance(value, (int, float)) else None
-    return None
+    if bar.measured_key is not None:
+        value = (bench.get("e2e") or {}).get(bar.measured_key[0], {}).get(bar.measured_key[1]) if bench else None
+    else:
+        value = (replay.get("speedup") or {}).get("speedup req/s (cached/uncached)") if replay else None
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def bounds(cost: CostModel, bars: list[Bar], bench: dict | None = None, replay: dict | None = None) -> list[dict[str, Any]]:

@@ -13,8 +13,8 @@
 # replay and the answered and sent runs alike (default 200: a sent run then lasts ~0.15 s on the H200, and
 # sent runs in one call spread by 15-60%; 2000 measures over ~1.5 s); "paced" in LOADS adds a sent run at
 # PACED_RATE requests/s (default 800, below what the server serves: its p50 is then a request's latency, not the
-# queue's), in process too when LOADS has "inproc" (PACED_REPEATS=k: k more of each, users of their own); SENT_RATE (default 3000), LOADGEN_PROCESSES (default 4, 32
-# connections each) and USERS (default 64) set the answered and sent loads' offered rate, client processes and users
+# queue's), in process too when LOADS has "inproc" (PACED_REPEATS=k: k more of each, users of their own);
+# SENT_RATE (default 3000), LOADGEN_PROCESSES (default 4, 32 connections each) and USERS (default 64) set the answered and sent loads' offered rate, client processes and users
 # (scripts/gpu_scale.sh raises them for two replicas); PYSPY=1 samples the server (its engine process and parse workers too) with py-spy, when installed,
 # during one more, longer load run (collapsed stacks per thread, busy samples only, in OUT_DIR/pyspy.txt;
 # PYSPY_IDLE=1: idle samples too, to see where threads wait; PYSPY_GIL=1: only samples holding the GIL;
