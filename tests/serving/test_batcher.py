@@ -415,6 +415,7 @@ async def test_a_finished_batch_is_answered_before_the_next_one_launches():
 
     batcher = Batcher(rank, max_batch_size=2, max_wait_s=0.0, max_queue=10)
     batcher.start()
+
     def answer(outcome) -> None:
         events.append(("answer", int(outcome.logits[0, 0])))
 
