@@ -68,15 +68,18 @@ def run_bench(
     cuda_graphs: bool = False,
     compile_layers: bool = False,
     planner: bool = True,
+    trace: bool = False,
 ) -> dict[str, Any]:
     """Run the sections for every batch size; write bench.json (after each section) and bench.md.
 
     cuda_graphs: the end-to-end models replay per-layer CUDA graphs (RankingEngine.enable_cuda_graphs);
     compile_layers: those graphs capture torch.compile'd layers. The block section always runs the
-    eager block.
+    eager block. trace: each e2e pass once more under the profiler (EndToEnd).
     """
     with use_attention_backend(attention):
-        return _run_bench(shape, device, warmup, repeats, out_dir, sections, cuda_graphs, compile_layers, planner)
+        return _run_bench(
+            shape, device, warmup, repeats, out_dir, sections, cuda_graphs, compile_layers, planner, trace
+        )
 
 
 def _run_bench(
@@ -89,6 +92,7 @@ def _run_bench(
     cuda_graphs: bool,
     compile_layers: bool,
     planner: bool,
+    trace: bool = False,
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = memory_plan(shape)
@@ -133,7 +137,7 @@ def _run_bench(
     timer = Timer(device)
     try:
         check_memory(shape, device, plan)
-        e2e = EndToEnd(shape, device, cuda_graphs, compile_layers, planner)
+        e2e = EndToEnd(shape, device, cuda_graphs, compile_layers, planner, trace)
     except Exception as exc:
         logger.exception("setup failed")
         doc["errors"].append({"section": "setup", "batch": None, "error": f"{type(exc).__name__}: {exc}"})
@@ -246,6 +250,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="each batch's prepare job on the cache's prepare worker instead of the model thread")
     p.add_argument("--host-split", choices=HOST_SPLITS, default=None, help=HOST_SPLIT_HELP)
     p.add_argument("--host-format", choices=HOST_FORMATS, default=None, help=HOST_FORMAT_HELP)
+    p.add_argument("--trace", action="store_true",
+                   help="e2e: one more forward of each pass under torch.profiler, after the timed ones; its host "
+                        "span, CUDA runtime calls and per-stream device activity go into bench.json (CUDA only)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", type=Path, default=Path("out/bench"))
@@ -282,6 +289,7 @@ def main(args: argparse.Namespace) -> int:
         args.cuda_graphs,
         args.compile,
         not args.no_planner,
+        args.trace,
     )
     logger.info("wrote %s and %s", args.out / "bench.json", args.out / "bench.md")
     print(format_table(doc))

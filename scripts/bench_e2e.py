@@ -19,15 +19,21 @@ from hstu.ops.kvcache.host_tier import prefilled_host_user
 from hstu.ops.kvcache.planner import FixedSplit, choose_split, predict, predict_front
 from hstu.scripts.bench_shapes import BenchShape, make_requests
 from hstu.scripts.compare import compare_logits
+from hstu.scripts.forward_trace import traced_call
 from hstu.scripts.timing import TimedRun, Timer, summarize
 from hstu.scripts.workload import FreshUserIds, as_users
 
 
-class CacheWaitProbe:
-    """Host time the model thread spent blocked on the cache in each timed forward, from the
-    engine's own per-forward timings (prepare join and per-layer onload waits). On CUDA an onload
-    wait blocks only until a layer's copies are enqueued, so the device-side wait shows in the
-    cached_host - cached_gpu difference instead."""
+_PHASES = ("plan_s", "inputs_s", "prepare_wait_s", "onload_wait_s", "forward_s", "finish_s", "total_s")
+
+
+class PhaseProbe:
+    """The model thread's host time per phase in each timed forward, from the engine's own
+    per-forward timings: the prepare join and per-layer onload waits (the time blocked on the
+    cache), and plan / inputs / forward (launch) / finish / total. Why the phases: beside the
+    event-timed median they say how much of a forward is host work before the GPU starts. On
+    CUDA an onload wait blocks only until a layer's copies are enqueued, so the device-side wait
+    shows in the cached_host - cached_gpu difference instead."""
 
     def __init__(self, engine: RankingEngine) -> None:
         self.engine = engine
@@ -37,17 +43,19 @@ class CacheWaitProbe:
         def run() -> Any:
             out = fn()
             last = self.engine.timings[-1]
-            self.entries.append({"prepare_s": last.prepare_wait_s, "onload_s": last.onload_wait_s})
+            self.entries.append({p: getattr(last, p) for p in _PHASES})
             return out
 
         return run
 
-    def per_forward_ms(self, last: int) -> dict[str, float]:
+    def per_forward_ms(self, last: int) -> dict[str, Any]:
         """Medians over the last `last` recorded calls (the timed repeats, after the warm-ups)."""
         entries = self.entries[-last:]
+        median = lambda p: statistics.median(e[p] for e in entries) * 1e3  # noqa: E731
         return {
-            "prepare_wait_ms": statistics.median(e["prepare_s"] for e in entries) * 1e3,
-            "onload_wait_ms": statistics.median(e["onload_s"] for e in entries) * 1e3,
+            "prepare_wait_ms": median("prepare_wait_s"),
+            "onload_wait_ms": median("onload_wait_s"),
+            "host_phases_ms": {p.removesuffix("_s"): median(p) for p in _PHASES},
         }
 
 
@@ -86,9 +94,11 @@ class EndToEnd:
         cuda_graphs: bool = False,
         compile_layers: bool = False,
         planner: bool = True,
+        trace: bool = False,
     ) -> None:
         self.shape = shape
         self.device = device
+        self.trace = trace  # one more forward of each pass under the profiler, after the timed ones
         self.model_config = shape.model_config()
         self.cached_mgr = AsyncKVCacheManager(shape.cache_config(self.model_config, host_batches=3), device)
         # HostStorage needs at least one slot; one chunk keeps the uncached pass's offloads negligible.
@@ -196,11 +206,11 @@ class EndToEnd:
         passes.append(("cached_rerank", self.cached, prefilled_whole, None, None))
 
         states = {name: {"replays": 0} for name, *_ in passes}
-        probes = {name: CacheWaitProbe(model) for name, model, *_ in passes if model is self.cached}
+        probes = {name: PhaseProbe(model) for name, model, *_ in passes}
 
         def timed(name: str, model: RankingEngine, cost: Any) -> Callable[[], list[RankOutput]]:
             state, rank = states[name], self.ranking(model, states[name])
-            fn = self.with_cost(probes[name].timed(rank) if name in probes else rank, cost)
+            fn = self.with_cost(probes[name].timed(rank), cost)
 
             def call() -> list[RankOutput]:
                 replays = self._replays(model)
@@ -228,7 +238,8 @@ class EndToEnd:
                                 f"in {warmup + repeats} forwards")
         times, uncached_out = measured["uncached"]
         failures += _check_outputs("e2e/uncached", uncached_out, 0, batch)
-        out["uncached"] = {**summarize(times), "cuda_graph_replays": states["uncached"]["replays"]}
+        out["uncached"] = {**summarize(times), "cuda_graph_replays": states["uncached"]["replays"],
+                           "host_phases_ms": probes["uncached"].per_forward_ms(repeats)["host_phases_ms"]}
         reference = [o.logits for o in uncached_out]
         for name, _, _, tier, cost in passes[1:-1]:
             times, cached_out = measured[name]
@@ -253,6 +264,7 @@ class EndToEnd:
         failures += _check_outputs("e2e/cached_rerank", rerank_out, shape.history_tokens, batch)
         out["cached_rerank"] = {
             **summarize(times),
+            "host_phases_ms": probes["cached_rerank"].per_forward_ms(repeats)["host_phases_ms"],
             "max_abs_diff_vs_uncached": _compare("e2e/cached_rerank vs uncached", rerank_out, reference, dtype, failures),
         }
         if batch == 1:
@@ -269,6 +281,12 @@ class EndToEnd:
         out["speedup_rerank"] = out["uncached"]["median_ms"] / out["cached_rerank"]["median_ms"]
         out["exposed_cache_ms"] = host_ms - gpu_ms
         out["exposed_cache_share"] = (host_ms - gpu_ms) / host_ms
+        if self.trace:  # after the checks: its setup and after() replace the states they read
+            for (name, *_), run in zip(passes, runs):
+                run.setup()
+                timer.sync()
+                _, out[name]["trace"] = traced_call(run.fn, self.device)
+                run.after()
         out["check_failures"] = failures
         return out
 

@@ -232,14 +232,17 @@ def pipelined_profile(engine, shape, batch, n, device, depth: int = 2) -> dict:
     return out
 
 
-def stream_timeline(events, max_gap_us: float = 2.0, max_segments: int = 400) -> dict[str, list[list]]:
-    """One forward's device activity per stream, relative to its first device event: runs of
-    events of one kind (kernel or copy) merged while the gap between them stays under max_gap_us,
-    as [start_us, end_us, kind, events]. Enough to see what overlapped what (an onload's copies
-    against the layers waiting for them) without shipping the whole trace."""
+def stream_timeline(
+    events, max_gap_us: float = 2.0, max_segments: int = 400, origin: float | None = None
+) -> dict[str, list[list]]:
+    """One forward's device activity per stream, relative to `origin` (the profiler's clock; by
+    default its first device event): runs of events of one kind (kernel or copy) merged while the
+    gap between them stays under max_gap_us, as [start_us, end_us, kind, events]. Enough to see
+    what overlapped what (an onload's copies against the layers waiting for them) without shipping
+    the whole trace."""
     if not events:
         return {}
-    t0 = min(e.time_range.start for e in events)
+    t0 = min(e.time_range.start for e in events) if origin is None else origin
     streams: dict[str, list[list]] = {}
     for e in sorted(events, key=lambda e: e.time_range.start):
         stream = _stream_of(e)

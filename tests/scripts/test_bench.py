@@ -31,6 +31,9 @@ def test_tiny_bench_runs_every_section_without_errors(tiny_doc):
         assert e2e["cached_host"]["bytes_onloaded_per_forward"] > 0
         assert e2e["cached_gpu"]["max_abs_diff_vs_uncached"] < 1e-3
         assert e2e["exposed_cache_ms"] == pytest.approx(e2e["cached_host"]["median_ms"] - e2e["cached_gpu"]["median_ms"])
+        for name in ("uncached", "cached_gpu", "cached_host", "cached_rerank"):  # the model thread's host phases
+            phases = e2e[name]["host_phases_ms"]
+            assert 0 < phases["plan"] <= phases["total"] and phases["forward"] <= phases["total"]
     assert doc["e2e"]["1"]["max_abs_diff_uncached_vs_dense"] < 1e-3
     assert json.loads((out / "bench.json").read_text())["errors"] == []
     assert (out / "bench.md").read_text().startswith("| measure |")
@@ -107,3 +110,12 @@ def test_the_bench_runs_under_the_attention_backend_it_was_given(tmp_path, monke
     bench.run_bench(bench.TINY_SHAPE, torch.device("cpu"), 0, 1, tmp_path, attention="torch")
     assert seen == ["torch"]
     assert attention_backend() == "auto", "restored after the run"
+
+
+def test_trace_adds_one_untimed_forward_per_pass(tmp_path):
+    """--trace: every pass gets a trace entry (empty on a CPU, where the profiler is not used) and
+    the timed figures and checks are those of a run without it."""
+    doc = bench.run_bench(bench.TINY_SHAPE, torch.device("cpu"), 0, 1, tmp_path, sections=("e2e",), trace=True)
+    assert doc["errors"] == []
+    for name in ("uncached", "cached_gpu", "cached_host", "cached_host_planned", "cached_rerank"):
+        assert doc["e2e"]["1"][name]["trace"] == {} and doc["e2e"]["1"][name]["repeats"] == 1
