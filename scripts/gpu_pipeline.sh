@@ -5,7 +5,7 @@
 #   bash scripts/gpu_pipeline.sh      (on the GPU machine, repository root; results under $OUT)
 # STAGES picks the stages (default: the first six; also pytest_cuda_ops, pytest_cuda_rest, bounds, split, split_front, pressure_ab, pytest_hidden, split_hidden,
 # split_b1, profile_b1, trace_b1, ahead_ab, stage_ab, split_orders, split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
-# regimes, profile, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
+# regimes, profile, profile_cold, bench_trace, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, modes_kernels,
 # modes_replay, modes_pressure, modes_bench, gluon_tests, sanitize_gluon, profile_pipelined, pipeline_gluon,
 # rest_loop2, engine_process, profile_host, rest_ray, rest_ray_direct, rest_ray_direct4, bench_export, bench_compiled), e.g.
@@ -163,6 +163,12 @@ regimes() {
 }
 stage regimes 240 bash -c "$(declare -f regimes); regimes"
 stage profile 120 python3 -m hstu.cli profile --device cuda --cuda-graphs --batch 1 8 --forwards 10 --out "$OUT/profile"
+# the same with the requests neither validated nor hashed before the timed forward, as bench times them
+stage profile_cold 120 python3 -m hstu.cli profile --device cuda --cuda-graphs --batch 8 --forwards 10 --cold-requests \
+  --out "$OUT/profile_cold"
+# bench's e2e forwards with one more of each pass traced (host phases, runtime calls, per-stream activity, one clock):
+# where a bench forward's time goes beside the profile's (run IA: b8 cached 2.97 ms timed, 2.62 ms in the profile)
+stage bench_trace 150 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e --trace --out "$OUT/bench_trace"
 stage rest 300 bash scripts/gpu_rest.sh "$OUT/rest"
 # a shorter history always recomputed (the policy before "reuse"; compare with "rest" in the same call)
 REFERENCE=0 SERVER_REPLAY=0 SERVE_ARGS="--on-shorter-history invalidate" stage rest_invalidate 200 \
@@ -285,7 +291,7 @@ HSTU_ATTENTION_KERNEL=gluon stage pipeline_gluon 240 python3 -m pytest -m cuda -
   tests/model/test_cuda_pipeline.py tests/engine/test_graphs.py tests/ops/kvcache/test_plan_feedback.py -k "not compiled_layers"
 stage bench_export 300 python3 -m hstu.scripts.bench_export --device cuda --batch 8 --cuda-graphs --out "$OUT/bench_export.json"
 stage bench_compiled 200 python3 -m hstu.cli bench --device cuda --compile --sections e2e --batch-sizes 8 --out "$OUT/bench_compiled"
-rm -f "$OUT/bench_graphs/bench.md" "$OUT/bench_compiled/bench.md"
+rm -f "$OUT/bench_graphs/bench.md" "$OUT/bench_compiled/bench.md" "$OUT/bench_trace/bench.md"
 
 if ((${#failed[@]})); then
   echo "FAILED stages: ${failed[*]}" | tee -a "$LOG"
