@@ -18,7 +18,10 @@ perf_counter on CPU):
                     3968 tokens come from the host tier: the onload is real
 Exposed cache time = cached_host - cached_gpu (median), and its share of cached_host: the part of
 the onload the per-layer pipelining does not hide. Also recorded: host time the model thread
-blocked on the prepare job and on the per-layer onload waits per forward (RankingEngine.timings).
+blocked on the prepare job and on the per-layer onload waits per forward, and each pass's host
+phases (plan, inputs, forward launch, finish, total; RankingEngine.timings). `--trace` runs each
+e2e pass once more under torch.profiler after the timed ones and records that forward's host
+span, CUDA runtime calls and per-stream device activity on one clock (scripts/forward_trace.py).
 
 Self-checks (a failure is recorded in the JSON and makes the exit status 1): every timed request
 reports the expected cached length and tier; cached logits equal uncached logits (and, at batch 1,
