@@ -325,7 +325,7 @@ def main(args: argparse.Namespace) -> int:
         from hstu.scripts import profile_host
 
         return profile_host.main(shape, args.batch, args.forwards, args.out, rerank=args.rerank,
-                                 onload_fraction=args.onload_fraction)
+                                 onload_fraction=args.onload_fraction, cold=args.cold_requests)
     device = torch.device(args.device)
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": dataclasses.asdict(shape), "cuda_graphs": args.cuda_graphs,
            "onload_fraction": args.onload_fraction, "rerank": args.rerank, "cold_requests": args.cold_requests}

@@ -18,7 +18,9 @@ its host time at batch 8 (0.75-0.88 against 0.28 ms: benchmarks/RESULTS.md, twen
 
 Each profiled batch follows an untimed one that commits the users' cached prefix (a GPU hit
 extending it, as in `hstu profile`); requests are validated and hashed first, as the server's
-front end does. Medians over --forwards batches per phase, then cProfile's top functions.
+front end does (--cold-requests: neither, so the batch's validate phase and its plan do both, as
+rank() does for an in-process caller and `hstu bench` times it). Medians over --forwards batches
+per phase, then cProfile's top functions.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from hstu.scripts.bench_shapes import BenchShape, make_requests
 from hstu.scripts.profile_forward import as_front_end, profile_engine
 from hstu.scripts.workload import FreshUserIds, as_users
 
-HOST_PHASES = ("plan", "inputs", "wait", "onload", "finish", "split")
+HOST_PHASES = ("validate", "plan", "inputs", "wait", "onload", "finish", "split")
 # No kernel reads the model's width here: the narrowest model that keeps the layout.
 _NARROW = dict(embedding_dim=32, num_heads=2, head_dim=16, mlp_hidden=32, dtype="float32")
 
@@ -80,6 +82,8 @@ def run_host_phases(engine: RankingEngine, requests: list[RankingRequest]) -> di
     layer by layer where the segment replays enqueue it (PreparedBatch.ready before each layer)."""
     cache, model = engine.cache, engine.model
     logits = torch.zeros(sum(r.candidates.shape[0] for r in requests), len(engine.task_names))  # the graph's output
+    tv = time.perf_counter()
+    model.validate(requests)  # as rank() does first (a front end's validated requests: a lookup each)
     t0 = time.perf_counter()
     plan = engine._plan(requests)
     t1 = time.perf_counter()
@@ -98,16 +102,17 @@ def run_host_phases(engine: RankingEngine, requests: list[RankingRequest]) -> di
     t5 = time.perf_counter()
     engine._split(requests, logits, plan.cached_lens)
     t6 = time.perf_counter()
-    return dict(zip(HOST_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)))
+    return dict(zip(HOST_PHASES, (t0 - tv, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)))
 
 
 def _batches(
     engine: RankingEngine, shape: BenchShape, batch: int, n: int, ids: FreshUserIds, rerank: bool = False,
-    onload_fraction: float | None = None,
+    onload_fraction: float | None = None, cold: bool = False,
 ):
     """n times: commit fresh users' prefixes (untimed; rerank: their full histories, so the batch
     re-ranks them unchanged; onload_fraction: then evicted to the host tier, so the batch onloads
-    that share of them, FixedSplit, and recomputes the rest), then yield their full requests, hashed."""
+    that share of them, FixedSplit, and recomputes the rest), then yield their full requests,
+    validated and hashed (cold: neither, as `hstu bench` and an in-process caller hand them over)."""
     prefix, full = make_requests(shape, engine.config, batch)
     cache = engine.cache
     split = FixedSplit(onload_fraction) if onload_fraction is not None else None
@@ -121,23 +126,25 @@ def _batches(
         if split is not None:
             cache.evict_gpu(users)
             cache.cost_model = split
-        yield as_front_end(engine, as_users(full, users))
+        requests = as_users(full, users)
+        yield requests if cold else as_front_end(engine, requests)
         cache.drain()
 
 
 def profile_host(
-    shape: BenchShape, batch: int, n: int, top: int = 20, rerank: bool = False, onload_fraction: float | None = None
+    shape: BenchShape, batch: int, n: int, top: int = 20, rerank: bool = False, onload_fraction: float | None = None,
+    cold: bool = False,
 ) -> dict:
     """Median ms per phase over n batches, then cProfile's top `top` functions by own time over
     another n (the profiler's overhead kept out of the medians)."""
     ids = FreshUserIds()
     engine = host_engine(shape, batch, onload_fraction)
     with device_copies_left_out(), contextlib.closing(engine):
-        for requests in _batches(engine, shape, batch, 3, ids, rerank, onload_fraction):  # warm-up
+        for requests in _batches(engine, shape, batch, 3, ids, rerank, onload_fraction, cold):  # warm-up
             run_host_phases(engine, requests)
-        times = [run_host_phases(engine, r) for r in _batches(engine, shape, batch, n, ids, rerank, onload_fraction)]
+        times = [run_host_phases(engine, r) for r in _batches(engine, shape, batch, n, ids, rerank, onload_fraction, cold)]
         prof = cProfile.Profile()
-        for requests in _batches(engine, shape, batch, n, ids, rerank, onload_fraction):
+        for requests in _batches(engine, shape, batch, n, ids, rerank, onload_fraction, cold):
             prof.enable()
             run_host_phases(engine, requests)
             prof.disable()
@@ -156,15 +163,17 @@ def profile_host(
 
 
 def main(
-    shape: BenchShape, batches: list[int], n: int, out: Path, rerank: bool = False, onload_fraction: float | None = None
+    shape: BenchShape, batches: list[int], n: int, out: Path, rerank: bool = False, onload_fraction: float | None = None,
+    cold: bool = False,
 ) -> int:
     shape = narrow(shape)
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host_only": True, "rerank": rerank,
-           "onload_fraction": onload_fraction, "shape": dataclasses.asdict(shape),
+           "onload_fraction": onload_fraction, "cold_requests": cold, "shape": dataclasses.asdict(shape),
            "environment": report.environment(torch.device("cpu"))}
     for batch in batches:
         doc[str(batch)] = profile_host(
-            dataclasses.replace(shape, batch_sizes=(batch,)), batch, n, rerank=rerank, onload_fraction=onload_fraction
+            dataclasses.replace(shape, batch_sizes=(batch,)), batch, n, rerank=rerank, onload_fraction=onload_fraction,
+            cold=cold,
         )
     report.write_json(out / "profile_host.json", doc)
     print(format_table(doc, batches))

@@ -113,9 +113,37 @@ def test_host_only_profile_times_the_host_phases_without_the_forward(tmp_path):
     assert doc["host_only"] is True and doc["shape"]["embedding_dim"] == 32  # the narrow model
     for batch in ("1", "2"):
         phases = doc[batch]["phases"]
-        assert set(phases) == {"plan_ms", "inputs_ms", "wait_ms", "onload_ms", "finish_ms", "split_ms", "total_ms"}
+        assert set(phases) == {
+            "validate_ms", "plan_ms", "inputs_ms", "wait_ms", "onload_ms", "finish_ms", "split_ms", "total_ms"
+        }
         assert phases["plan_ms"] > 0 and phases["inputs_ms"] > 0 and phases["total_ms"] >= phases["plan_ms"]
         assert any("plan" in row["function"] for row in doc[batch]["top_own_time"])
+
+
+def test_host_only_cold_requests_reach_the_timed_batch_neither_validated_nor_hashed(tmp_path, monkeypatch):
+    """--cold-requests with --host-only: the timed batch validates and hashes its requests itself,
+    as rank() does for an in-process caller (the validate phase and the plan's hashing are timed)."""
+    from hstu.scripts import profile_host
+
+    seen = []
+    run = profile_host.run_host_phases
+
+    def spy(engine, requests):
+        seen.append([(r._valid_for is None, not r._identities) for r in requests])
+        return run(engine, requests)
+
+    monkeypatch.setattr(profile_host, "run_host_phases", spy)
+    parser = argparse.ArgumentParser()
+    profile_forward.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["profile", "--tiny", "--host-only", "--cold-requests", "--device", "cpu", "--batch", "2", "--forwards", "2",
+         "--out", str(tmp_path)]
+    )
+    assert args.func(args) == 0
+    doc = json.loads((tmp_path / "profile_host.json").read_text())
+    assert doc["cold_requests"] is True and doc["2"]["phases"]["validate_ms"] > 0
+    # every second call is a timed batch: its requests arrive neither validated nor hashed
+    assert all(all(v and h for v, h in batch) for batch in seen[1::2]) and seen[1::2]
 
 
 def test_host_only_profile_of_the_unchanged_history_rerank(tmp_path, monkeypatch):
