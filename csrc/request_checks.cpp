@@ -19,6 +19,12 @@
 //   [item_ids[e], timestamps[e]], then its action token [actions[e], timestamps[e]].
 //   Little-endian int64 (every platform torch builds for); equal lengths are the caller's check.
 //
+// same_bytes(a, b, start, stop) -> bool
+//   Whether bytes [start, stop) of two buffers (the identity records' memoryviews) are equal: one
+//   memcmp in place, where comparing bytes() copies of a 4k-token history's records cost ~8.6 us a
+//   request on the dev CPU inside a batch's lookup (two 64 KB allocations and copies), ~1 us here.
+//   Both must be C-contiguous and hold stop bytes; 0 <= start <= stop.
+//
 // int_array(text) -> int64 [n], or None
 //   `text` (bytes of one JSON value) read as an array of integers in one pass: no Python int per
 //   value, where msgspec's lists and numpy's conversion of them took ~0.4 ms for a 4k-event
@@ -39,6 +45,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -101,6 +108,25 @@ py::array_t<int64_t> token_records(const Ints& contextual, const Ints& item_ids,
     r[3] = t[e];
   }
   return out;
+}
+
+bool same_bytes(const py::buffer& a, const py::buffer& b, int64_t start, int64_t stop) {
+  const py::buffer_info x = a.request(), y = b.request();
+  const auto contiguous_bytes = [](const py::buffer_info& info) {
+    int64_t expected = info.itemsize;
+    for (int64_t d = info.ndim - 1; d >= 0; --d) {
+      if (info.shape[d] != 1 && info.strides[d] != expected) return int64_t{-1};
+      expected *= info.shape[d];
+    }
+    return info.size * info.itemsize;
+  };
+  const int64_t nx = contiguous_bytes(x), ny = contiguous_bytes(y);
+  require(nx >= 0 && ny >= 0, "same_bytes: both buffers must be contiguous");
+  require(0 <= start && start <= stop && stop <= nx && stop <= ny,
+          "same_bytes: bytes [" + std::to_string(start) + ", " + std::to_string(stop) + ") outside buffers of " +
+              std::to_string(nx) + " and " + std::to_string(ny) + " bytes");
+  return std::memcmp(static_cast<const char*>(x.ptr) + start, static_cast<const char*>(y.ptr) + start,
+                     static_cast<size_t>(stop - start)) == 0;
 }
 
 bool json_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
@@ -225,6 +251,8 @@ void bind_request_checks(py::module& m) {
         "(csrc/request_checks.cpp lists the fields); (0, 0, 0) when every value is valid.");
   m.def("token_records", &token_records, py::arg("contextual"), py::arg("item_ids"), py::arg("actions"),
         py::arg("timestamps"), "int64 [C + 2E, 2] identity records of one history (model/identity.py's layout).");
+  m.def("same_bytes", &same_bytes, py::arg("a"), py::arg("b"), py::arg("start"), py::arg("stop"),
+        "whether bytes [start, stop) of two contiguous buffers are equal (one memcmp, no copies).");
   m.def("int_array", &int_array, py::arg("text"),
         "bytes of a JSON array of integers -> int64 array; None for any other value or one outside int64.");
   m.def("event_columns", &event_columns, py::arg("text"),

@@ -284,6 +284,23 @@ def test_token_records_lay_out_contextual_then_item_and_action_tokens():
                          np.array([], dtype=np.int64)).shape == (0, 2)
 
 
+def test_same_bytes_compares_exactly_the_range_it_is_given():
+    from hstu.ops._build import load_extension
+
+    same = load_extension().same_bytes
+    a = np.arange(64, dtype="<i8")
+    b = a.copy()
+    b[5] += 1  # byte 40 (the low byte, little-endian)
+    va, vb = memoryview(a).cast("B"), memoryview(b).cast("B")
+    assert same(va, vb, 0, 40) and same(va, vb, 48, 512) and same(va, vb, 40, 40)
+    assert not same(va, vb, 0, 41) and not same(va, vb, 40, 41) and same(va, vb, 41, 512) and not same(va, vb, 0, 512)
+    for start, stop in ((0, 513), (-1, 8), (9, 8)):
+        with pytest.raises(ValueError, match="outside buffers"):
+            same(va, vb, start, stop)
+    with pytest.raises(ValueError, match="contiguous"):
+        same(a[::2], b[::2], 0, 8)
+
+
 @pytest.mark.parametrize("changed_token", [None, 10, 2 * BLOCK_TOKENS + 3], ids=["equal", "early block", "tail"])
 def test_a_shared_prefix_of_two_hashed_identities_compares_block_digests_then_the_tail(changed_token, monkeypatch):
     """A request hashed by its front end against the identity a GPU entry was committed with:
