@@ -46,8 +46,9 @@ Invariants:
     none of the user's pages (candidates are never appended; padded appends go to the scratch page),
     and a shorter history ranked read-only from a longer entry (on_shorter_history="reuse").
   - A read-only reuse reads only the first n tokens of an entry whose committed identity
-    (`_identities`, kept beside the C++ index) has the request's digest at n; the entry keeps its
-    length, digest and pages, and nothing is committed or offloaded for it.
+    (`_identities`, kept beside the C++ index while the user holds a GPU entry or host chunks)
+    has the request's digest at n; the entry keeps its length, digest and pages, and nothing is
+    committed or offloaded for it.
   - The GPU tier never holds less than the host tier for a resident user (host is filled from GPU).
   - Cached K/V are reused only when the digest stored with them equals the request's digest of the
     same prefix; a shortened or uncommitted prefix has an empty digest, which matches nothing.
@@ -272,17 +273,20 @@ class AsyncKVCacheManager:
         gpu_len, gpu_digest = self.gpu.lookup(user)
         unchanged_rerank = gpu_len == n and self.config.on_no_new_tokens == "candidates"
         kept = 0 < gpu_len and (gpu_len < n or unchanged_rerank)
-        if kept and self._gpu_prefix_matches(user, ident, gpu_len, gpu_digest):
+        if kept and self._prefix_matches(user, ident, gpu_len, gpu_digest):
             return True
         return self._read_only_length(user, n, ident) > 0
 
-    def _gpu_prefix_matches(self, user: int, ident: HistoryIdentity, length: int, digest: bytes) -> bool:
-        """Whether the request's first `length` tokens are those the user's GPU entry (digest
-        `digest` over its first `length` tokens) was computed from. Against the identity the entry
-        was committed with, when that one still carries the digest: their block digests, then the
-        records past them byte for byte (the request adopts the stored digests; no hashing, where
-        the digest of a `length` off a block boundary hashed up to BLOCK_TOKENS records: ~7% of an
-        engine process's loop at a GPU hit, dev CPU); else by the request's digest."""
+    def _prefix_matches(self, user: int, ident: HistoryIdentity, length: int, digest: bytes) -> bool:
+        """Whether the request's first `length` tokens are those the user's GPU or host entry
+        (digest `digest` over its first `length` tokens) was computed from. Against the identity
+        the user's GPU entry was last committed with (kept while the user holds host chunks, after
+        its GPU entry went), when that one's digest at `length` is `digest`: their block digests,
+        then the records past them byte for byte (the request adopts the stored digests; no
+        hashing, where the digest of a `length` off a block boundary hashed up to BLOCK_TOKENS
+        records: ~7% of an engine process's loop at a GPU hit, and a request no front end hashed
+        hashed its whole host-tier prefix, ~0.4 ms of a batch-8 plan, dev CPU); else by the
+        request's digest."""
         if not digest:
             return False
         stored = self._identities.get(user)
@@ -310,7 +314,7 @@ class AsyncKVCacheManager:
         """Cached length when the request plainly extends the user's GPU entry (`entry`, its
         (length, digest), when already looked up), else 0."""
         gpu_len, gpu_digest = entry if entry is not None else self.gpu.lookup(user)
-        if 0 < gpu_len < n and self._gpu_prefix_matches(user, ident, gpu_len, gpu_digest):
+        if 0 < gpu_len < n and self._prefix_matches(user, ident, gpu_len, gpu_digest):
             return gpu_len
         return 0
 
@@ -330,7 +334,7 @@ class AsyncKVCacheManager:
                 plan.read_only[user] = entry
                 self.stats.add(shorter_reused=1)
                 return n, "gpu"
-            usable = self._usable_length(user, n, ident, gpu_len, gpu_digest, on_gpu=True)
+            usable = self._usable_length(user, n, ident, gpu_len, gpu_digest)
             if usable > 0:
                 return usable, "gpu"
         slots, host_digest = self.host.lookup(user)
@@ -344,9 +348,7 @@ class AsyncKVCacheManager:
                 return usable, "host"
         return 0, "miss"
 
-    def _usable_length(
-        self, user: int, n: int, ident: HistoryIdentity, cached: int, cached_digest: bytes, on_gpu: bool = False
-    ) -> int:
+    def _usable_length(self, user: int, n: int, ident: HistoryIdentity, cached: int, cached_digest: bytes) -> int:
         """How much of a cached prefix of `cached` tokens a request of `n` tokens may reuse (0 = none).
 
         The request's history is the truth: a shorter history (policy "invalidate") or one whose
@@ -364,11 +366,7 @@ class AsyncKVCacheManager:
             self.invalidate(user)
             self.stats.add(invalidations=1, invalidated_shorter=1)
             return 0
-        same = (
-            self._gpu_prefix_matches(user, ident, cached, cached_digest) if on_gpu
-            else bool(cached_digest) and ident.prefix(cached) == cached_digest
-        )
-        if not same:
+        if not self._prefix_matches(user, ident, cached, cached_digest):
             self.invalidate(user)
             self.stats.add(invalidations=1, invalidated_diverged=1)
             return 0
@@ -616,20 +614,27 @@ class AsyncKVCacheManager:
             for u in users:
                 self.gpu.invalidate(u)
                 self._reuse.freed(u)
-                self._identities.pop(u, None)
+                if not self.host.contains(u):  # (kept for its host chunks' lookup: _prefix_matches)
+                    self._identities.pop(u, None)
 
     def occupancy(self) -> dict[str, int]:
         """Free GPU pages and host slots (for metrics)."""
         return {"gpu_free_pages": self.gpu.num_free_pages(), "host_free_slots": self.host.num_free_slots()}
 
     def _count_evictions(self) -> None:
-        """Count the users the indexes evicted since the last call (and forget their identities)."""
-        gpu_evicted, h = self.gpu.take_evicted(), len(self.host.take_evicted())
+        """Count the users the indexes evicted since the last call, and forget the identities of
+        those left in neither tier (a user evicted from the GPU keeps its identity while it holds
+        host chunks: their lookup compares records with it instead of hashing the request)."""
+        gpu_evicted, host_evicted = self.gpu.take_evicted(), self.host.take_evicted()
         for u in gpu_evicted:
-            self._identities.pop(u, None)
             self._reuse.freed(u)
-        if gpu_evicted or h:
-            self.stats.add(gpu_evictions=len(gpu_evicted), host_evictions=h)
+            if not self.host.contains(u):
+                self._identities.pop(u, None)
+        for u in host_evicted:
+            if not self.gpu.contains(u):
+                self._identities.pop(u, None)
+        if gpu_evicted or host_evicted:
+            self.stats.add(gpu_evictions=len(gpu_evicted), host_evictions=len(host_evicted))
 
     def _check_open(self) -> None:
         if self._closed:

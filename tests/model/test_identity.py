@@ -153,6 +153,48 @@ def test_a_changed_past_event_is_never_served_from_the_cache(tiny_config, case, 
     mgr.close()
 
 
+def test_a_host_tier_prefix_is_checked_by_its_records_without_hashing_the_request(tiny_config, monkeypatch):
+    """A user whose GPU entry went while its chunks stayed in the host tier: a request nobody hashed
+    yet is checked byte for byte against the identity the entry was committed with (no hashing of
+    its prefix); a past event changed inside that prefix is still found and the user recomputed."""
+    from hstu.model import identity as identity_module
+
+    h = _base_history(np.random.default_rng(3), tiny_config, gap=1_000)
+    model, mgr = _model(tiny_config)
+    model.rank([_request(tiny_config, 1, h, EVENTS)])
+    mgr.drain()
+    mgr.evict_gpu([1])
+    host_len = len(mgr.host.lookup(1)[0]) * mgr.config.chunk_tokens
+    assert host_len > 0
+    req = _request(tiny_config, 1, h, EVENTS, new=2, seed=1)
+    ident = req.identity(model.model.identity)
+    real, hashed = identity_module._h, []
+    monkeypatch.setattr(identity_module, "_h", lambda *parts: hashed.append(parts) or real(*parts))
+    plan = mgr._lookup([1], [req.history_tokens(tiny_config)], [ident])
+    mgr.host.unpin(list(plan.onload_slots))
+    assert plan.sources == ["host"] and plan.cached_lens == [host_len]
+    assert not hashed
+    monkeypatch.undo()
+    changed = _request(tiny_config, 1, _with(h, "items", 3, int(h["items"][3]) + 1), EVENTS, new=2, seed=1)
+    (out,) = model.rank([changed])
+    assert out.cached_tokens == 0 and mgr.stats.snapshot()["invalidated_diverged"] == 1
+    torch.testing.assert_close(out.logits, model.forward_no_cache([changed]), rtol=1e-5, atol=1e-6)
+    mgr.close()
+
+
+def test_an_identity_is_forgotten_once_its_user_is_in_neither_tier(tiny_config):
+    """Kept after a GPU eviction for the host chunks' lookup, dropped with the last tier's copy."""
+    model, mgr = _model(tiny_config)
+    h = _base_history(np.random.default_rng(4), tiny_config, gap=1_000)
+    model.rank([_request(tiny_config, 1, h, EVENTS)])
+    mgr.drain()
+    mgr.evict_gpu([1])
+    assert 1 in mgr._identities and mgr.host.contains(1)
+    mgr.invalidate(1)
+    assert 1 not in mgr._identities
+    mgr.close()
+
+
 def test_prefix_digests_are_chained_per_block_and_differ_between_tail_and_block():
     rng = np.random.default_rng(0)
     n_events = BLOCK_TOKENS + 7
