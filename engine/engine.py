@@ -34,7 +34,6 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from hstu.engine import gpu_waker
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
 from hstu.model.ranking import InferenceRankingGR
@@ -211,8 +210,6 @@ class RankingEngine:
         self.layer_fns: list[Callable] | None = None
         self.timings: deque[ForwardTiming] = deque(maxlen=4096)
         self._lock = threading.Lock()
-        # HSTU_GPU_WAKER=1: a side thread's tiny kernel wakes an idle GPU as a batch arrives (gpu_waker.py)
-        self._waker = gpu_waker.GpuWaker(model.device) if gpu_waker.ENABLED and model.device.type == "cuda" else None
 
     @classmethod
     def create(
@@ -241,8 +238,6 @@ class RankingEngine:
         """(outputs, the batch's logits in request order when one forward produced them all).
         owned=False: a graph-replayed batch's logits may be views of the graph's static output,
         which the next replay overwrites; the caller copies them out first, on the same stream."""
-        if self._waker is not None:
-            self._waker.ping()
         self.model.validate(requests)
         with self._lock:
             if self.cache is None:
@@ -291,8 +286,6 @@ class RankingEngine:
         return self.model.forward_no_cache(requests)
 
     def close(self) -> None:
-        if self._waker is not None:
-            self._waker.close()
         if self.cache is not None:
             self.cache.close()
 
