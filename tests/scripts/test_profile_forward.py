@@ -217,3 +217,17 @@ def test_the_forward_busy_share_counts_the_compute_stream_only():
     assert profile_forward.compute_stream_busy_us(events) == 160
     assert profile_forward.kernel_busy_us(events) == 200
     assert profile_forward.compute_stream_busy_us([]) == 0.0
+
+
+def test_the_table_gives_the_forward_busy_share_over_the_wall_without_the_profiler():
+    """The compute stream's kernel time over the profiled forward's wall reads low (the profiler
+    slows the host work the GPU waits for); the table also divides it by the unprofiled wall."""
+    phases = {p.removesuffix("_s") + "_ms": 0.1 for p in profile_forward._PHASES} | {"wall_ms": 3.0, "forward_wall_ms": 2.5}
+    device = {"gpu_busy_share": 0.4, "kernel_busy_ms_per_forward": 2.0, "forward_wall_ms": 5.0, "forward_busy_share": 0.4,
+              "compute_stream_busy_ms_per_forward": 2.0, "top_kernels": [], "top_runtime_calls": []}
+    doc = {"8": {"phases": phases, "host": {"wall_ms_per_forward": 3.0, "profiled_host_ms_per_forward": 1.0,
+                                            "top_own_time": []},
+                 "device": device, "forward_busy_share_unprofiled_wall": 2.0 / 2.5}}
+    header, _, row = profile_forward.format_table(doc, [8]).splitlines()[:3]
+    assert "forward busy (no profiler)" in header
+    assert row.split()[-2:] == ["2.50", "80%"] and "40%" in row
