@@ -5,12 +5,13 @@ with their self-checks; and the split sweep (its forwards taking turns likewise)
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from typing import Any, Callable
 
 import torch
 
-from hstu.engine import RankingEngine, RankOutput
+from hstu.engine import ForwardTiming, RankingEngine, RankOutput
 from hstu.engine.engine import default_graph_buckets
 from hstu.model.batch import RankingRequest
 from hstu.model.ranking import InferenceRankingGR
@@ -24,7 +25,7 @@ from hstu.scripts.timing import TimedRun, Timer, summarize
 from hstu.scripts.workload import FreshUserIds, as_users
 
 
-_PHASES = ("plan_s", "inputs_s", "prepare_wait_s", "onload_wait_s", "forward_s", "finish_s", "total_s")
+_PHASES = tuple(f.name for f in dataclasses.fields(ForwardTiming))  # plan_s ... total_s
 
 
 class PhaseProbe:

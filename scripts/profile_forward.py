@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from hstu.engine import RankingEngine
+from hstu.engine import ForwardTiming, RankingEngine
 from hstu.model.ranking import InferenceRankingGR
 from hstu.ops.kvcache.config import HOST_FORMAT_HELP, HOST_FORMATS, HOST_SPLIT_HELP, HOST_SPLITS
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
@@ -114,7 +114,7 @@ def _forwards(
         yield requests
 
 
-_PHASES = ("plan_s", "inputs_s", "prepare_wait_s", "onload_wait_s", "forward_s", "finish_s", "total_s")
+_PHASES = tuple(f.name for f in dataclasses.fields(ForwardTiming))  # plan_s ... total_s
 
 
 def phase_profile(engine, shape, batch, n, device, rerank=False, cold=False) -> dict:

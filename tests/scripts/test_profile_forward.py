@@ -11,6 +11,15 @@ import pytest
 from hstu.scripts import profile_forward
 
 
+def _run_host_only(tmp_path, *flags: str) -> dict:
+    """`hstu profile --tiny --host-only --device cpu <flags> --out tmp_path`; its profile_host.json."""
+    parser = argparse.ArgumentParser()
+    profile_forward.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["profile", "--tiny", "--host-only", "--device", "cpu", *flags, "--out", str(tmp_path)])
+    assert args.func(args) == 0
+    return json.loads((tmp_path / "profile_host.json").read_text())
+
+
 @pytest.mark.parametrize("cold", [False, True], ids=["prepared", "cold"])
 def test_profile_reports_every_phase_for_prepared_and_cold_requests(tmp_path, cold):
     parser = argparse.ArgumentParser()
@@ -103,13 +112,7 @@ def test_a_profiled_split_gets_a_graph_bucket_of_its_own_rows(monkeypatch, host_
 
 
 def test_host_only_profile_times_the_host_phases_without_the_forward(tmp_path):
-    parser = argparse.ArgumentParser()
-    profile_forward.add_parser(parser.add_subparsers())
-    args = parser.parse_args(
-        ["profile", "--tiny", "--host-only", "--device", "cpu", "--batch", "1", "2", "--forwards", "3", "--out", str(tmp_path)]
-    )
-    assert args.func(args) == 0
-    doc = json.loads((tmp_path / "profile_host.json").read_text())
+    doc = _run_host_only(tmp_path, "--batch", "1", "2", "--forwards", "3")
     assert doc["host_only"] is True and doc["shape"]["embedding_dim"] == 32  # the narrow model
     for batch in ("1", "2"):
         phases = doc[batch]["phases"]
@@ -133,14 +136,7 @@ def test_host_only_cold_requests_reach_the_timed_batch_neither_validated_nor_has
         return run(engine, requests)
 
     monkeypatch.setattr(profile_host, "run_host_phases", spy)
-    parser = argparse.ArgumentParser()
-    profile_forward.add_parser(parser.add_subparsers())
-    args = parser.parse_args(
-        ["profile", "--tiny", "--host-only", "--cold-requests", "--device", "cpu", "--batch", "2", "--forwards", "2",
-         "--out", str(tmp_path)]
-    )
-    assert args.func(args) == 0
-    doc = json.loads((tmp_path / "profile_host.json").read_text())
+    doc = _run_host_only(tmp_path, "--cold-requests", "--batch", "2", "--forwards", "2")
     assert doc["cold_requests"] is True and doc["2"]["phases"]["validate_ms"] > 0
     # every second call is a timed batch: its requests arrive neither validated nor hashed
     assert all(all(v and h for v, h in batch) for batch in seen[1::2]) and seen[1::2]
@@ -160,14 +156,7 @@ def test_host_only_profile_of_the_unchanged_history_rerank(tmp_path, monkeypatch
         return out
 
     monkeypatch.setattr(profile_host, "run_host_phases", spy)
-    parser = argparse.ArgumentParser()
-    profile_forward.add_parser(parser.add_subparsers())
-    args = parser.parse_args(
-        ["profile", "--tiny", "--host-only", "--rerank", "--device", "cpu", "--batch", "2", "--forwards", "2",
-         "--out", str(tmp_path)]
-    )
-    assert args.func(args) == 0
-    doc = json.loads((tmp_path / "profile_host.json").read_text())
+    doc = _run_host_only(tmp_path, "--rerank", "--batch", "2", "--forwards", "2")
     assert doc["rerank"] is True and doc["2"]["phases"]["plan_ms"] > 0
     # a re-rank computes no history token: each timed batch (every second call) leaves the count as it was
     counts = [c[0] for c in sources]
@@ -190,14 +179,7 @@ def test_host_only_profile_of_a_host_tier_split(tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(profile_host, "run_host_phases", spy)
-    parser = argparse.ArgumentParser()
-    profile_forward.add_parser(parser.add_subparsers())
-    args = parser.parse_args(
-        ["profile", "--tiny", "--host-only", "--onload-fraction", "0.5", "--device", "cpu", "--batch", "2",
-         "--forwards", "2", "--out", str(tmp_path)]
-    )
-    assert args.func(args) == 0
-    doc = json.loads((tmp_path / "profile_host.json").read_text())
+    doc = _run_host_only(tmp_path, "--onload-fraction", "0.5", "--batch", "2", "--forwards", "2")
     assert doc["onload_fraction"] == 0.5 and doc["2"]["phases"]["onload_ms"] > 0
     timed = onloaded[1::2]  # every second call is a timed batch, after its untimed prefill
     assert timed and all(o > 0 and r > 0 for o, r in timed)
