@@ -14,12 +14,10 @@ from typing import Any, Callable
 
 import torch
 
+from hstu.scripts.profile_forward import is_runtime_call, stream_timeline
+
 _MARK = "forward_trace.call"
 _MAX_HOST_CALLS = 200
-
-
-def _runtime_call(event) -> bool:
-    return event.device_type != torch.autograd.DeviceType.CUDA and event.name.startswith("cu")
 
 
 def traced_call(fn: Callable[[], Any], device: torch.device, min_call_us: float = 3.0) -> tuple[Any, dict]:
@@ -31,8 +29,6 @@ def traced_call(fn: Callable[[], Any], device: torch.device, min_call_us: float 
         return fn(), {}
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from hstu.scripts.profile_forward import stream_timeline
-
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function(_MARK):
             result = fn()
@@ -43,7 +39,7 @@ def traced_call(fn: Callable[[], Any], device: torch.device, min_call_us: float 
         return result, {}
     t0, t1 = marks[0].time_range.start, marks[0].time_range.end
     calls = sorted(
-        (e for e in events if _runtime_call(e) and e.time_range.end - e.time_range.start >= min_call_us),
+        (e for e in events if is_runtime_call(e) and e.time_range.end - e.time_range.start >= min_call_us),
         key=lambda e: e.time_range.start,
     )
     device_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -9,12 +9,13 @@ an untimed prefill, measured three times: the engine's own per-phase host timing
 compute kernel time over the wall time until every stream is idle, its offload included = GPU busy
 share; the compute stream's kernels over the time until the logits are ready = forward busy share,
 also over that time measured without the profiler, whose host tracing slows the work the GPU
-waits for; the top kernels and copies by device time). `--cached-tokens` shortens the GPU-resident prefix (the
-forward recomputes the rest); `--onload-fraction F` puts the prefix in the host tier and onloads its
-share F; `--rerank` ranks the whole cached history again with its candidates (the unchanged-history
-re-rank: candidates only); `--pipelined N` also launches N cached batches back to back as the server
-does (rank_async, two in flight) and reports the GPU's busy share over them; `--trace` writes the
-last profiled forward's Chrome trace. Prints a short table last and writes profile.json.
+waits for; the top kernels and copies by device time). `--cached-tokens` shortens the GPU-resident
+prefix (the forward recomputes the rest); `--onload-fraction F` puts the prefix in the host tier and
+onloads its share F; `--rerank` ranks the whole cached history again with its candidates (the
+unchanged-history re-rank: candidates only); `--pipelined N` also launches N cached batches back to
+back as the server does (rank_async, two in flight) and reports the GPU's busy share over them;
+`--trace` writes the last profiled forward's Chrome trace. Prints a short table last and writes
+profile.json.
 """
 
 from __future__ import annotations
@@ -182,6 +183,11 @@ def _stream_of(event) -> str:
     return str(getattr(event, "device_resource_id", None) or event.thread)
 
 
+def is_runtime_call(event) -> bool:
+    """A CUDA runtime/driver call on the host (cudaLaunchKernel, cudaGraphLaunch, ...), not a device event."""
+    return event.device_type != torch.autograd.DeviceType.CUDA and event.name.startswith("cu")
+
+
 def pipelined_profile(engine, shape, batch, n, device, depth: int = 2) -> dict:
     """The GPU's busy share while n cached batches run back to back as the server runs them:
     rank_async launches a batch while up to depth - 1 earlier ones still run on the device, so
@@ -287,7 +293,7 @@ def device_profile(engine, shape, batch, n, device, rerank=False, cold=False, tr
         busy += kernel_busy_us(events) / 1e3
         forward_busy += compute_stream_busy_us(events) / 1e3
         for e in prof.events():
-            if e.device_type != torch.autograd.DeviceType.CUDA and e.name.startswith("cu"):
+            if is_runtime_call(e):
                 total = by_runtime.setdefault(e.name, [0.0, 0])
                 total[0] += (e.time_range.end - e.time_range.start) / 1e3
                 total[1] += 1

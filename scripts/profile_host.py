@@ -142,7 +142,8 @@ def profile_host(
     with device_copies_left_out(), contextlib.closing(engine):
         for requests in _batches(engine, shape, batch, 3, ids, rerank, onload_fraction, cold):  # warm-up
             run_host_phases(engine, requests)
-        times = [run_host_phases(engine, r) for r in _batches(engine, shape, batch, n, ids, rerank, onload_fraction, cold)]
+        timed = _batches(engine, shape, batch, n, ids, rerank, onload_fraction, cold)
+        times = [run_host_phases(engine, r) for r in timed]
         prof = cProfile.Profile()
         for requests in _batches(engine, shape, batch, n, ids, rerank, onload_fraction, cold):
             prof.enable()
