@@ -41,6 +41,7 @@ from hstu.ops.kvcache.batch import BatchPlan
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.ops.kvcache.planner import CostModel
 from hstu.ops.kvcache.transfers import COPY_AHEAD
+from hstu.ops.knobs import flag
 from hstu.ops.kv_ops import write_pinned
 
 # A batch is ranked at most this many times: the retry after a failed onload is a plain miss.
@@ -57,6 +58,9 @@ _LOGITS_OUT = os.environ.get("HSTU_LOGITS_OUT", "copy") or "copy"
 if _LOGITS_OUT not in ("copy", "kernel"):
     raise ValueError(f"HSTU_LOGITS_OUT must be 'copy' or 'kernel', got {_LOGITS_OUT!r}")
 _LOGITS_BY_KERNEL = _LOGITS_OUT == "kernel"
+# HSTU_ONLOAD_AT_RESERVE=0: a graph-bucket batch's onload starts after the plan, as before, not as
+# soon as its pages are reserved (an experiment knob for same-call comparisons)
+_ONLOAD_AT_RESERVE = flag("HSTU_ONLOAD_AT_RESERVE", default=True)
 
 # Row buckets of the CUDA graphs, at most 1.5x apart: a batch computes its bucket's rows, and the
 # seed replay's cached batches (mixed users: 256-12k rows) padded 28% more rows with buckets 2x apart
@@ -442,7 +446,19 @@ class RankingEngine:
             [r.candidates.shape[0] for r in requests],
             pad_for=self.graphs.pad_spec if self.graphs is not None else None,
             graph_buckets=self.graph_buckets,
+            onload_at_reserve=self._onload_at_reserve if _ONLOAD_AT_RESERVE else None,
         )
+
+    def _onload_at_reserve(self, plan: BatchPlan) -> bool:
+        """Whether the plan's onload may start as soon as its pages are reserved: exactly the plans
+        whose onload _forward (or _forward_front) starts first thing, a graph bucket's whose stage is
+        a kernel and whose graph holds no waits (those take their event set before the onload
+        starts). Nothing runs between the two points but the metadata's packing, which the copies
+        do not read."""
+        graphs = self.graphs
+        if graphs is None or not graphs.onload_before_stage or graphs.waits_in_graph:
+            return False
+        return plan.front_pad is not None if plan.front_tokens else plan.pad is not None
 
     def _forward(
         self, requests: list[RankingRequest], plan: BatchPlan, timing: ForwardTiming, owned: bool = True

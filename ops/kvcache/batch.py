@@ -23,7 +23,8 @@ class PreparedBatch:
     """A batch whose pages are reserved: what the block needs, and what finish() commits."""
 
     pages: list[np.ndarray]  # per user, int32 page ids (GpuPageManager.reserve_arrays)
-    # Packed on the host; on the device after AsyncKVCacheManager.wait, except for CUDA-graph batches.
+    # Packed on the host (by the prepare job, after an onload it started at reserve: None until then);
+    # on the device after AsyncKVCacheManager.wait, except for CUDA-graph batches.
     metadata: KVCacheMetadata | PackedMetadata
     handle: OnloadHandle
     kv_pages: torch.Tensor
@@ -102,6 +103,9 @@ class BatchPlan:
     # waits for on the device (an event, None, or page_reuse.ALL_EARLIER)
     seq: int = -1
     reuse_wait: int = -1
+    # the onload's first copies start as soon as the pages are reserved, before the metadata is
+    # packed (the plan() caller's onload_at_reserve said so)
+    onload_at_reserve: bool = False
     # a planner's host-tier plan to measure (plan_feedback.py): (kind, users, predicted layer seconds)
     measure: tuple[str, int, float] | None = None
     pages_used_until: object = None

@@ -80,7 +80,7 @@ from hstu.ops.kvcache.metadata import PadSpec, pack_layout
 from hstu.ops.kvcache.plan_feedback import PlanFeedback
 from hstu.ops.kvcache.planner import CostModel, FixedSplit
 from hstu.ops.kvcache.stats import CacheStats
-from hstu.ops.kvcache.transfers import OffloadJob, TierTransfers
+from hstu.ops.kvcache.transfers import COPY_AHEAD, OffloadJob, TierTransfers
 
 logger = logging.getLogger(__name__)
 # HSTU_FINISH_WAITS_ONLOAD=1: finish() waits for the onload's copies to land before committing, as
@@ -155,12 +155,15 @@ class AsyncKVCacheManager:
         num_candidates: list[int],
         pad_for: Callable[[int, int], PadSpec | None] | None = None,
         graph_buckets: tuple[int, ...] | None = None,
+        onload_at_reserve: Callable[[BatchPlan], bool] | None = None,
     ) -> BatchPlan:
         """Look the users up, lay out the batch's rows and start preparing it on the worker.
 
         pad_for(rows, users): the CUDA-graph bucket padding of the metadata, if any; graph_buckets:
         the buckets' row counts (the planner costs a split at its bucket's rows and keeps it within
-        the largest)."""
+        the largest). onload_at_reserve(plan): whether the batch's onload may start as soon as its
+        pages are reserved (the caller would start it right after this call anyway; see _prepare);
+        asked of a laid-out plan that onloads, when the prepare job runs on the calling thread."""
         plan = self._lookup(user_ids, history_lens, identities)
         with self._index_lock:
             plan.seq = self._reuse.begin()
@@ -179,6 +182,8 @@ class AsyncKVCacheManager:
                 fronts = [plan.front_tokens[u] for u in user_ids if u in plan.front_tokens]
                 plan.front_layout = JaggedLayout.build(fronts, [0] * len(fronts), [0] * len(fronts))
                 plan.front_pad = pad_for(plan.front_layout.num_rows, len(fronts)) if pad_for is not None else None
+            if onload_at_reserve is not None and plan.onload_slots and not self.config.prepare_worker:
+                plan.onload_at_reserve = onload_at_reserve(plan)
             plan._future = self._start_prepare(plan)
         except BaseException:
             with self._index_lock:
@@ -402,26 +407,49 @@ class AsyncKVCacheManager:
             with self._index_lock:
                 self.host.unpin(list(plan.onload_slots))
             raise
-        metadata = pack_layout(pages, plan.layout, self.config.page_size, pin=self.is_cuda, pad=plan.pad)
-        front_metadata = None
-        if plan.front_tokens:  # the front pass: tokens [0, q) of each front user, in their first pages
-            ps = self.config.page_size
-            front_pages = [
-                pages[b][: -(-plan.front_tokens[u] // ps)] for b, u in enumerate(plan.user_ids) if u in plan.front_tokens
-            ]
-            front_metadata = pack_layout(front_pages, plan.front_layout, ps, pin=self.is_cuda, pad=plan.front_pad)
         onload_users = list(plan.onload_slots)
-        start = None
-        if not onload_users:
-            handle = OnloadHandle.completed(self.config.num_layers)
-        else:
-            handle = OnloadHandle(self.config.num_layers, self.device, self.config.onload_timeout_s)
-            slot_ids, page_ids = self._onload_plan(plan, pages)
-            start = functools.partial(
-                self.transfers.onload_async, handle, onload_users, slot_ids, page_ids,
-                pages_used_until=plan.pages_used_until,
-            )
-        return PreparedBatch(pages, metadata, handle, self.kv_pages, onload_users, front_metadata, start)
+        prepared = None
+        try:
+            if not onload_users:
+                handle, start = OnloadHandle.completed(self.config.num_layers), None
+            else:
+                handle = OnloadHandle(self.config.num_layers, self.device, self.config.onload_timeout_s)
+                slot_ids, page_ids = self._onload_plan(plan, pages)
+                start = functools.partial(
+                    self.transfers.onload_async, handle, onload_users, slot_ids, page_ids,
+                    pages_used_until=plan.pages_used_until,
+                )
+            prepared = PreparedBatch(pages, None, handle, self.kv_pages, onload_users, None, start)
+            if plan.onload_at_reserve:
+                # The first layers' copies before the metadata is packed, which they do not need
+                # (the engine starts them right after plan() otherwise): the host-tier batch-8 copy
+                # path is the critical one, and it began only after the whole plan (run IC).
+                prepared.start_onload(ahead=COPY_AHEAD)
+            ps = self.config.page_size
+            prepared.metadata = pack_layout(pages, plan.layout, ps, pin=self.is_cuda, pad=plan.pad)
+            if plan.front_tokens:  # the front pass: tokens [0, q) of each front user, in their first pages
+                front_pages = [
+                    pages[b][: -(-plan.front_tokens[u] // ps)] for b, u in enumerate(plan.user_ids) if u in plan.front_tokens
+                ]
+                prepared.front_metadata = pack_layout(front_pages, plan.front_layout, ps, pin=self.is_cuda, pad=plan.front_pad)
+        except BaseException:
+            self._prepare_failed(plan, prepared)
+            raise
+        return prepared
+
+    def _prepare_failed(self, plan: BatchPlan, prepared: PreparedBatch | None) -> None:
+        """Undo a prepare job that failed after its reserve: its onload, if started, settles (its
+        worker drops the host pins), else the pins go here; the reserved pages are released as
+        abort() releases a batch's (abort finds the job failed and leaves it to this)."""
+        try:
+            if prepared is not None and prepared.onload_started and prepared.onload_users:
+                prepared.enqueue_onload()
+                prepared.handle.wait_done()
+            else:
+                with self._index_lock:
+                    self.host.unpin(list(plan.onload_slots))
+        finally:
+            self._release(plan)
 
     def _reserve(self, plan: BatchPlan, keep: list[int]) -> list[np.ndarray]:
         """Pages per user for its whole history (int32 arrays); a read-only user keeps its longer
@@ -558,20 +586,24 @@ class AsyncKVCacheManager:
             return
         try:
             prepared = self.wait(plan)
-        except BaseException:  # prepare failed: it released its own pins
+        except BaseException:  # prepare failed: it released its pins and pages (_prepare_failed)
             return
         try:
             prepared.enqueue_onload()  # its worker drops the host pins; the pages stay reserved until it is done
             prepared.handle.wait_done()
         finally:
-            self._launched(plan)  # (whatever of its forward was enqueued)
-            with self._index_lock:
-                self.gpu.release(plan.user_ids)
-                # Their entries keep the pages reserved for this batch beyond their committed
-                # length (all of them, for a new user): a later reserve may shrink them, or a
-                # prefetch drop an empty entry, into the free list with no eviction to note.
-                for u in plan.user_ids:
-                    self._reuse.freed(u)
+            self._release(plan)
+
+    def _release(self, plan: BatchPlan) -> None:
+        """Give an aborted batch's reserved users back (after whatever of its forward was enqueued)."""
+        self._launched(plan)
+        with self._index_lock:
+            self.gpu.release(plan.user_ids)
+            # Their entries keep the pages reserved for this batch beyond their committed
+            # length (all of them, for a new user): a later reserve may shrink them, or a
+            # prefetch drop an empty entry, into the free list with no eviction to note.
+            for u in plan.user_ids:
+                self._reuse.freed(u)
 
     # ------------------------------------------------------------ maintenance
     def drain(self) -> None:

@@ -255,6 +255,84 @@ def test_front_passes_replay_from_their_own_staging_slot_and_match_no_cache(
     engine.close()
 
 
+def _host_tier_batch(engine, book, split: float):
+    """Users 1 and 2 with 24 cached tokens each (three chunks) in the host tier only, the planner
+    fixed at onloading `split` of them; returns their next requests."""
+    from hstu.ops.kvcache.planner import FixedSplit
+
+    engine.rank([book.request(u, 11, 2) for u in (1, 2)])
+    engine.cache.drain()
+    engine.cache.evict_gpu([1, 2])
+    engine.cache.cost_model = FixedSplit(split)
+    return [book.request(1, 1, 2), book.request(2, 1, 3)]
+
+
+def _record_onload_and_packing(engine, monkeypatch) -> list[str]:
+    """The order in which the cache starts its onloads and packs metadata, from now on."""
+    from hstu.ops.kvcache import manager
+
+    events: list[str] = []
+    onload_async, pack_layout = engine.cache.transfers.onload_async, manager.pack_layout
+    monkeypatch.setattr(engine.cache.transfers, "onload_async", lambda *a, **k: events.append("onload") or onload_async(*a, **k))
+    monkeypatch.setattr(manager, "pack_layout", lambda *a, **k: events.append("pack") or pack_layout(*a, **k))
+    return events
+
+
+@pytest.mark.parametrize("host_split, split, order", [
+    ("load_front", 1.0, ["onload", "pack"]),
+    ("compute_front", 1 / 3, ["onload", "pack", "pack"]),  # the batch's metadata, then its front pass's
+], ids=["onload", "front pass"])
+@pytest.mark.parametrize("at_reserve", [True, False], ids=["at reserve", "after the plan"])
+def test_a_graph_batchs_onload_starts_once_its_pages_are_reserved(
+    tiny_config, book, monkeypatch, host_split, split, order, at_reserve
+):
+    """A graph-bucket batch's onload copies start as soon as its pages are reserved, before its
+    metadata is packed, which they do not read (HSTU_ONLOAD_AT_RESERVE=0: after the whole plan, as
+    before). Answers equal the no-cache model's either way."""
+    from hstu.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_ONLOAD_AT_RESERVE", at_reserve)
+    engine = _static_engine(tiny_config, host_split=host_split)
+    engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96), capture=False)
+    reqs = _host_tier_batch(engine, book, split)
+    events = _record_onload_and_packing(engine, monkeypatch)
+    outs = engine.rank(reqs)
+    torch.testing.assert_close(torch.cat([o.logits for o in outs]), engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
+    assert events == (order if at_reserve else order[1:] + order[:1])
+    assert engine.cache.stats.snapshot()["host_hits"] == 2
+    engine.close()
+
+
+def test_a_batch_whose_packing_fails_after_its_onload_started_gives_everything_back(tiny_config, book, monkeypatch):
+    """The metadata's packing raises after the onload started at reserve: rank() raises that error,
+    the onload settles (its host pins dropped), the users' GPU pages are released, and the same
+    batch then ranks correctly."""
+    from hstu.ops.kvcache import manager
+
+    engine = _static_engine(tiny_config)
+    engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96), capture=False)
+    reqs = _host_tier_batch(engine, book, 1.0)
+    events = _record_onload_and_packing(engine, monkeypatch)
+    pack_layout = manager.pack_layout
+
+    def fails_once(*args, **kwargs):
+        out = pack_layout(*args, **kwargs)
+        if events.count("pack") == 1:
+            raise RuntimeError("packing failed")
+        return out
+
+    monkeypatch.setattr(manager, "pack_layout", fails_once)
+    with pytest.raises(RuntimeError, match="packing failed"):
+        engine.rank(reqs)
+    assert events == ["onload", "pack"]
+    engine.cache.drain()
+    cache = engine.cache
+    assert [(cache.gpu.pin_count(u), cache.host.pin_count(u)) for u in (1, 2)] == [(0, 0), (0, 0)]
+    outs = engine.rank(reqs)
+    torch.testing.assert_close(torch.cat([o.logits for o in outs]), engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
+    engine.close()
+
+
 def test_static_inputs_pad_features_and_candidate_rows_to_the_bucket(tiny_config, book):
     from hstu.model.ranking import InferenceRankingGR
     from hstu.ops.kvcache.layout import JaggedLayout
