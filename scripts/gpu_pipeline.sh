@@ -40,7 +40,7 @@ stage pytest_cuda 300 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider test
 # the same suite in two steps, for a call with little else in it (the whole suite ran past 330 s on an H100, run GJ):
 # the kernels' tests (tests/ops, 166 of 192), then the rest (pipeline, graphs, export, server)
 stage pytest_cuda_ops 360 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/ops
-stage pytest_cuda_rest 200 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/ --ignore=tests/ops
+stage pytest_cuda_rest 300 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/ --ignore=tests/ops
 stage bench 120 python3 -m hstu.cli bench --device cuda --out "$OUT/bench"
 stage replay 100 python3 -m hstu.cli replay --preset seed --device cuda --verify --no-progress --out "$OUT/replay"
 stage bench_graphs 90 python3 -m hstu.cli bench --device cuda --cuda-graphs --sections e2e --out "$OUT/bench_graphs"
