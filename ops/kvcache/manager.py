@@ -422,8 +422,9 @@ class AsyncKVCacheManager:
             prepared = PreparedBatch(pages, None, handle, self.kv_pages, onload_users, None, start)
             if plan.onload_at_reserve:
                 # The first layers' copies before the metadata is packed, which they do not need
-                # (the engine starts them right after plan() otherwise): the host-tier batch-8 copy
-                # path is the critical one, and it began only after the whole plan (run IC).
+                # (the engine starts them right after plan() otherwise): a host-tier batch 8 is
+                # copy-bound, its copies began only after the whole plan (run IC). Run IH (H100),
+                # same call: 10.79-10.95 -> 10.48-10.56 ms, 1.43x -> 1.47x of recomputing.
                 prepared.start_onload(ahead=COPY_AHEAD)
             ps = self.config.page_size
             prepared.metadata = pack_layout(pages, plan.layout, ps, pin=self.is_cuda, pad=plan.pad)
