@@ -428,11 +428,12 @@ class AsyncKVCacheManager:
                 prepared.start_onload(ahead=COPY_AHEAD)
             ps = self.config.page_size
             prepared.metadata = pack_layout(pages, plan.layout, ps, pin=self.is_cuda, pad=plan.pad)
-            if plan.front_tokens:  # the front pass: tokens [0, q) of each front user, in their first pages
-                front_pages = [
-                    pages[b][: -(-plan.front_tokens[u] // ps)] for b, u in enumerate(plan.user_ids) if u in plan.front_tokens
-                ]
-                prepared.front_metadata = pack_layout(front_pages, plan.front_layout, ps, pin=self.is_cuda, pad=plan.front_pad)
+            fronts = plan.front_tokens
+            if fronts:  # the front pass: tokens [0, q) of each front user, in their first pages
+                front_pages = [pages[b][: -(-fronts[u] // ps)] for b, u in enumerate(plan.user_ids) if u in fronts]
+                prepared.front_metadata = pack_layout(
+                    front_pages, plan.front_layout, ps, pin=self.is_cuda, pad=plan.front_pad
+                )
         except BaseException:
             self._prepare_failed(plan, prepared)
             raise

@@ -273,7 +273,8 @@ def _record_onload_and_packing(engine, monkeypatch) -> list[str]:
 
     events: list[str] = []
     onload_async, pack_layout = engine.cache.transfers.onload_async, manager.pack_layout
-    monkeypatch.setattr(engine.cache.transfers, "onload_async", lambda *a, **k: events.append("onload") or onload_async(*a, **k))
+    transfers = engine.cache.transfers
+    monkeypatch.setattr(transfers, "onload_async", lambda *a, **k: events.append("onload") or onload_async(*a, **k))
     monkeypatch.setattr(manager, "pack_layout", lambda *a, **k: events.append("pack") or pack_layout(*a, **k))
     return events
 
