@@ -179,10 +179,15 @@ class ForwardTiming:
     finish_s: float = 0.0
     total_s: float = 0.0
 
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """Every field's name, the total last (plan_s ... total_s): what the benchmarks tabulate."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
     def phases(self) -> dict[str, float]:
         """Seconds by phase name (every field but the total, without its _s): what the server's
         hstu_forward_phase_seconds and the replay's per-batch means report."""
-        return {f.name.removesuffix("_s"): getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "total_s"}
+        return {name.removesuffix("_s"): getattr(self, name) for name in self.field_names() if name != "total_s"}
 
 
 class RankingEngine:

@@ -5,7 +5,6 @@ with their self-checks; and the split sweep (its forwards taking turns likewise)
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from typing import Any, Callable
 
@@ -25,7 +24,7 @@ from hstu.scripts.timing import TimedRun, Timer, summarize
 from hstu.scripts.workload import FreshUserIds, as_users
 
 
-_PHASES = tuple(f.name for f in dataclasses.fields(ForwardTiming))  # plan_s ... total_s
+_PHASES = ForwardTiming.field_names()
 
 
 class PhaseProbe:

@@ -115,7 +115,7 @@ def _forwards(
         yield requests
 
 
-_PHASES = tuple(f.name for f in dataclasses.fields(ForwardTiming))  # plan_s ... total_s
+_PHASES = ForwardTiming.field_names()
 
 
 def phase_profile(engine, shape, batch, n, device, rerank=False, cold=False) -> dict:
