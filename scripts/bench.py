@@ -44,7 +44,7 @@ import torch
 from hstu.ops.attention import ATTENTION_BACKENDS, use_attention_backend
 from hstu.ops.kvcache.config import HOST_FORMAT_HELP, HOST_FORMATS, HOST_SPLIT_HELP, HOST_SPLITS
 from hstu.scripts import report
-from hstu.scripts.bench_e2e import EndToEnd, split_sweep
+from hstu.scripts.bench_e2e import SPLIT_FRACTIONS, EndToEnd, split_sweep
 from hstu.scripts.block_bench import bench_block
 from hstu.scripts.bench_shapes import TINY_SHAPE, BenchShape, check_memory, make_requests, memory_plan
 from hstu.scripts.timing import Timer
@@ -72,6 +72,7 @@ def run_bench(
     compile_layers: bool = False,
     planner: bool = True,
     trace: bool = False,
+    split_fractions: tuple[float, ...] = SPLIT_FRACTIONS,
 ) -> dict[str, Any]:
     """Run the sections for every batch size; write bench.json (after each section) and bench.md.
 
@@ -81,7 +82,8 @@ def run_bench(
     """
     with use_attention_backend(attention):
         return _run_bench(
-            shape, device, warmup, repeats, out_dir, sections, cuda_graphs, compile_layers, planner, trace
+            shape, device, warmup, repeats, out_dir, sections, cuda_graphs, compile_layers, planner, trace,
+            split_fractions,
         )
 
 
@@ -96,6 +98,7 @@ def _run_bench(
     compile_layers: bool,
     planner: bool,
     trace: bool = False,
+    split_fractions: tuple[float, ...] = SPLIT_FRACTIONS,
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = memory_plan(shape)
@@ -153,7 +156,7 @@ def _run_bench(
             if "e2e" in sections:
                 section("e2e", batch, lambda: e2e.run(batch, timer, warmup, repeats))
             if "split" in sections:
-                section("split", batch, lambda: split_sweep(e2e, batch, timer, warmup, repeats))
+                section("split", batch, lambda: split_sweep(e2e, batch, timer, warmup, repeats, split_fractions))
     finally:
         e2e.close()
     save()
@@ -245,6 +248,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--sections", nargs="+", choices=["block", "e2e", "split"], default=["block", "e2e"],
         help="split: the host-tier batch at fixed onload/recompute splits against the cost model's predictions",
     )
+    p.add_argument("--split-fractions", type=float, nargs="+", default=list(SPLIT_FRACTIONS), metavar="F",
+                   help="the split section's onloaded shares of each prefix, each in [0, 1] (whole chunks, rounded "
+                        f"down; default {' '.join(map(str, SPLIT_FRACTIONS))})")
     p.add_argument("--attention", choices=ATTENTION_BACKENDS, default="auto", help="torch: bypass the Triton kernel")
     p.add_argument("--cuda-graphs", action="store_true", help="end-to-end models replay per-layer CUDA graphs (CUDA only)")
     p.add_argument("--compile", action="store_true", help="those graphs capture torch.compile'd layers (implies --cuda-graphs)")
@@ -278,6 +284,9 @@ def shape_from_args(args: argparse.Namespace) -> BenchShape:
 def main(args: argparse.Namespace) -> int:
     if args.warmup < 0 or args.repeats <= 0:
         raise ValueError(f"need warmup >= 0 and repeats > 0, got {args.warmup}, {args.repeats}")
+    outside = [f for f in args.split_fractions if not 0.0 <= f <= 1.0]
+    if outside:
+        raise ValueError(f"--split-fractions must each be in [0, 1], got {outside}")
     args.cuda_graphs = args.cuda_graphs or args.compile
     if args.cuda_graphs and not args.device.startswith("cuda"):
         raise ValueError(f"--cuda-graphs/--compile need a CUDA device, got --device {args.device}")
@@ -293,6 +302,7 @@ def main(args: argparse.Namespace) -> int:
         args.compile,
         not args.no_planner,
         args.trace,
+        tuple(args.split_fractions),
     )
     logger.info("wrote %s and %s", args.out / "bench.json", args.out / "bench.md")
     print(format_table(doc))

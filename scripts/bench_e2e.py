@@ -294,10 +294,12 @@ class EndToEnd:
 SPLIT_FRACTIONS = (0.0, 0.25, 0.5, 0.625, 0.75, 1.0)
 
 
-def split_sweep(e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: int) -> dict[str, Any]:
+def split_sweep(
+    e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: int, fractions: tuple[float, ...] = SPLIT_FRACTIONS
+) -> dict[str, Any]:
     """Compute or load, measured: the host-tier batch (every user's cached prefix evicted to the
     host) ranked with a fixed share f of each prefix onloaded and the rest recomputed, for each f
-    in SPLIT_FRACTIONS; beside it the same batch with those f prefix tokens already on the GPU
+    in `fractions`; beside it the same batch with those f prefix tokens already on the GPU
     (the split's compute alone, no onload), the uncached batch, and what the cost model predicts
     for each split, all timed taking turns. Where the measured curve has its minimum is what the
     planner should pick."""
@@ -316,12 +318,12 @@ def split_sweep(e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: i
     users = [prefilled_host_user(mgr.config, cached, shape.history_tokens, shape.num_candidates)] * batch
     L = e2e.model_config.num_layers
     front = mgr.config.host_split == "compute_front"  # the sweep's order ("auto" sweeps load_front's)
-    onloads = {f: FixedSplit(f).choose(users, L, chunk).onload_tokens for f in SPLIT_FRACTIONS}
+    onloads = {f: FixedSplit(f).choose(users, L, chunk).onload_tokens for f in fractions}
     # (name, engine, setup, cost model during the timed forward), timed taking turns
     runs: list[tuple[str, RankingEngine, Callable[[dict], Callable[[], None]], Any]] = [
         ("uncached", e2e.uncached, lambda st: e2e.fresh_full(full, st), None)
     ]
-    for f in SPLIT_FRACTIONS:
+    for f in fractions:
         runs.append((f"host {f}", e2e.cached, lambda st: prefilled(cached, True, st), FixedSplit(f)))
         if 0 < onloads[f][0] < cached:  # the split's compute with its onloaded share already on the GPU
             runs.append((f"gpu {f}", e2e.cached, lambda st, t=onloads[f][0]: prefilled(t, False, st), None))
@@ -337,7 +339,7 @@ def split_sweep(e2e: EndToEnd, batch: int, timer: Timer, warmup: int, repeats: i
     times, reference = measured["uncached"]
     uncached_ms = summarize(times)["median_ms"]
     out: dict[str, Any] = {"uncached_ms": uncached_ms, "splits": []}
-    for f in SPLIT_FRACTIONS:
+    for f in fractions:
         onload = onloads[f]
         row: dict[str, Any] = {"fraction": f, "onload_tokens_per_user": onload[0]}
         times, outputs = measured[f"host {f}"]

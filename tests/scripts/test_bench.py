@@ -119,3 +119,22 @@ def test_trace_adds_one_untimed_forward_per_pass(tmp_path):
     assert doc["errors"] == []
     for name in ("uncached", "cached_gpu", "cached_host", "cached_host_planned", "cached_rerank"):
         assert doc["e2e"]["1"][name]["trace"] == {} and doc["e2e"]["1"][name]["repeats"] == 1
+
+
+def test_the_split_section_times_the_fractions_asked_for_and_matches_the_uncached_model(tmp_path):
+    shape = dataclasses.replace(bench.TINY_SHAPE, batch_sizes=(2,))
+    doc = bench.run_bench(shape, torch.device("cpu"), 0, 1, tmp_path, sections=("split",), split_fractions=(0.0, 0.5, 1.0))
+    assert doc["errors"] == []
+    rows = doc["split"]["2"]["splits"]
+    assert [r["fraction"] for r in rows] == [0.0, 0.5, 1.0]
+    onloaded = [r["onload_tokens_per_user"] for r in rows]
+    assert onloaded[0] == 0 < onloaded[1] < onloaded[2]
+
+
+def test_cli_refuses_a_split_fraction_outside_zero_to_one(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--tiny", "--device", "cpu", "--sections", "split", "--split-fractions", "0.5", "1.5",
+                              "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"\[1\.5\]"):
+        args.func(args)
