@@ -78,6 +78,9 @@ MASKED_TMA = knobs.flag("HSTU_GLUON_MASKED_TMA", default=True)
 # The plan written once a forward, by layer 0 (batch_items); HSTU_GLUON_PLAN_ONCE=0 writes it in
 # every layer's call, for comparisons.
 PLAN_ONCE = knobs.flag("HSTU_GLUON_PLAN_ONCE", default=True)
+# HSTU_GLUON_STREAM=1: this kernel with a stream-K schedule and the own keys by TMA
+# (ops/gluon_stream_attention.py; opt-in until measured on a GPU).
+STREAM = knobs.flag("HSTU_GLUON_STREAM", default=False)
 
 
 _HOPPER: dict[int, bool] = {}
@@ -443,6 +446,11 @@ if gluon is not None:
         """The attention output [T, H, d] in q's dtype (the Triton op's contract); num_splits > 0
         cuts every unit into that many pieces (tests). plans: the metadata's attention_plans, so
         one plan serves every layer of a forward (batch_items)."""
+        if STREAM:
+            from hstu.ops import gluon_stream_attention
+
+            return gluon_stream_attention.launch(q, k, v, kv_cache, layer, page_table, kv_lens, q_offsets, q_pos,
+                                                 scale_len, num_sms, num_splits, plans)
         T, H, d = q.shape
         L, P, _, page_size, _, _ = kv_cache.shape
         B, max_pages = page_table.shape

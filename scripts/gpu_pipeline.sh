@@ -222,7 +222,8 @@ stage overlap_probe 240 bash -c 'python3 -m hstu.scripts.overlap_probe --out "$O
   && python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/scripts/test_overlap_probe.py'
 # A/B of attention variants by mode (mode_env): the schedule experiments of ops/triton_attention.py (off by
 # default): OFF; SIMPLE = ALIGN_TAIL=1 + LONG_FIRST=1; CAUSAL = both + CAUSAL_SHARES=1; and the kernel: TRITON, GLUON
-# (ops/gluon_attention.py), GLUON3 (its pieces over up to 3 waves: HSTU_GLUON_WAVES=3),
+# (ops/gluon_attention.py), GLUONO (its own-key tiles gathered: HSTU_GLUON_OWN_TMA=0), GLUONP (plain stream-K,
+# no lanes: HSTU_GLUON_LANES=0),
 # GLUONG (its causal-boundary tiles gathered: HSTU_GLUON_MASKED_TMA=0). schedule_tests: the CUDA
 # attention tests with the three schedule rules on; modes_kernels:
 # the kernel at the bench shapes at its default tiles per mode (KERNEL_MODES); modes_replay: the seed replay
@@ -236,7 +237,8 @@ mode_env() {
     CAUSAL) echo HSTU_ATTENTION_ALIGN_TAIL=1 HSTU_ATTENTION_LONG_FIRST=1 HSTU_ATTENTION_CAUSAL_SHARES=1 ;;
     TRITON) echo HSTU_ATTENTION_KERNEL=triton ;;
     GLUON) echo HSTU_ATTENTION_KERNEL=gluon ;;
-    GLUON3) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_WAVES=3 ;;
+    GLUONO) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_OWN_TMA=0 ;;
+    GLUONP) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_LANES=0 ;;
     GLUONG) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_MASKED_TMA=0 ;;
     PLANEACH) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_PLAN_ONCE=0 ;;
     *) echo "unknown mode $1" >&2; return 1 ;;

@@ -121,26 +121,37 @@ def compile_config(block_m: int, block_n: int, num_warps: int, num_stages: int, 
 
 
 def compile_gluon(head_dim: int = 256, page_size: int = 32, dtype: str = "bf16", arch: int = 90,
-                  masked_tma: bool = False) -> dict:
-    """The Gluon attention kernel (ops/gluon_attention.py) at `head_dim` and `page_size`: shared
-    memory bytes, registers, spill bytes and its PTX's counts."""
+                  masked_tma: bool = False, own_tma: bool = False, stream: bool = False) -> dict:
+    """The Gluon attention kernel (ops/gluon_attention.py, or with `stream` the stream-K one of
+    ops/gluon_stream_attention.py and its own tiles by TMA when `own_tma`) at `head_dim` and
+    `page_size`: shared memory bytes, registers, spill bytes and its PTX's counts."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from hstu.ops import gluon_attention as ga
+    from hstu.ops import gluon_stream_attention as gs
 
     box = min(page_size, ga.BLOCK_N)
     pointers = {name: f"*{dtype}" for name in ("Q", "K", "V", "KV", "OUT")}
     pointers.update({"PT": "*i32", "KV_LENS": "*i32", "Q_POS": "*i64", "ITEMS": "*i32", "PART": "*fp32"})
     layout = gl.NVMMASharedLayout.get_default_for([box, head_dim], gl.bfloat16 if dtype == "bf16" else gl.float16)
-    pointers["KV_DESC"] = f"tensordesc<{dtype}[{box}, {head_dim}],{layout!r}>"
+    desc = f"tensordesc<{dtype}[{box}, {head_dim}],{layout!r}>"
+    pointers["KV_DESC"] = desc
     constants = dict(SCALE=head_dim**-0.5, INV_SCALE_LEN=1 / 4352, BLOCK_M=ga.BLOCK_M, BLOCK_N=ga.BLOCK_N,
                      HEAD_DIM=head_dim, PAGE_SIZE=page_size, BOX=box, FIELDS=ga.FIELDS, MASKED_TMA=masked_tma)
+    if stream:
+        pointers["STARTS"] = "*i32"
+        constants["OWN_TMA"] = own_tma
+        for name in ("K_DESC", "V_DESC"):
+            if own_tma:
+                pointers[name] = desc
+            else:
+                constants[name] = None
     divisible = tuple(n for n in _DIVISIBLE if n not in ("Q_OFF", "head_dim")) + ("ITEMS",)
-    kernel = compile_ahead(ga._attention_kernel, pointers, constants, divisible, {"num_warps": ga.WARPS}, arch,
-                           GluonASTSource)
-    return {"config": ("gluon", head_dim, page_size) + (("masked_tma",) if masked_tma else ()),
-            **kernel_report(kernel, arch)}
+    kernel = compile_ahead((gs if stream else ga)._attention_kernel, pointers, constants, divisible,
+                           {"num_warps": ga.WARPS}, arch, GluonASTSource)
+    flags = (("stream",) if stream else ()) + (("masked_tma",) if masked_tma else ()) + (("own_tma",) if own_tma else ())
+    return {"config": ("gluon", head_dim, page_size) + flags, **kernel_report(kernel, arch)}
 
 
 def main() -> None:
@@ -155,9 +166,10 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{'config':<16}{'smem':>8}{'regs':>6}{'spill st':>10}{'spill ld':>10}{'wgmma':>7}{'cp.async':>10}{'tma':>5}")
     if args.gluon is not None:
-        runs = {f"gluon,page{p}{',mtma' if m else ''}": lambda p=p, m=m: compile_gluon(args.head_dim, p, args.dtype,
-                                                                                     args.arch, m)
-                for p in args.gluon or [32] for m in (False, True)}
+        runs = {f"gluon,page{p}{',stream' if st else ''}{',mtma' if m else ''}{',otma' if o else ''}":
+                lambda p=p, m=m, o=o, st=st: compile_gluon(args.head_dim, p, args.dtype, args.arch, m, o, st)
+                for p in args.gluon or [32]
+                for st, m, o in ((False, False, False), (False, True, False), (True, True, False), (True, True, True))}
     else:
         runs = {spec: lambda spec=spec: compile_config(*(int(x) for x in spec.split(",")), head_dim=args.head_dim,
                                                        dtype=args.dtype, arch=args.arch, tma=args.tma)

@@ -378,18 +378,27 @@ def gluon_config(head_dim: int):
     return dataclasses.replace(default_config(head_dim), silu="tanh", kernel="gluon")
 
 
-# The Gluon kernel's knobs (HSTU_GLUON_MASKED_TMA, HSTU_GLUON_WAVES) as test variants; "default" is
-# the module's settings.
-GLUON_VARIANTS = {"default": {}, "gathered": {"MASKED_TMA": False}, "waves3": {"WAVES": 3}}
+# The Gluon kernels' knobs (HSTU_GLUON_MASKED_TMA, HSTU_GLUON_WAVES, HSTU_GLUON_STREAM and the stream
+# kernel's HSTU_GLUON_LANES, HSTU_GLUON_OWN_TMA) as test variants; "default" is the modules' settings.
+GLUON_VARIANTS = {
+    "default": {}, "gathered": {"MASKED_TMA": False}, "waves3": {"WAVES": 3},
+    "stream": {"STREAM": True}, "stream_plain": {"STREAM": True, "stream.LANES": False},
+    "stream_gathered": {"STREAM": True, "stream.OWN_TMA": False, "MASKED_TMA": False},
+}
 
 
 def spy_gluon(monkeypatch, variant: str = "default") -> list:
     """Calls that reached the Gluon launch (so a test cannot pass on the Triton kernel), with the
-    variant's knobs set."""
-    from hstu.ops import gluon_attention
+    variant's knobs set ("stream." names: ops/gluon_stream_attention.py's)."""
+    from hstu.ops import gluon_attention, gluon_stream_attention
 
     for name, value in GLUON_VARIANTS[variant].items():
-        monkeypatch.setattr(gluon_attention, name, value)
+        if name.startswith("stream."):
+            monkeypatch.setattr(gluon_stream_attention, name.removeprefix("stream."), value)
+        else:
+            monkeypatch.setattr(gluon_attention, name, value)
+            if name == "MASKED_TMA":  # the stream kernel reads it from its own module
+                monkeypatch.setattr(gluon_stream_attention, name, value)
     calls, real = [], gluon_attention.launch
     monkeypatch.setattr(gluon_attention, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
@@ -397,7 +406,7 @@ def spy_gluon(monkeypatch, variant: str = "default") -> list:
 
 @pytest.mark.parametrize("case_idx", range(len(ATTN_CASES)))
 @pytest.mark.parametrize("num_splits", [0, 1, 3])
-@pytest.mark.parametrize("variant", ["default", "gathered"])
+@pytest.mark.parametrize("variant", ["default", "gathered", "stream", "stream_plain", "stream_gathered"])
 def test_gluon_attention_bf16_within_2x_of_torch_reference_error(monkeypatch, case_idx, num_splits, variant):
     """ops/gluon_attention.py on every case: whole units, and every unit cut into pieces."""
     from hstu.ops.triton_attention import paged_hstu_attention_triton
@@ -444,6 +453,49 @@ def test_gluon_attention_at_seed_shapes_and_page_sizes(monkeypatch, users, page_
     assert rel_err(out, exact) <= 2 * rel_err(ref, exact)
 
 
+@pytest.mark.parametrize("users,candidates", [(8, 256), (1, 256), (8, 200), (5, 256)])
+@pytest.mark.parametrize("variant", ["stream", "stream_plain", "stream_gathered"])
+def test_gluon_stream_attention_at_cached_seed_shapes(monkeypatch, users, candidates, variant):
+    """The stream kernel where stream-K runs: every user cached (3,968 keys, 128 new rows and the
+    candidates), fewer units than SMs (batch 8 in lanes of 3; 200 candidates: a last own tile
+    across the user's rows, gathered), within 2x of the bf16 torch error."""
+    from hstu.ops.attention import paged_hstu_attention_torch
+    from hstu.ops.triton_attention import paged_hstu_attention_triton
+
+    needs_hopper()
+    calls = spy_gluon(monkeypatch, variant)
+    c = make_paged_case([4096] * users, [3968] * users, [candidates] * users, page_size=32, heads=4, head_dim=256,
+                        dtype=torch.bfloat16, device="cuda", seed=users + candidates)
+    m = c.meta
+
+    def torch_attention(*tensors):
+        return paged_hstu_attention_torch(*tensors, c.layer, m.page_table, m.kv_lens, m.q_batch, m.q_local, m.q_pos,
+                                          m.max_q, c.scale_len)
+
+    exact = torch_attention(*(t.float() for t in (c.q, c.k, c.v, c.kv_cache)))
+    ref = torch_attention(c.q, c.k, c.v, c.kv_cache)
+    out = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len,
+                                      config=gluon_config(256))
+    assert calls and rel_err(out, exact) <= 2 * rel_err(ref, exact)
+
+
+@pytest.mark.parametrize("lanes", [True, False])
+def test_gluon_stream_plan_kernel_on_the_gpu_writes_the_reference_items(monkeypatch, lanes):
+    from hstu.ops import gluon_stream_attention as gs
+
+    needs_hopper()
+    monkeypatch.setattr(gs, "LANES", lanes)
+    for offs, kv in (([0, 384, 768, 769, 1153], [3968, 4096, 1, 0]), ([384 * b for b in range(9)], [4096] * 8)):
+        for forced, sms in ((0, 132), (2, 132), (0, 8)):
+            grid = gs.grid_programs(offs[-1], len(kv), 4, sms, forced)
+            cap = gs.plan_capacity(offs[-1], len(kv), 4, grid)
+            items, starts = gs.write_items(torch.tensor(offs, dtype=torch.int32, device="cuda"),
+                                           torch.tensor(kv, dtype=torch.int32, device="cuda"), 4, sms, forced, grid,
+                                           cap)
+            got = ([tuple(r) for r in items.tolist()], starts.tolist())
+            assert got == gs.plan_items(offs, kv, 4, sms, grid, cap, forced, lanes)
+
+
 def test_gluon_plan_kernel_on_the_gpu_writes_the_reference_items():
     from hstu.ops import gluon_attention as ga
 
@@ -457,7 +509,7 @@ def test_gluon_plan_kernel_on_the_gpu_writes_the_reference_items():
 
 
 @pytest.mark.parametrize("num_splits", [0, 3])
-@pytest.mark.parametrize("kernel", ["triton", "gluon"])
+@pytest.mark.parametrize("kernel", ["triton", "gluon", "gluon_stream"])
 def test_triton_attention_padded_like_a_graph_bucket_matches_the_batch(monkeypatch, kernel, num_splits):
     """A CUDA graph runs the batch padded to its bucket (rows past T, user slots past B with
     kv_len 0 and q_offsets at T): each kernel plans from the metadata on the device, so the padded
@@ -467,9 +519,9 @@ def test_triton_attention_padded_like_a_graph_bucket_matches_the_batch(monkeypat
     from hstu.ops.triton_attention import default_config, paged_hstu_attention_triton
 
     calls = None
-    if kernel == "gluon":
+    if kernel.startswith("gluon"):
         needs_hopper()
-        calls = spy_gluon(monkeypatch)
+        calls = spy_gluon(monkeypatch, "stream" if kernel == "gluon_stream" else "default")
         cfg = gluon_config(256)
     else:
         cfg = dataclasses.replace(default_config(256), kernel="triton")
