@@ -15,20 +15,22 @@ is not in the cache; a block without candidates skips them). Units are numbered 
 then head, then row block, last (longest causal) block first, so a user's row blocks read the same
 keys side by side (L2 reuse).
 
-Three launches, all graph-safe (every decision read from the batch's metadata on the device); the
+Four launches, all graph-safe (every decision read from the batch's metadata on the device); the
 plan once a forward, at layer 0, kept on the metadata for the other layers (batch_items):
-  _plan_kernel (Triton)   writes ITEMS (user, first row, row end, head, first tile, end tile,
-                          piece, pieces, the next piece's item; user -1 past the last) and
-                          STARTS: program g runs items STARTS[g] .. STARTS[g + 1]. Units that
-                          fill the SMs run whole, one a program (the hardware's dispatch packs a
-                          causal history's short row blocks behind its long ones). Fewer units
-                          than SMs run stream-K: programs take equal contiguous shares of all
-                          units' tiles, so a share may end one unit's tiles and start the next's
-                          (an item a unit it touches). Run FA's fixed pieces left batch 8's 96
-                          units one a SM, 36 of 132 SMs idle; its equal shares are 48 tiles
-                          against 66. In lanes (LANES), a tuple of R programs takes each share
-                          of (user, head, key tile) steps, program r row block r of each user, so
-                          the row blocks reading a key tile run side by side (L2 reuse).
+  _plan_whole_kernel,     write ITEMS (user, first row, row end, head, first tile, end tile,
+  _plan_stream_kernel     piece, pieces, the next piece's item; user -1 past the last) and
+  (Triton)                STARTS (the programs with work; program g runs items STARTS[1 + g] ..
+                          STARTS[2 + g]), each only for its kind of batch. Units that fill the SMs
+                          run whole, one a program (the hardware's dispatch packs a causal
+                          history's short row blocks behind its long ones), planned in parallel.
+                          Fewer units than SMs run stream-K, planned in one program: programs take
+                          equal contiguous shares of all units' tiles, so a share may end one
+                          unit's tiles and start the next's (an item a unit it touches). Run FA's
+                          fixed pieces left batch 8's 96 units one a SM, 36 of 132 SMs idle; its
+                          equal shares are 48 tiles against 66. In lanes (LANES), a tuple of R
+                          programs takes each share of (user, head, key tile) steps, program r row
+                          block r of each user, so the row blocks reading a key tile run side by
+                          side (L2 reuse).
   _attention_kernel       its items in turn: Q tile to shared memory; the tiles whose keys are all
                           the history's, and the own tiles whose rows are all the user's, by TMA
                           (two stages, an mbarrier each, serial Q K^T / SiLU / W V; tiles across
@@ -101,20 +103,22 @@ def plan_capacity(rows: int, users: int, heads: int, grid: int) -> int:
 
 def plan_items(q_offsets: list[int], kv_lens: list[int], heads: int, num_sms: int, grid: int, capacity: int,
                forced_splits: int = 0, lanes: bool | None = None) -> tuple[list[tuple[int, ...]], list[int]]:
-    """(ITEMS, STARTS) as _plan_kernel writes them, in Python: the reference its test holds the
-    kernel to, and the schedule's definition (see the module docstring). ITEMS has `capacity` rows
-    (user -1 past the last item), STARTS grid + 1 entries. lanes: LANES unless given."""
+    """(ITEMS, STARTS) as the plan kernels write them, in Python: the reference their tests hold
+    them to, and the schedule's definition (see the module docstring). ITEMS has `capacity` rows
+    (user -1 past the last item); STARTS grid + 2 entries: the programs with work, then program
+    g's first item at 1 + g (the kernels write it up to the programs with work). lanes: LANES
+    unless given."""
     lanes = LANES if lanes is None else lanes
     blocks = [-(-(q_offsets[b + 1] - q_offsets[b]) // BLOCK_M) for b in range(len(kv_lens))]
     per = [unit_tiles(kv) if n else 0 for n, kv in zip(blocks, kv_lens)]
     units = sum(blocks) * heads
     pad = [(-1, 0, 0, 0, 0, 0, 0, 1, -1)]
     if units == 0:
-        return pad * capacity, [0] * (grid + 1)
+        return pad * capacity, [0] * (grid + 2)
     if forced_splits <= 0 and units >= num_sms:  # whole units, one a program
         items = [(b, q_offsets[b] + (n - 1 - rev) * BLOCK_M, q_offsets[b + 1], h, 0, per[b], 0, 1, -1)
                  for b, n in enumerate(blocks) for h in range(heads) for rev in range(n)]
-        return items + pad * (capacity - len(items)), [min(g, units) for g in range(grid + 1)]
+        return items + pad * (capacity - len(items)), [units] + [min(g, units) for g in range(grid + 1)]
     width = lane_width(blocks, per, heads, num_sms, forced_splits, lanes)
     # groups: (user, head, row block (None in lanes: member r runs block members - 1 - r), tiles, members)
     if width > 1:
@@ -155,7 +159,7 @@ def plan_items(q_offsets: list[int], kv_lens: list[int], heads: int, num_sms: in
     for g, mine in enumerate(per_program):
         for it in mine:  # a cut unit's next piece: the first item of the same lane in the next tuple
             items.append(tuple(it) + ((starts[g + width] if it[6] < it[7] - 1 else -1),))
-    return items + pad * (capacity - len(items)), starts
+    return items + pad * (capacity - len(items)), [len(per_program)] + starts
 
 
 def lane_width(blocks: list[int], per: list[int], heads: int, num_sms: int, forced_splits: int = 0,
@@ -168,6 +172,13 @@ def lane_width(blocks: list[int], per: list[int], heads: int, num_sms: int, forc
     steps = sum(heads * w for w in per)
     fits = lanes and forced_splits <= 0 and 1 < rows_max <= num_sms and busy >= LANES_ABOVE * rows_max * steps
     return rows_max if fits else 1
+
+
+def plan_slots(capacity: int, num_sms: int, forced_splits: int) -> int:
+    """Items that may write PART (those of cut units), so the rows of ITEMS the sum kernel reads:
+    without forced splits, cut units exist only below SMs units, on at most SMs programs, so
+    fewer than 2 x SMs items."""
+    return capacity if forced_splits > 0 else min(capacity, 2 * num_sms)
 
 
 def grid_programs(rows: int, users: int, heads: int, num_sms: int, forced_splits: int) -> int:
@@ -192,91 +203,109 @@ if gluon is not None:
         return users == tl.sum((ends <= x[:, None]).to(tl.int32), axis=1)[:, None]
 
     @triton.jit
-    def _tuple_of(step, total, tuples):
-        """The tuple whose share [p total // tuples, (p + 1) total // tuples) holds `step`."""
-        return (((step.to(tl.int64) + 1) * tuples - 1) // total).to(tl.int32)
-
-    @triton.jit(do_not_specialize=["num_users", "forced_splits", "grid", "capacity"])
-    def _plan_kernel(
-        Q_OFF, KV_LENS, ITEMS, STARTS, num_users, num_heads, num_sms, forced_splits, grid, capacity,
-        MAX_USERS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        OWN: tl.constexpr, MAX_SPLITS: tl.constexpr, FIELDS: tl.constexpr, LANES: tl.constexpr,
-        LANES_ABOVE: tl.constexpr,
-    ):
-        """ITEMS and STARTS in one program; plan_items (lane_width) is its reference."""
-        users = tl.arange(0, MAX_USERS)
+    def _batch_units(Q_OFF, KV_LENS, num_users, num_heads, num_sms, forced_splits, MAX_USERS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OWN: tl.constexpr):
+        """Per user (vectors over MAX_USERS) first row, end row, row blocks and tiles a unit; the
+        batch's units and whether they run whole (fill the SMs, no forced splits)."""
         q_lo, q_hi, kv, blocks = _user_blocks(Q_OFF, KV_LENS, num_users, MAX_USERS, BLOCK_M)
-        per = tl.where(blocks > 0, tl.maximum((kv + BLOCK_N - 1) // BLOCK_N, 1) + OWN, 0)  # tiles a unit
+        per = tl.where(blocks > 0, tl.maximum((kv + BLOCK_N - 1) // BLOCK_N, 1) + OWN, 0)
         units = tl.sum(blocks, axis=0) * num_heads
-        whole = (forced_splits <= 0) & (units >= num_sms)
-        rows_max = tl.max(blocks, axis=0)
-        busy = tl.sum(blocks * num_heads * per, axis=0)
-        lane_steps = tl.sum(num_heads * per, axis=0)
-        in_lanes = LANES & (forced_splits <= 0) & (rows_max > 1) & (rows_max <= num_sms) & (~whole)
-        in_lanes = in_lanes & (busy.to(tl.float32) >= LANES_ABOVE * (rows_max * lane_steps).to(tl.float32))
-        width = tl.where(in_lanes, rows_max, 1)
-        # groups a user: (user, head) in lanes, else its units (head, then row block from the last)
-        grp_count = tl.where(in_lanes, num_heads * (blocks > 0).to(tl.int32), num_heads * blocks)
-        grp_ends = tl.cumsum(grp_count, axis=0)
-        grp_starts = grp_ends - grp_count
-        tile_count = grp_count * per
-        tile_ends = tl.cumsum(tile_count, axis=0)
-        tile_starts = tile_ends - tile_count
-        total = tl.sum(tile_count, axis=0)
-        tuples = tl.where(forced_splits > 0, tl.minimum(tl.minimum(units * tl.minimum(forced_splits, MAX_SPLITS),
-                                                                   total), grid),
-                          tl.minimum(num_sms // width, total))
-        tuples = tl.where(whole, units, tl.maximum(tuples, 1))
-        used = tl.where(units == 0, 0, tl.where(whole, units, tuples * width))
-        total64 = tl.maximum(total, 1).to(tl.int64)
-        tuples64 = tl.maximum(tuples, 1).to(tl.int64)
-        # loop bounds as reductions: 0-d values (Triton's interpreter holds a scalar argument as a 1-d array)
-        g_end = tl.max(tl.zeros([BLOCK_G], dtype=tl.int32) + grid + 1, axis=0)
-        cap_end = tl.max(tl.zeros([BLOCK_G], dtype=tl.int32) + capacity, axis=0)
+        return q_lo, q_hi, blocks, per, units, (forced_splits <= 0) & (units >= num_sms)
 
-        # per-user rows, expanded once for the loops' lookups
-        users_r, blocks_r, per_r = users[None, :], blocks[None, :], per[None, :]
-        q_lo_r, q_hi_r = q_lo[None, :], q_hi[None, :]
-        grp_starts_r, grp_ends_r = grp_starts[None, :], grp_ends[None, :]
-        tile_starts_r, tile_ends_r = tile_starts[None, :], tile_ends[None, :]
+    @triton.jit(do_not_specialize=["num_users", "forced_splits", "slots"])
+    def _plan_whole_kernel(
+        Q_OFF, KV_LENS, ITEMS, STARTS, num_users, num_heads, num_sms, forced_splits, slots,
+        MAX_USERS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        OWN: tl.constexpr, FIELDS: tl.constexpr,
+    ):
+        """A batch of whole units (nothing otherwise): item g = unit g, program g runs it, rows
+        past the units up to `slots` padded; BLOCK_G items a program, in parallel."""
+        users = tl.arange(0, MAX_USERS)
+        q_lo, q_hi, blocks, per, units, whole = _batch_units(Q_OFF, KV_LENS, num_users, num_heads, num_sms,
+                                                             forced_splits, MAX_USERS, BLOCK_M, BLOCK_N, OWN)
+        if whole:
+            count = blocks * num_heads
+            ends = tl.cumsum(count, axis=0)
+            g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+            mine = users[None, :] == tl.sum((ends[None, :] <= g[:, None]).to(tl.int32), axis=1)[:, None]
+            local = g - _pick((ends - count)[None, :], mine)
+            n = tl.maximum(_pick(blocks[None, :], mine), 1)
+            work = g < units
+            fields = (
+                tl.where(work, _pick(users[None, :], mine), -1),
+                tl.where(work, _pick(q_lo[None, :], mine) + (n - 1 - local % n) * BLOCK_M, 0),
+                tl.where(work, _pick(q_hi[None, :], mine), 0),
+                tl.where(work, local // n, 0),
+                g * 0,
+                tl.where(work, _pick(per[None, :], mine), 0),
+                g * 0,
+                g * 0 + 1,
+                g * 0 - 1,
+            )
+            for f in tl.static_range(FIELDS):
+                tl.store(ITEMS + g * FIELDS + f, fields[f], mask=work | (g < slots))
+            tl.store(STARTS + 1 + g, g, mask=g <= units)
+            if tl.program_id(0) == 0:
+                tl.store(STARTS, units)
 
-        # pass 1: each program's item count; STARTS
-        carry = units * 0
-        for c in range(0, g_end, BLOCK_G):
-            g = c + tl.arange(0, BLOCK_G)
+    @triton.jit(do_not_specialize=["num_users", "forced_splits", "grid", "slots"])
+    def _plan_stream_kernel(
+        Q_OFF, KV_LENS, ITEMS, STARTS, num_users, num_heads, num_sms, forced_splits, grid, slots,
+        MAX_USERS: tl.constexpr, P_BLOCK: tl.constexpr, SLOT_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, OWN: tl.constexpr, MAX_SPLITS: tl.constexpr, FIELDS: tl.constexpr,
+        LANES: tl.constexpr, LANES_ABOVE: tl.constexpr,
+    ):
+        """A stream-K batch (nothing for whole units), in one program, every program's share at
+        once (P_BLOCK lanes > the programs used); plan_items (lane_width) is its reference."""
+        users = tl.arange(0, MAX_USERS)
+        q_lo, q_hi, blocks, per, units, whole = _batch_units(Q_OFF, KV_LENS, num_users, num_heads, num_sms,
+                                                             forced_splits, MAX_USERS, BLOCK_M, BLOCK_N, OWN)
+        if not whole:
+            rows_max = tl.max(blocks, axis=0)
+            busy = tl.sum(blocks * num_heads * per, axis=0)
+            lane_steps = tl.sum(num_heads * per, axis=0)
+            in_lanes = LANES & (forced_splits <= 0) & (rows_max > 1) & (rows_max <= num_sms)
+            in_lanes = in_lanes & (busy.to(tl.float32) >= LANES_ABOVE * (rows_max * lane_steps).to(tl.float32))
+            width = tl.where(in_lanes, rows_max, 1)
+            # groups a user: (user, head) in lanes, else its units (head, then row block from the last)
+            grp_count = tl.where(in_lanes, num_heads * (blocks > 0).to(tl.int32), num_heads * blocks)
+            grp_ends = tl.cumsum(grp_count, axis=0)
+            grp_starts = grp_ends - grp_count
+            tile_count = grp_count * per
+            tile_ends = tl.cumsum(tile_count, axis=0)
+            tile_starts = tile_ends - tile_count
+            total = tl.sum(tile_count, axis=0)
+            tuples = tl.where(forced_splits > 0, tl.minimum(units * tl.minimum(forced_splits, MAX_SPLITS), grid),
+                              num_sms // width)
+            tuples = tl.maximum(tl.minimum(tuples, total), 1)
+            used = tl.where(units == 0, 0, tuples * width)
+            total_s = tl.maximum(total, 1)
+            users_r, blocks_r, per_r = users[None, :], blocks[None, :], per[None, :]
+            grp_starts_r, grp_ends_r = grp_starts[None, :], grp_ends[None, :]
+            tile_starts_r, tile_ends_r = tile_starts[None, :], tile_ends[None, :]
+
+            g = tl.arange(0, P_BLOCK)
             p = g // width
             r = g % width
-            lo = (p.to(tl.int64) * total64 // tuples64).to(tl.int32)
-            hi = ((p + 1).to(tl.int64) * total64 // tuples64).to(tl.int32)
+            lo = p * total // tuples
+            hi = (p + 1) * total // tuples
             at_lo = _user_of(lo, tile_ends_r, users_r)
             at_hi = _user_of(hi - 1, tile_ends_r, users_r)
             ga = _pick(grp_starts_r, at_lo) + (lo - _pick(tile_starts_r, at_lo)) // tl.maximum(_pick(per_r, at_lo), 1)
-            gb = _pick(grp_starts_r, at_hi) + (hi - 1 - _pick(tile_starts_r, at_hi)) // tl.maximum(_pick(per_r, at_hi), 1)
+            gb = _pick(grp_starts_r, at_hi) + (hi - 1 - _pick(tile_starts_r, at_hi)) // tl.maximum(
+                _pick(per_r, at_hi), 1)
             # groups in [ga, gb] whose user has a row block for lane r (every group outside lanes)
             overlap = tl.minimum(gb[:, None] + 1, grp_ends_r) - tl.maximum(ga[:, None], grp_starts_r)
             has_lane = (~in_lanes) | (blocks_r > r[:, None])
-            k = tl.sum(tl.where(has_lane, tl.maximum(overlap, 0), 0), axis=1)
-            k = tl.where(g < used, tl.where(whole, 1, k), 0)
-            tl.store(STARTS + g, carry + tl.cumsum(k, axis=0) - k, mask=g <= grid)
-            carry += tl.sum(k, axis=0)
-        tl.debug_barrier()  # STARTS written by every thread before any reads it back
-
-        # pass 2: the items
-        for c in range(0, g_end, BLOCK_G):
-            g = c + tl.arange(0, BLOCK_G)
-            p = g // width
-            r = g % width
-            lo = (p.to(tl.int64) * total64 // tuples64).to(tl.int32)
-            hi = ((p + 1).to(tl.int64) * total64 // tuples64).to(tl.int32)
-            at_lo = _user_of(lo, tile_ends_r, users_r)
-            at_hi = _user_of(hi - 1, tile_ends_r, users_r)
-            ga = _pick(grp_starts_r, at_lo) + (lo - _pick(tile_starts_r, at_lo)) // tl.maximum(_pick(per_r, at_lo), 1)
-            gb = _pick(grp_starts_r, at_hi) + (hi - 1 - _pick(tile_starts_r, at_hi)) // tl.maximum(_pick(per_r, at_hi), 1)
-            ga = tl.where(whole, g, ga)
-            span = tl.where(g < used, tl.where(whole, 1, gb - ga + 1), 0)
-            first_item = tl.load(STARTS + g, mask=g <= grid, other=0)
-            next_first = tl.load(STARTS + tl.minimum(g + width, grid), mask=g <= grid, other=-1)
-            count = g * 0
+            k = tl.where(g < used, tl.sum(tl.where(has_lane, tl.maximum(overlap, 0), 0), axis=1), 0)
+            first_item = tl.cumsum(k, axis=0) - k
+            count = tl.sum(k, axis=0)
+            tl.store(STARTS + 1 + g, first_item, mask=g <= used)
+            tl.store(STARTS, used)
+            tl.debug_barrier()  # STARTS written by every thread before any reads a neighbour's back
+            next_first = tl.load(STARTS + 1 + g + width, mask=g + width <= used, other=-1)
+            span = tl.where(g < used, gb - ga + 1, 0)
+            placed = g * 0
             for j in range(0, tl.max(span, axis=0)):
                 grp = ga + j
                 mine = _user_of(grp, grp_ends_r, users_r)
@@ -285,28 +314,26 @@ if gluon is not None:
                 local = grp - _pick(grp_starts_r, mine)
                 tiles = _pick(per_r, mine)
                 begin = _pick(tile_starts_r, mine) + local * tiles
-                first_t = _tuple_of(begin, total64, tuples64)
-                last_t = _tuple_of(begin + tiles - 1, total64, tuples64)
-                piece = tl.where(whole, 0, p - first_t)
-                pieces = tl.where(whole, 1, last_t - first_t + 1)
-                block = tl.where(in_lanes, n - 1 - r, n - 1 - local % n)
+                first_t = ((begin + 1) * tuples - 1) // total_s
+                last_t = ((begin + tiles) * tuples - 1) // total_s
+                piece = p - first_t
+                pieces = last_t - first_t + 1
                 fields = (
                     _pick(users_r, mine),
-                    _pick(q_lo_r, mine) + block * BLOCK_M,
-                    _pick(q_hi_r, mine),
+                    _pick(q_lo[None, :], mine) + tl.where(in_lanes, n - 1 - r, n - 1 - local % n) * BLOCK_M,
+                    _pick(q_hi[None, :], mine),
                     tl.where(in_lanes, local, local // n),
-                    tl.where(whole, 0, tl.maximum(lo, begin) - begin),
-                    tl.where(whole, tiles, tl.minimum(hi, begin + tiles) - begin),
+                    tl.maximum(lo, begin) - begin,
+                    tl.minimum(hi, begin + tiles) - begin,
                     piece,
                     pieces,
                     tl.where(piece < pieces - 1, next_first, -1),
                 )
                 for f in tl.static_range(FIELDS):
-                    tl.store(ITEMS + (first_item + count) * FIELDS + f, fields[f], mask=valid)
-                count += valid.to(tl.int32)
-        for c in range(0, cap_end, BLOCK_G):  # the rows past the last item
-            i = c + tl.arange(0, BLOCK_G)
-            pad = (i >= carry) & (i < capacity)
+                    tl.store(ITEMS + (first_item + placed) * FIELDS + f, fields[f], mask=valid)
+                placed += valid.to(tl.int32)
+            i = tl.arange(0, SLOT_BLOCK)  # the rows past the last item that the sum kernel reads
+            pad = (i >= count) & (i < slots)
             for f in tl.static_range(FIELDS):
                 tl.store(ITEMS + i * FIELDS + f, tl.where(f == 0, -1, tl.where(f == 7, 1, tl.where(f == 8, -1, 0)))
                          + i * 0, mask=pad)
@@ -345,10 +372,10 @@ if gluon is not None:
         MASKED_TMA: gl.constexpr = False, OWN_TMA: gl.constexpr = False,
     ):
         g = gl.program_id(0)
-        item_lo = gl.load(STARTS + g)
-        item_hi = gl.load(STARTS + g + 1)
-        if item_lo >= item_hi:  # no work for this program in this batch
+        if g >= gl.load(STARTS):  # no work for this program in this batch
             return
+        item_lo = gl.load(STARTS + 1 + g)
+        item_hi = gl.load(STARTS + 2 + g)
         dtype: gl.constexpr = Q.dtype.element_ty
         OWN: gl.constexpr = BLOCK_M // BLOCK_N
 
@@ -496,10 +523,10 @@ if gluon is not None:
     @triton.jit
     def _sum_pieces_kernel(ITEMS, PART, OUT, stride_ot, stride_oh, FIELDS: tl.constexpr, BLOCK_M: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
-        """out of a cut unit's rows (BLOCK_R of them a program) = the sum of its items' PART tiles,
-        from its first item along each item's next."""
-        g = tl.program_id(0) // (BLOCK_M // BLOCK_R)
-        chunk = tl.program_id(0) % (BLOCK_M // BLOCK_R)
+        """out of a cut unit's rows = the sum of its items' PART tiles, from its first item along
+        each item's next: one program an item (nothing unless it is a cut unit's first), BLOCK_R
+        rows at a time."""
+        g = tl.program_id(0)
         item = ITEMS + g * FIELDS
         b = tl.load(item)
         piece = tl.load(item + 6)
@@ -508,17 +535,18 @@ if gluon is not None:
             row0 = tl.load(item + 1)
             q_end = tl.load(item + 2)
             h = tl.load(item + 3)
-            r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
             dd = tl.arange(0, HEAD_DIM)
-            mask = (row0 + r < q_end)[:, None]
-            offs = r[:, None] * HEAD_DIM + dd[None, :]
-            acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
-            slot = g
-            for _ in range(pieces):
-                acc += tl.load(PART + slot.to(tl.int64) * (BLOCK_M * HEAD_DIM) + offs, mask=mask, other=0.0)
-                slot = tl.load(ITEMS + slot * FIELDS + 8)
-            out_ptrs = OUT + (row0 + r)[:, None] * stride_ot + h * stride_oh + dd[None, :]
-            tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+            for c in tl.static_range(0, BLOCK_M, BLOCK_R):
+                r = c + tl.arange(0, BLOCK_R)
+                mask = (row0 + r < q_end)[:, None]
+                offs = r[:, None] * HEAD_DIM + dd[None, :]
+                acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
+                slot = g
+                for _ in range(pieces):
+                    acc += tl.load(PART + slot.to(tl.int64) * (BLOCK_M * HEAD_DIM) + offs, mask=mask, other=0.0)
+                    slot = tl.load(ITEMS + slot * FIELDS + 8)
+                out_ptrs = OUT + (row0 + r)[:, None] * stride_ot + h * stride_oh + dd[None, :]
+                tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
 
     def own_tma_fits(t: torch.Tensor) -> bool:
         """Whether TMA can read t [T, H, d] as [T, H * d] rows: heads contiguous, 16-byte aligned base and rows."""
@@ -535,33 +563,46 @@ if gluon is not None:
         return TensorDescriptor(t, [T, H * d], [t.stride(0), 1], [box, d], layout)
 
     def write_items(q_offsets: torch.Tensor, kv_lens: torch.Tensor, heads: int, num_sms: int, forced_splits: int,
-                    grid: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ITEMS [capacity, FIELDS], STARTS [grid + 1]) int32 on the metadata's device, written by
-        _plan_kernel (plan_items' schedule)."""
+                    grid: int, capacity: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ITEMS [capacity, FIELDS], STARTS [grid + 2]) int32 on the metadata's device: STARTS[0]
+        the programs with work, program g's items STARTS[1 + g] .. STARTS[2 + g]; the rows of ITEMS
+        past the last item and below `slots` padded. Two plan kernels, each writing only when the
+        batch is its kind (whole units in parallel; stream-K in one program); plan_items is their
+        reference."""
         B = kv_lens.shape[0]
         items = torch.empty((capacity, FIELDS), dtype=torch.int32, device=kv_lens.device)
-        starts = torch.empty((grid + 1,), dtype=torch.int32, device=kv_lens.device)
-        _plan_kernel[(1,)](
-            q_offsets, kv_lens, items, starts, B, heads, num_sms, forced_splits, grid, capacity,
-            MAX_USERS=max(64, triton.next_power_of_2(B + 1)), BLOCK_G=32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            OWN=OWN, MAX_SPLITS=MAX_SPLITS, FIELDS=FIELDS, LANES=LANES, LANES_ABOVE=LANES_ABOVE, num_warps=4,
+        starts = torch.empty((grid + 2,), dtype=torch.int32, device=kv_lens.device)
+        max_users = max(16, triton.next_power_of_2(B + 1))
+        block_g = 64
+        _plan_whole_kernel[(triton.cdiv(max(grid, slots), block_g),)](
+            q_offsets, kv_lens, items, starts, B, heads, num_sms, forced_splits, slots,
+            MAX_USERS=max_users, BLOCK_G=block_g, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, OWN=OWN, FIELDS=FIELDS,
+            num_warps=4,
+        )
+        used_max = min(grid, max(num_sms, 1)) if forced_splits <= 0 else grid
+        _plan_stream_kernel[(1,)](
+            q_offsets, kv_lens, items, starts, B, heads, num_sms, forced_splits, grid, slots,
+            MAX_USERS=max_users, P_BLOCK=triton.next_power_of_2(used_max + 2),
+            SLOT_BLOCK=triton.next_power_of_2(max(slots, 1)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, OWN=OWN,
+            MAX_SPLITS=MAX_SPLITS, FIELDS=FIELDS, LANES=LANES, LANES_ABOVE=LANES_ABOVE, num_warps=8,
         )
         return items, starts
 
     def batch_items(plans: dict | None, layer: int, q_offsets: torch.Tensor, kv_lens: torch.Tensor, heads: int,
-                    num_sms: int, num_splits: int, grid: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_sms: int, num_splits: int, grid: int, capacity: int,
+                    slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's (ITEMS, STARTS): written by layer 0's call and kept in `plans` (the metadata's
         attention_plans), which the later layers of the same forward read instead of launching
-        _plan_kernel again (run GA, H100: 7 us a layer at batch 1 and 8). Layer 0 always writes
+        the plan kernels again (run GA, H100: 7 us a layer at batch 1 and 8). Layer 0 always writes
         afresh: a forward (eager, a whole-forward graph, or the first of its per-layer segment
         graphs) starts there, and a graph bucket's metadata takes new contents before each
         replay. Without `plans` (a bare call), every call writes its own."""
-        key = ("stream", heads, num_sms, num_splits, grid, capacity)
+        key = ("stream", heads, num_sms, num_splits, grid, capacity, slots)
         if not PLAN_ONCE:
             plans = None
         if plans is not None and layer > 0 and key in plans:
             return plans[key]
-        plan = write_items(q_offsets, kv_lens, heads, num_sms, num_splits, grid, capacity)
+        plan = write_items(q_offsets, kv_lens, heads, num_sms, num_splits, grid, capacity, slots)
         if plans is not None:
             plans.clear()  # one plan a batch: whatever another shape wrote is not this forward's
             plans[key] = plan
@@ -581,10 +622,8 @@ if gluon is not None:
         num_splits = min(num_splits, MAX_SPLITS)
         grid = grid_programs(T, B, H, num_sms, num_splits)
         capacity = plan_capacity(T, B, H, grid)
-        items, starts = batch_items(plans, layer, q_offsets, kv_lens, H, num_sms, num_splits, grid, capacity)
-        # only items of cut units write PART: without forced splits, fewer units than SMs on at most
-        # SMs programs, so fewer than 2 x SMs items
-        slots = capacity if num_splits > 0 else min(capacity, 2 * num_sms)
+        slots = plan_slots(capacity, num_sms, num_splits)
+        items, starts = batch_items(plans, layer, q_offsets, kv_lens, H, num_sms, num_splits, grid, capacity, slots)
         part = torch.empty((slots, BLOCK_M, d), dtype=torch.float32, device=q.device)
         box = min(page_size, BLOCK_N)
         own_tma = OWN_TMA and own_tma_fits(k) and own_tma_fits(v)
@@ -599,9 +638,8 @@ if gluon is not None:
             SCALE=1.0 / math.sqrt(d), INV_SCALE_LEN=1.0 / scale_len, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d,
             PAGE_SIZE=page_size, BOX=box, FIELDS=FIELDS, MASKED_TMA=MASKED_TMA, OWN_TMA=own_tma, num_warps=WARPS,
         )
-        block_r = 8
-        _sum_pieces_kernel[(slots * (BLOCK_M // block_r),)](
+        _sum_pieces_kernel[(slots,)](
             items, part, out, out.stride(0), out.stride(1), FIELDS=FIELDS, BLOCK_M=BLOCK_M, HEAD_DIM=d,
-            BLOCK_R=block_r, num_warps=4,
+            BLOCK_R=16, num_warps=4,
         )
         return out

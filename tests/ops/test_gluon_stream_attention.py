@@ -75,7 +75,8 @@ def case_plan(case, num_sms: int, forced: int):
 
 
 def program_items(items, starts) -> list[list[tuple[int, ...]]]:
-    return [items[starts[g] : starts[g + 1]] for g in range(len(starts) - 1)]
+    """Each program's items (STARTS: the programs with work, then each program's first item)."""
+    return [items[starts[1 + g] : starts[2 + g]] for g in range(starts[0])]
 
 
 @pytest.mark.parametrize("num_sms,forced", [(132, 0), (8, 0), (132, 1), (132, 3), (4, 0), (40, 0), (1, 0)])
@@ -103,7 +104,7 @@ def test_stream_k_gives_every_sm_an_equal_share_at_the_seed_shapes():
     assert {sum(it[5] - it[4] for it in p) for p in program_items(items, starts)} == {6}
     items, starts = plan_of([0, 384 * 11], [4096] * 1, 4, 132)  # one user of 33 row blocks: 132 units
     programs = program_items(items, starts)
-    assert all(len(p) == 1 and p[0][4:8] == (0, 66, 0, 1) for p in programs[:132]) and not any(programs[132:])
+    assert len(programs) == 132 and all(len(p) == 1 and p[0][4:8] == (0, 66, 0, 1) for p in programs)
 
 
 @pytest.mark.parametrize("lanes", [True, False])
@@ -140,7 +141,7 @@ def test_items_run_a_users_row_blocks_side_by_side_last_block_first():
     # 8 units on 8 SMs: whole, in the order user, head, row block from the last
     assert [(it[0], it[1], it[3]) for it in work[:4]] == [(0, 256, 0), (0, 128, 0), (0, 0, 0), (0, 256, 1)]
     assert all(it[4:8] == (0, ga.unit_tiles(280 if it[0] == 0 else 900), 0, 1) for it in work)
-    assert starts[:9] == list(range(9))
+    assert starts[:10] == [8] + list(range(9))
 
 
 def test_plan_kernel_writes_the_reference_items():
@@ -163,10 +164,14 @@ def test_plan_kernel_writes_the_reference_items():
         "    T = max(offs[-1], 1)\n"
         "    grid = ga.grid_programs(T, B, H, sms, forced)\n"
         "    cap = ga.plan_capacity(T, B, H, grid)\n"
+        "    slots = ga.plan_slots(cap, sms, forced)\n"
         "    items, starts = ga.write_items(torch.tensor(offs, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32),\n"
-        "                                   H, sms, forced, grid, cap)\n"
-        "    want = ga.plan_items(offs, kv, H, sms, grid, cap, forced)\n"
-        "    assert ([tuple(r) for r in items.tolist()], starts.tolist()) == want, trial\n"
+        "                                   H, sms, forced, grid, cap, slots)\n"
+        "    want_items, want_starts = ga.plan_items(offs, kv, H, sms, grid, cap, forced)\n"
+        "    used = want_starts[0]\n"
+        "    read = max(want_starts[1 + used], slots)  # the items and the padded rows the sum kernel reads\n"
+        "    assert starts.tolist()[: used + 2] == want_starts[: used + 2], trial\n"
+        "    assert [tuple(r) for r in items.tolist()[:read]] == want_items[:read], trial\n"
         "    blocks = [-(-r // ga.BLOCK_M) for r in rows]\n"
         "    per = [ga.unit_tiles(k) if n else 0 for n, k in zip(blocks, kv)]\n"
         "    lanes_seen += sum(blocks) * H < sms and ga.lane_width(blocks, per, H, sms, forced) > 1\n"
@@ -235,19 +240,19 @@ def test_one_plan_a_forward_written_at_layer_0_and_read_by_the_others(monkeypatc
     pytest.importorskip("triton.experimental.gluon")
     written = []
 
-    def fake_write(q_offsets, kv_lens, heads, num_sms, forced_splits, grid, capacity):
+    def fake_write(q_offsets, kv_lens, heads, num_sms, forced_splits, grid, capacity, slots):
         written.append((heads, grid))
         return torch.full((capacity, ga.FIELDS), len(written), dtype=torch.int32), torch.zeros(grid + 1)
 
     monkeypatch.setattr(ga, "write_items", fake_write)
     offs, kv = torch.tensor([0, 384], dtype=torch.int32), torch.tensor([4096], dtype=torch.int32)
     plans: dict = {}
-    first = [ga.batch_items(plans, layer, offs, kv, 4, 132, 0, 132, 140) for layer in range(8)]
+    first = [ga.batch_items(plans, layer, offs, kv, 4, 132, 0, 132, 140, 140) for layer in range(8)]
     assert len(written) == 1 and all(t is first[0] for t in first)
-    again = ga.batch_items(plans, 0, offs, kv, 4, 132, 0, 132, 140)
-    assert len(written) == 2 and again is not first[0] and ga.batch_items(plans, 5, offs, kv, 4, 132, 0, 132, 140) is again
-    other = ga.batch_items(plans, 3, offs, kv, 2, 132, 0, 132, 136)  # another shape: its own items
+    again = ga.batch_items(plans, 0, offs, kv, 4, 132, 0, 132, 140, 140)
+    assert len(written) == 2 and again is not first[0] and ga.batch_items(plans, 5, offs, kv, 4, 132, 0, 132, 140, 140) is again
+    other = ga.batch_items(plans, 3, offs, kv, 2, 132, 0, 132, 136, 136)  # another shape: its own items
     assert len(written) == 3 and other is not again
-    ga.batch_items(None, 3, offs, kv, 4, 132, 0, 132, 140)
-    ga.batch_items(None, 3, offs, kv, 4, 132, 0, 132, 140)
+    ga.batch_items(None, 3, offs, kv, 4, 132, 0, 132, 140, 140)
+    ga.batch_items(None, 3, offs, kv, 4, 132, 0, 132, 140, 140)
     assert len(written) == 5
