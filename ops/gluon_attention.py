@@ -244,6 +244,64 @@ if gluon is not None:
         gl.thread_barrier()  # every warp done reading the buffers before they are refilled
         return acc
 
+    @gluon.jit
+    def _gather_history(acc, q_smem, k_buf, v_buf, KV, pt_row, key_lo, key_hi, kv_len, last_key, layer_offset, h,
+                        page_stride, token_stride, kv_stride, SCALE: gl.constexpr, s_layout: gl.constexpr,
+                        w_layout: gl.constexpr, load: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, dtype: gl.constexpr):
+        """The cache's key tiles key_lo.. (< key_hi) gathered by masked cp.async (zeros past kv_len:
+        never a stale page's rows), each row keeping the keys up to its last."""
+        keys_ld = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load))
+        keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        dd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, load))
+        kv_base = KV + layer_offset + h * HEAD_DIM
+        for start in range(key_lo, key_hi, BLOCK_N):
+            keys = start + keys_ld
+            key_ok = keys < kv_len
+            page = gl.load(pt_row + keys // PAGE_SIZE, mask=key_ok, other=0).to(gl.int64)
+            k_ptrs = kv_base + gl.expand_dims(page * page_stride + (keys % PAGE_SIZE) * token_stride, 1) \
+                + gl.expand_dims(dd, 0)
+            ld_mask = gl.expand_dims(key_ok, 1) & gl.expand_dims(dd < HEAD_DIM, 0)
+            keep = gl.expand_dims(start + keys_s, 0) <= gl.expand_dims(last_key, 1)
+            acc = _gathered_step(acc, q_smem, k_buf, v_buf, k_ptrs, k_ptrs + kv_stride, ld_mask, keep, SCALE, s_layout,
+                                 w_layout, BLOCK_M, BLOCK_N, dtype)
+        return acc
+
+    @gluon.jit
+    def _gather_own(acc, q_smem, k_buf, v_buf, K, V, own_lo, own_hi, q_end, rows_s, is_cand, h, stride_kt, stride_kh,
+                    stride_vt, stride_vh, SCALE: gl.constexpr, s_layout: gl.constexpr, w_layout: gl.constexpr,
+                    load: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    dtype: gl.constexpr):
+        """The block's own k/v rows own_lo.. (< own_hi) as key tiles gathered by masked cp.async
+        (zeros past q_end), each candidate row keeping only its own key (not in the cache)."""
+        keys_ld = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load))
+        keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        dd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, load))
+        for start in range(own_lo, own_hi, BLOCK_N):
+            own = start + keys_ld
+            ld_mask = gl.expand_dims(own < q_end, 1) & gl.expand_dims(dd < HEAD_DIM, 0)
+            k_ptrs = K + gl.expand_dims(own * stride_kt + h * stride_kh, 1) + gl.expand_dims(dd, 0)
+            v_ptrs = V + gl.expand_dims(own * stride_vt + h * stride_vh, 1) + gl.expand_dims(dd, 0)
+            keep = (gl.expand_dims(start + keys_s, 0) == gl.expand_dims(rows_s, 1)) & gl.expand_dims(is_cand, 1)
+            acc = _gathered_step(acc, q_smem, k_buf, v_buf, k_ptrs, v_ptrs, ld_mask, keep, SCALE, s_layout, w_layout,
+                                 BLOCK_M, BLOCK_N, dtype)
+        return acc
+
+    @gluon.jit
+    def _write_rows(acc, OUT, PART, slot, row0, q_end, h, pieces, stride_ot, stride_oh, INV_SCALE_LEN: gl.constexpr,
+                    o_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, dtype: gl.constexpr):
+        """A unit's scaled sums: to out when whole, else in float32 to PART[slot] (summed later)."""
+        acc = acc * INV_SCALE_LEN
+        out_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        out_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        out_mask = gl.expand_dims(out_rows < q_end, 1)
+        if pieces == 1:
+            out_ptrs = OUT + gl.expand_dims(out_rows * stride_ot + h * stride_oh, 1) + gl.expand_dims(out_d, 0)
+            gl.store(out_ptrs, acc.to(dtype), mask=out_mask)
+        else:
+            tile = gl.expand_dims((out_rows - row0) * HEAD_DIM, 1) + gl.expand_dims(out_d, 0)
+            gl.store(PART + slot.to(gl.int64) * (BLOCK_M * HEAD_DIM) + tile, acc, mask=out_mask)
+
     # max_pages changes with the batch: not specialised, so a new batch never pays a JIT compile
     # (as the Triton kernel; the other integers are strides and offsets fixed by the model and cache)
     @gluon.jit(do_not_specialize=["max_pages"])
@@ -338,41 +396,16 @@ if gluon is not None:
         mbarrier.invalidate(bars.index(1))
 
         # Tiles across the causal boundary (unless MASKED_TMA) or the history's end: gathered, masked.
-        keys_ld = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load))
-        kv_base = KV + layer_offset + h * HEAD_DIM
-        for start in range(tma_hi, key_hi, BLOCK_N):
-            keys = start + keys_ld
-            key_ok = keys < kv_len
-            page = gl.load(pt_row + keys // PAGE_SIZE, mask=key_ok, other=0).to(gl.int64)
-            k_ptrs = kv_base + gl.expand_dims(page * page_stride + (keys % PAGE_SIZE) * token_stride, 1) \
-                + gl.expand_dims(dd, 0)
-            ld_mask = gl.expand_dims(key_ok, 1) & gl.expand_dims(dd < HEAD_DIM, 0)
-            keep = gl.expand_dims(start + keys_s, 0) <= gl.expand_dims(last_key, 1)
-            acc = _gathered_step(acc, q_smem, k_smem.index(0), v_smem.index(0), k_ptrs, k_ptrs + kv_stride,
-                                 ld_mask, keep, SCALE, s_layout, w_layout, BLOCK_M, BLOCK_N, dtype)
-
-        # Candidates also see their own key (not in the cache): the block's k/v rows as key
-        # tiles, each candidate row keeping only its own.
+        acc = _gather_history(acc, q_smem, k_smem.index(0), v_smem.index(0), KV, pt_row, tma_hi, key_hi, kv_len, last_key,
+                              layer_offset, h, page_stride, token_stride, kv_stride, SCALE, s_layout, w_layout, load,
+                              BLOCK_M, BLOCK_N, HEAD_DIM, PAGE_SIZE, dtype)
+        # Candidates also see their own key (not in the cache): the block's k/v rows as key tiles.
         if (piece == 0) & (gl.max(is_cand.to(gl.int32), axis=0) > 0):
-            for start in range(row0, row0 + BLOCK_M, BLOCK_N):
-                own = start + keys_ld
-                ld_mask = gl.expand_dims(own < q_end, 1) & gl.expand_dims(dd < HEAD_DIM, 0)
-                k_ptrs = K + gl.expand_dims(own * stride_kt + h * stride_kh, 1) + gl.expand_dims(dd, 0)
-                v_ptrs = V + gl.expand_dims(own * stride_vt + h * stride_vh, 1) + gl.expand_dims(dd, 0)
-                keep = (gl.expand_dims(start + keys_s, 0) == gl.expand_dims(rows_s, 1)) & gl.expand_dims(is_cand, 1)
-                acc = _gathered_step(acc, q_smem, k_smem.index(0), v_smem.index(0), k_ptrs, v_ptrs, ld_mask, keep,
-                                     SCALE, s_layout, w_layout, BLOCK_M, BLOCK_N, dtype)
-
-        acc = acc * INV_SCALE_LEN
-        out_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        out_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        out_mask = gl.expand_dims(out_rows < q_end, 1)
-        if pieces == 1:
-            out_ptrs = OUT + gl.expand_dims(out_rows * stride_ot + h * stride_oh, 1) + gl.expand_dims(out_d, 0)
-            gl.store(out_ptrs, acc.to(dtype), mask=out_mask)
-        else:
-            tile = gl.expand_dims((out_rows - row0) * HEAD_DIM, 1) + gl.expand_dims(out_d, 0)
-            gl.store(PART + g.to(gl.int64) * (BLOCK_M * HEAD_DIM) + tile, acc, mask=out_mask)
+            acc = _gather_own(acc, q_smem, k_smem.index(0), v_smem.index(0), K, V, row0, row0 + BLOCK_M, q_end, rows_s,
+                              is_cand, h, stride_kt, stride_kh, stride_vt, stride_vh, SCALE, s_layout, w_layout, load,
+                              BLOCK_M, BLOCK_N, HEAD_DIM, dtype)
+        _write_rows(acc, OUT, PART, g, row0, q_end, h, pieces, stride_ot, stride_oh, INV_SCALE_LEN, o_layout, BLOCK_M,
+                    HEAD_DIM, dtype)
 
     @triton.jit
     def _sum_pieces_kernel(ITEMS, PART, OUT, stride_ot, stride_oh, FIELDS: tl.constexpr, BLOCK_M: tl.constexpr,

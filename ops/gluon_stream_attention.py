@@ -70,7 +70,9 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from hstu.ops.gluon_attention import _gathered_step, _issue_tile, _kv_descriptor, _silu
+    from hstu.ops.gluon_attention import (
+        _gather_history, _gather_own, _issue_tile, _kv_descriptor, _silu, _write_rows,
+    )
     from hstu.ops.triton_attention import _user_blocks
 except ImportError:  # no Triton or no Gluon (CPU installs, older Triton): the Triton kernel or torch serves
     gluon = None
@@ -394,7 +396,6 @@ if gluon is not None:
 
         rows_ld = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load))
         dd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, load))
-        keys_ld = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load))
         keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         steps = item_lo * 0  # pipelined steps so far: step s uses stage s % 2 at phase (s // 2) % 2
         for i in range(item_lo, item_hi):
@@ -484,39 +485,17 @@ if gluon is not None:
             steps += n_pipe
 
             # Cache tiles past the TMA ones (across the causal boundary unless MASKED_TMA, or the
-            # history's end): gathered, masked.
-            kv_base = KV + layer_offset + h * HEAD_DIM
-            for start in range((t_lo + n_cache) * BLOCK_N, c_hi * BLOCK_N, BLOCK_N):
-                keys = start + keys_ld
-                key_ok = keys < kv_len
-                page = gl.load(pt_row + keys // PAGE_SIZE, mask=key_ok, other=0).to(gl.int64)
-                k_ptrs = kv_base + gl.expand_dims(page * page_stride + (keys % PAGE_SIZE) * token_stride, 1) \
-                    + gl.expand_dims(dd, 0)
-                ld_mask = gl.expand_dims(key_ok, 1) & gl.expand_dims(dd < HEAD_DIM, 0)
-                keep = gl.expand_dims(start + keys_s, 0) <= gl.expand_dims(last_key, 1)
-                acc = _gathered_step(acc, q_smem, k_smem.index(0), v_smem.index(0), k_ptrs, k_ptrs + kv_stride,
-                                     ld_mask, keep, SCALE, s_layout, w_layout, BLOCK_M, BLOCK_N, dtype)
-
-            # Own tiles past the TMA ones (rows past the user's, or OWN_TMA off): gathered, masked.
-            for start in range(row0 + (o_lo + o_tma) * BLOCK_N, row0 + o_hi * BLOCK_N, BLOCK_N):
-                own = start + keys_ld
-                ld_mask = gl.expand_dims(own < q_end, 1) & gl.expand_dims(dd < HEAD_DIM, 0)
-                k_ptrs = K + gl.expand_dims(own * stride_kt + h * stride_kh, 1) + gl.expand_dims(dd, 0)
-                v_ptrs = V + gl.expand_dims(own * stride_vt + h * stride_vh, 1) + gl.expand_dims(dd, 0)
-                keep = (gl.expand_dims(start + keys_s, 0) == gl.expand_dims(rows_s, 1)) & gl.expand_dims(is_cand, 1)
-                acc = _gathered_step(acc, q_smem, k_smem.index(0), v_smem.index(0), k_ptrs, v_ptrs, ld_mask, keep,
-                                     SCALE, s_layout, w_layout, BLOCK_M, BLOCK_N, dtype)
-
-            acc = acc * INV_SCALE_LEN
-            out_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-            out_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            out_mask = gl.expand_dims(out_rows < q_end, 1)
-            if pieces == 1:
-                out_ptrs = OUT + gl.expand_dims(out_rows * stride_ot + h * stride_oh, 1) + gl.expand_dims(out_d, 0)
-                gl.store(out_ptrs, acc.to(dtype), mask=out_mask)
-            else:
-                tile = gl.expand_dims((out_rows - row0) * HEAD_DIM, 1) + gl.expand_dims(out_d, 0)
-                gl.store(PART + i.to(gl.int64) * (BLOCK_M * HEAD_DIM) + tile, acc, mask=out_mask)
+            # history's end), then own tiles past the TMA ones (rows past the user's, or OWN_TMA
+            # off): gathered, masked.
+            acc = _gather_history(acc, q_smem, k_smem.index(0), v_smem.index(0), KV, pt_row, (t_lo + n_cache) * BLOCK_N,
+                                  c_hi * BLOCK_N, kv_len, last_key, layer_offset, h, page_stride, token_stride,
+                                  kv_stride, SCALE, s_layout, w_layout, load, BLOCK_M, BLOCK_N, HEAD_DIM, PAGE_SIZE,
+                                  dtype)
+            acc = _gather_own(acc, q_smem, k_smem.index(0), v_smem.index(0), K, V, row0 + (o_lo + o_tma) * BLOCK_N,
+                              row0 + o_hi * BLOCK_N, q_end, rows_s, is_cand, h, stride_kt, stride_kh, stride_vt,
+                              stride_vh, SCALE, s_layout, w_layout, load, BLOCK_M, BLOCK_N, HEAD_DIM, dtype)
+            _write_rows(acc, OUT, PART, i, row0, q_end, h, pieces, stride_ot, stride_oh, INV_SCALE_LEN, o_layout,
+                        BLOCK_M, HEAD_DIM, dtype)
         mbarrier.invalidate(bars.index(0))
         mbarrier.invalidate(bars.index(1))
 
