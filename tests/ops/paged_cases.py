@@ -95,6 +95,32 @@ def reference_fp64(case: PagedCase) -> torch.Tensor:
     return out
 
 
+class Float64Rows:
+    """A case's tensors in float64, for emulating a kernel's schedule row by row: row(b, r, h,
+    keys, own) = row r's (user b, head h) SiLU-weighted sum over the cache's `keys`, plus its own
+    key's term when `own` (not yet divided by the case's scale_len)."""
+
+    def __init__(self, case: PagedCase):
+        m = case.meta
+        self.q, self.k, self.v = (t.double() for t in (case.q, case.k, case.v))
+        self.cache = case.kv_cache[case.layer].double()
+        self.pt = m.page_table.long()
+        self.kv_lens, self.q_pos = m.kv_lens.tolist(), m.q_pos.tolist()
+        self.scale = 1.0 / math.sqrt(self.q.shape[-1])
+
+    def last_key(self, b: int, r: int) -> int:
+        return self.kv_lens[b] - 1 if self.q_pos[r] < 0 else self.q_pos[r]
+
+    def row(self, b: int, r: int, h: int, keys: torch.Tensor, own: bool) -> torch.Tensor:
+        ps = self.cache.shape[2]
+        kt = self.cache[self.pt[b, keys // ps], 0, keys % ps, h]
+        vt = self.cache[self.pt[b, keys // ps], 1, keys % ps, h]
+        acc = torch.nn.functional.silu(kt @ self.q[r, h] * self.scale) @ vt
+        if own:
+            acc = acc + torch.nn.functional.silu((self.q[r, h] * self.k[r, h]).sum() * self.scale) * self.v[r, h]
+        return acc
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64."""
     out, ref = out.detach().cpu().double(), ref.detach().cpu().double()

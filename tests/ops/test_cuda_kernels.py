@@ -422,35 +422,39 @@ def test_gluon_attention_bf16_within_2x_of_torch_reference_error(monkeypatch, ca
     assert err <= 2 * ref_err, f"gluon {err:.2e} vs bf16 torch reference {ref_err:.2e}"
 
 
-@pytest.mark.parametrize("users,page_size", [(8, 32), (1, 32), (3, 64), (2, 8)])
-@pytest.mark.parametrize("variant", list(GLUON_VARIANTS))
-def test_gluon_attention_at_seed_shapes_and_page_sizes(monkeypatch, users, page_size, variant):
-    """Seed-like users (a 3,968-key prefix, 128 new rows, 256 candidates; one user new) at the
-    schedule's whole-unit and cut-unit sizes, fp16 too, within 2x of the 16-bit torch error."""
+def gluon_seed_errors(c) -> tuple[torch.Tensor, float, float]:
+    """The Gluon kernel's output on case c (head dim 256) and its error and the 16-bit torch
+    implementation's, both against the torch implementation from float32 inputs on the GPU (the
+    float64 loop would take minutes at these sizes; float32's error is ~1e-6 against bf16's ~3e-3)."""
     from hstu.ops.attention import paged_hstu_attention_torch
     from hstu.ops.triton_attention import paged_hstu_attention_triton
 
-    needs_hopper()
-    calls = spy_gluon(monkeypatch, variant)
-    hist = [4096] * users
-    cached = [3968] * (users - 1) + [0]
-    dtype = torch.float16 if page_size == 64 else torch.bfloat16
-    c = make_paged_case(hist, cached, [256] * users, page_size=page_size, heads=4, head_dim=256, dtype=dtype,
-                        device="cuda", seed=users)
     m = c.meta
 
     def torch_attention(*tensors):
         return paged_hstu_attention_torch(*tensors, c.layer, m.page_table, m.kv_lens, m.q_batch, m.q_local, m.q_pos,
                                           m.max_q, c.scale_len)
 
-    # the reference: the torch implementation from float32 inputs on the GPU (the float64 loop
-    # would take minutes at these sizes; float32's error is ~1e-6 against bf16's ~3e-3)
     exact = torch_attention(*(t.float() for t in (c.q, c.k, c.v, c.kv_cache)))
     ref = torch_attention(c.q, c.k, c.v, c.kv_cache)
     out = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len,
                                       config=gluon_config(256))
+    return out, rel_err(out, exact), rel_err(ref, exact)
+
+
+@pytest.mark.parametrize("users,page_size", [(8, 32), (1, 32), (3, 64), (2, 8)])
+@pytest.mark.parametrize("variant", list(GLUON_VARIANTS))
+def test_gluon_attention_at_seed_shapes_and_page_sizes(monkeypatch, users, page_size, variant):
+    """Seed-like users (a 3,968-key prefix, 128 new rows, 256 candidates; one user new) at the
+    schedule's whole-unit and cut-unit sizes, fp16 too, within 2x of the 16-bit torch error."""
+    needs_hopper()
+    calls = spy_gluon(monkeypatch, variant)
+    dtype = torch.float16 if page_size == 64 else torch.bfloat16
+    c = make_paged_case([4096] * users, [3968] * (users - 1) + [0], [256] * users, page_size=page_size, heads=4,
+                        head_dim=256, dtype=dtype, device="cuda", seed=users)
+    out, err, ref_err = gluon_seed_errors(c)
     assert calls and out.dtype == dtype
-    assert rel_err(out, exact) <= 2 * rel_err(ref, exact)
+    assert err <= 2 * ref_err
 
 
 @pytest.mark.parametrize("users,candidates", [(8, 256), (1, 256), (8, 200), (5, 256)])
@@ -459,24 +463,12 @@ def test_gluon_stream_attention_at_cached_seed_shapes(monkeypatch, users, candid
     """The stream kernel where stream-K runs: every user cached (3,968 keys, 128 new rows and the
     candidates), fewer units than SMs (batch 8 in lanes of 3; 200 candidates: a last own tile
     across the user's rows, gathered), within 2x of the bf16 torch error."""
-    from hstu.ops.attention import paged_hstu_attention_torch
-    from hstu.ops.triton_attention import paged_hstu_attention_triton
-
     needs_hopper()
     calls = spy_gluon(monkeypatch, variant)
     c = make_paged_case([4096] * users, [3968] * users, [candidates] * users, page_size=32, heads=4, head_dim=256,
                         dtype=torch.bfloat16, device="cuda", seed=users + candidates)
-    m = c.meta
-
-    def torch_attention(*tensors):
-        return paged_hstu_attention_torch(*tensors, c.layer, m.page_table, m.kv_lens, m.q_batch, m.q_local, m.q_pos,
-                                          m.max_q, c.scale_len)
-
-    exact = torch_attention(*(t.float() for t in (c.q, c.k, c.v, c.kv_cache)))
-    ref = torch_attention(c.q, c.k, c.v, c.kv_cache)
-    out = paged_hstu_attention_triton(c.q, c.k, c.v, c.kv_cache, c.layer, c.meta, c.scale_len,
-                                      config=gluon_config(256))
-    assert calls and rel_err(out, exact) <= 2 * rel_err(ref, exact)
+    _, err, ref_err = gluon_seed_errors(c)
+    assert calls and err <= 2 * ref_err
 
 
 @pytest.mark.parametrize("lanes", [True, False])

@@ -16,32 +16,23 @@ import pytest
 import torch
 
 from hstu.ops import gluon_attention as ga
-from tests.ops.paged_cases import make_paged_case, reference_fp64, rel_err
+from tests.ops.paged_cases import Float64Rows, make_paged_case, reference_fp64, rel_err
 
 
 def emulate(case, items: list[tuple[int, ...]]) -> torch.Tensor:
     """The kernels' arithmetic in float64 from `items`: each item's rows summed over the keys in
     [key_lo, key_cap) each row sees (its own key too for a candidate, first piece only), a whole
     unit written, a cut unit's pieces added."""
-    m = case.meta
-    q, k, v = (t.double() for t in (case.q, case.k, case.v))
-    cache = case.kv_cache[case.layer].double()
-    kv_lens, q_pos, pt = m.kv_lens.tolist(), m.q_pos.tolist(), m.page_table.long()
-    ps, scale = cache.shape[2], 1.0 / math.sqrt(q.shape[-1])
-    out = torch.full_like(q, float("nan"))
+    f = Float64Rows(case)
+    out = torch.full_like(f.q, float("nan"))
     part = {}
     for g, (b, row0, q_end, h, key_lo, key_cap, piece, pieces, stride) in enumerate(items):
         if b < 0:
             continue
-        acc = torch.zeros(ga.BLOCK_M, q.shape[-1], dtype=torch.float64)
+        acc = torch.zeros(ga.BLOCK_M, f.q.shape[-1], dtype=torch.float64)
         for i, r in enumerate(range(row0, min(row0 + ga.BLOCK_M, q_end))):
-            last = kv_lens[b] - 1 if q_pos[r] < 0 else q_pos[r]
-            keys = torch.arange(key_lo, min(key_cap, last + 1))
-            kt = cache[pt[b, keys // ps], 0, keys % ps, h]
-            vt = cache[pt[b, keys // ps], 1, keys % ps, h]
-            acc[i] = torch.nn.functional.silu(kt @ q[r, h] * scale) @ vt
-            if piece == 0 and q_pos[r] < 0:
-                acc[i] += torch.nn.functional.silu((q[r, h] * k[r, h]).sum() * scale) * v[r, h]
+            keys = torch.arange(key_lo, min(key_cap, f.last_key(b, r) + 1))
+            acc[i] = f.row(b, r, h, keys, own=piece == 0 and f.q_pos[r] < 0)
         acc /= case.scale_len
         n = min(row0 + ga.BLOCK_M, q_end) - row0
         if pieces == 1:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hstu.ops import gluon_stream_attention as ga
-from tests.ops.paged_cases import make_paged_case, reference_fp64, rel_err
+from tests.ops.paged_cases import Float64Rows, make_paged_case, reference_fp64, rel_err
 
 
 def emulate(case, items: list[tuple[int, ...]]) -> torch.Tensor:
@@ -24,27 +24,19 @@ def emulate(case, items: list[tuple[int, ...]]) -> torch.Tensor:
     [t_lo, t_hi) of the unit (the history's key tiles each row sees, then the own tiles: a
     candidate row's own key where its own tile is among them), a whole unit written, a cut
     unit's items added."""
-    m = case.meta
-    q, k, v = (t.double() for t in (case.q, case.k, case.v))
-    cache = case.kv_cache[case.layer].double()
-    kv_lens, q_pos, pt = m.kv_lens.tolist(), m.q_pos.tolist(), m.page_table.long()
-    ps, scale = cache.shape[2], 1.0 / math.sqrt(q.shape[-1])
-    out = torch.full_like(q, float("nan"))
+    f = Float64Rows(case)
+    out = torch.full_like(f.q, float("nan"))
     part = {}
     for i, (b, row0, q_end, h, t_lo, t_hi, piece, pieces, _) in enumerate(items):
         if b < 0:
             continue
-        history_tiles = ga.unit_tiles(kv_lens[b]) - ga.OWN
-        acc = torch.zeros(ga.BLOCK_M, q.shape[-1], dtype=torch.float64)
+        history_tiles = ga.unit_tiles(f.kv_lens[b]) - ga.OWN
+        acc = torch.zeros(ga.BLOCK_M, f.q.shape[-1], dtype=torch.float64)
         for r_i, r in enumerate(range(row0, min(row0 + ga.BLOCK_M, q_end))):
-            last = kv_lens[b] - 1 if q_pos[r] < 0 else q_pos[r]
             lo = t_lo * ga.BLOCK_N
-            keys = torch.arange(lo, max(min(min(t_hi, history_tiles) * ga.BLOCK_N, last + 1), lo))
-            kt = cache[pt[b, keys // ps], 0, keys % ps, h]
-            vt = cache[pt[b, keys // ps], 1, keys % ps, h]
-            acc[r_i] = torch.nn.functional.silu(kt @ q[r, h] * scale) @ vt
-            if q_pos[r] < 0 and t_lo <= history_tiles + r_i // ga.BLOCK_N < t_hi:
-                acc[r_i] += torch.nn.functional.silu((q[r, h] * k[r, h]).sum() * scale) * v[r, h]
+            keys = torch.arange(lo, max(min(min(t_hi, history_tiles) * ga.BLOCK_N, f.last_key(b, r) + 1), lo))
+            own = f.q_pos[r] < 0 and t_lo <= history_tiles + r_i // ga.BLOCK_N < t_hi
+            acc[r_i] = f.row(b, r, h, keys, own)
         acc /= case.scale_len
         n = min(row0 + ga.BLOCK_M, q_end) - row0
         if pieces == 1:
