@@ -7,7 +7,8 @@
 # split_b1, profile_b1, trace_b1, ahead_ab, stage_ab, split_orders, split_front_hidden, pressure_hidden, replay_sync, pytest_pipeline, profile_split, replay_ab,
 # regimes, profile, profile_cold, bench_trace, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, modes_kernels,
-# modes_replay, modes_pressure, modes_bench, gluon_tests, sanitize_gluon, profile_pipelined, pipeline_gluon,
+# modes_replay, modes_pressure, modes_bench, gluon_tests, sanitize_gluon, profile_pipelined, pipeline_gluon, stream_tests,
+# pipeline_stream,
 # rest_loop2, engine_process, profile_host, rest_ray, rest_ray_direct, rest_ray_direct4, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
@@ -222,8 +223,8 @@ stage overlap_probe 240 bash -c 'python3 -m hstu.scripts.overlap_probe --out "$O
   && python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/scripts/test_overlap_probe.py'
 # A/B of attention variants by mode (mode_env): the schedule experiments of ops/triton_attention.py (off by
 # default): OFF; SIMPLE = ALIGN_TAIL=1 + LONG_FIRST=1; CAUSAL = both + CAUSAL_SHARES=1; and the kernel: TRITON, GLUON
-# (ops/gluon_attention.py), GLUONO (its own-key tiles gathered: HSTU_GLUON_OWN_TMA=0), GLUONP (plain stream-K,
-# no lanes: HSTU_GLUON_LANES=0),
+# (ops/gluon_attention.py), STREAM (ops/gluon_stream_attention.py: HSTU_GLUON_STREAM=1), STREAMP (its plain
+# stream-K, no lanes: HSTU_GLUON_LANES=0), STREAMO (its own-key tiles gathered: HSTU_GLUON_OWN_TMA=0),
 # GLUONG (its causal-boundary tiles gathered: HSTU_GLUON_MASKED_TMA=0). schedule_tests: the CUDA
 # attention tests with the three schedule rules on; modes_kernels:
 # the kernel at the bench shapes at its default tiles per mode (KERNEL_MODES); modes_replay: the seed replay
@@ -237,8 +238,9 @@ mode_env() {
     CAUSAL) echo HSTU_ATTENTION_ALIGN_TAIL=1 HSTU_ATTENTION_LONG_FIRST=1 HSTU_ATTENTION_CAUSAL_SHARES=1 ;;
     TRITON) echo HSTU_ATTENTION_KERNEL=triton ;;
     GLUON) echo HSTU_ATTENTION_KERNEL=gluon ;;
-    GLUONO) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_OWN_TMA=0 ;;
-    GLUONP) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_LANES=0 ;;
+    STREAM) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM=1 ;;
+    STREAMP) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM=1 HSTU_GLUON_LANES=0 ;;
+    STREAMO) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM=1 HSTU_GLUON_OWN_TMA=0 ;;
     GLUONG) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_MASKED_TMA=0 ;;
     PLANEACH) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_PLAN_ONCE=0 ;;
     *) echo "unknown mode $1" >&2; return 1 ;;
@@ -274,6 +276,15 @@ if [[ " ${failed[*]} " == *" gluon_tests "* ]]; then  # a failing (or hanging) G
   STAGES=${STAGES//pipeline_gluon/}
   echo "gluon_tests failed: GLUON modes and pipeline_gluon skipped" | tee -a "$LOG"
 fi
+# the stream kernel's CUDA tests (HSTU_GLUON_STREAM=1, opt-in); failing, no STREAM* mode after it
+stage stream_tests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_cuda_kernels.py -k "gluon and stream"
+no_stream() { local m kept=(); for m in $1; do [[ $m == STREAM* ]] || kept+=("$m"); done; echo "${kept[*]}"; }
+if [[ " ${failed[*]} " == *" stream_tests "* ]]; then
+  export KERNEL_MODES="$(no_stream "${KERNEL_MODES:-}")" MODES="$(no_stream "${MODES:-}")" \
+    PRESSURE_MODES="$(no_stream "${PRESSURE_MODES:-}")" BENCH_MODES="$(no_stream "$BENCH_MODES")"
+  STAGES=${STAGES//pipeline_stream/}
+  echo "stream_tests failed: STREAM modes and pipeline_stream skipped" | tee -a "$LOG"
+fi
 # compute-sanitizer memcheck on the Gluon kernel (issue 12: every new kernel): whole and cut units, a padded
 # bucket, both tail forms
 stage sanitize_gluon 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
@@ -289,6 +300,9 @@ stage modes_replay 300 bash -c "$(declare -f mode_env replay_modes); replay_mode
 stage modes_pressure 200 bash -c "$(declare -f mode_env replay_modes); replay_modes pressure \
   '${PRESSURE_MODES:-OFF CAUSAL}' --users 256 --requests 600 --num-pages 1024 --host-cache-mb 4096"
 stage modes_bench 240 bash -c "$(declare -f mode_env modes_bench); modes_bench"
+# the GPU pipeline and graph tests under the stream kernel (HSTU_GLUON_STREAM=1, opt-in)
+HSTU_GLUON_STREAM=1 stage pipeline_stream 240 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
+  tests/model/test_cuda_pipeline.py tests/engine/test_graphs.py -k "not compiled_layers"
 HSTU_ATTENTION_KERNEL=gluon stage pipeline_gluon 240 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
   tests/model/test_cuda_pipeline.py tests/engine/test_graphs.py tests/ops/kvcache/test_plan_feedback.py -k "not compiled_layers"
 stage bench_export 300 python3 -m hstu.scripts.bench_export --device cuda --batch 8 --cuda-graphs --out "$OUT/bench_export.json"
