@@ -91,6 +91,13 @@ OWN_TMA = knobs.flag("HSTU_GLUON_OWN_TMA", default=True)
 # the steps (batches whose users have as many row blocks). HSTU_GLUON_LANES=0: plain stream-K.
 LANES = knobs.flag("HSTU_GLUON_LANES", default=True)
 LANES_ABOVE = 0.8
+# An item's fixed cost in key tiles (its Q tile, the pipeline's fill, its float32 partial written
+# and summed), against which a batch of equal groups (users alike) weighs an aligned schedule, each
+# group cut into the same whole number of shares (every program one item), with equal shares that
+# cut across groups (some programs two items): the re-rank's 32 groups of 66 tiles on 66 tuples of
+# two programs run 64 shares of 33 (one item each) rather than 66 of 32 (run JA: the equal shares
+# ran the re-rank slower than the fixed pieces); batch 8's 32 groups on 44 tuples keep 48-tile shares.
+ITEM_COST = 3
 
 
 def unit_tiles(kv_len: int) -> int:
@@ -132,7 +139,7 @@ def plan_items(q_offsets: list[int], kv_lens: list[int], heads: int, num_sms: in
     if forced_splits > 0:
         tuples = max(min(units * min(forced_splits, MAX_SPLITS), total, grid), 1)
     else:
-        tuples = max(min(num_sms // width, total), 1)
+        tuples = share_count(len(groups), total, {grp[3] for grp in groups}, num_sms // width)
     begins = [0]
     for grp in groups:
         begins.append(begins[-1] + grp[3])
@@ -162,6 +169,21 @@ def plan_items(q_offsets: list[int], kv_lens: list[int], heads: int, num_sms: in
         for it in mine:  # a cut unit's next piece: the first item of the same lane in the next tuple
             items.append(tuple(it) + ((starts[g + width] if it[6] < it[7] - 1 else -1),))
     return items + pad * (capacity - len(items)), [len(per_program)] + starts
+
+
+def share_count(groups: int, total: int, group_tiles: set[int], tuples_max: int) -> int:
+    """Tuples a stream-K batch runs (_plan_stream_kernel computes the same on the device): at most
+    tuples_max equal shares of the `total` steps; or, for groups of equal size W, groups x k
+    (k = tuples_max // groups), every group cut into k shares, when W / k + ITEM_COST is at most
+    the equal shares' total / tuples_max + 2 ITEM_COST."""
+    stream = max(min(tuples_max, total), 1)
+    k = tuples_max // max(groups, 1)
+    if len(group_tiles) == 1 and k >= 1:
+        (tiles,) = group_tiles
+        k = min(k, tiles)
+        if -(-tiles // k) + ITEM_COST <= -(-total // stream) + 2 * ITEM_COST:
+            return groups * k
+    return stream
 
 
 def lane_width(blocks: list[int], per: list[int], heads: int, num_sms: int, forced_splits: int = 0,
@@ -255,7 +277,7 @@ if gluon is not None:
         Q_OFF, KV_LENS, ITEMS, STARTS, num_users, num_heads, num_sms, forced_splits, grid, slots,
         MAX_USERS: tl.constexpr, P_BLOCK: tl.constexpr, SLOT_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, OWN: tl.constexpr, MAX_SPLITS: tl.constexpr, FIELDS: tl.constexpr,
-        LANES: tl.constexpr, LANES_ABOVE: tl.constexpr,
+        LANES: tl.constexpr, LANES_ABOVE: tl.constexpr, ITEM_COST: tl.constexpr,
     ):
         """A stream-K batch (nothing for whole units), in one program, every program's share at
         once (P_BLOCK lanes > the programs used); plan_items (lane_width) is its reference."""
@@ -277,9 +299,19 @@ if gluon is not None:
             tile_ends = tl.cumsum(tile_count, axis=0)
             tile_starts = tile_ends - tile_count
             total = tl.sum(tile_count, axis=0)
-            tuples = tl.where(forced_splits > 0, tl.minimum(units * tl.minimum(forced_splits, MAX_SPLITS), grid),
-                              num_sms // width)
-            tuples = tl.maximum(tl.minimum(tuples, total), 1)
+            stream = tl.maximum(tl.minimum(num_sms // width, total), 1)
+            # groups alike (one tile count): each cut into k whole shares when that costs less (share_count)
+            groups = tl.sum(grp_count, axis=0)
+            per_max = tl.max(per, axis=0)
+            alike = tl.min(tl.where(blocks > 0, per, per_max), axis=0) == per_max
+            k = tl.minimum((num_sms // width) // tl.maximum(groups, 1), per_max)
+            aligned = alike & (k >= 1)
+            aligned = aligned & ((per_max + k - 1) // tl.maximum(k, 1) + ITEM_COST
+                                 <= (total + stream - 1) // stream + 2 * ITEM_COST)
+            tuples = tl.where(aligned, groups * k, stream)
+            tuples = tl.where(forced_splits > 0,
+                              tl.maximum(tl.minimum(tl.minimum(units * tl.minimum(forced_splits, MAX_SPLITS), grid),
+                                                    total), 1), tuples)
             used = tl.where(units == 0, 0, tuples * width)
             total_s = tl.maximum(total, 1)
             users_r, blocks_r, per_r = users[None, :], blocks[None, :], per[None, :]
@@ -563,7 +595,8 @@ if gluon is not None:
             q_offsets, kv_lens, items, starts, B, heads, num_sms, forced_splits, grid, slots,
             MAX_USERS=max_users, P_BLOCK=triton.next_power_of_2(used_max + 2),
             SLOT_BLOCK=triton.next_power_of_2(max(slots, 1)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, OWN=OWN,
-            MAX_SPLITS=MAX_SPLITS, FIELDS=FIELDS, LANES=LANES, LANES_ABOVE=LANES_ABOVE, num_warps=8,
+            MAX_SPLITS=MAX_SPLITS, FIELDS=FIELDS, LANES=LANES, LANES_ABOVE=LANES_ABOVE, ITEM_COST=ITEM_COST,
+            num_warps=8,
         )
         return items, starts
 

@@ -114,6 +114,19 @@ def test_lanes_add_up_to_the_attention(lanes, num_sms):
     assert rel_err(emulate(case, items), reference_fp64(case)) < 1e-12
 
 
+def test_groups_alike_are_cut_into_whole_shares_where_that_saves_an_item():
+    """The re-rank (8 users of 256 candidates over 4,096 keys: 32 groups of 66 tiles in lanes of 2)
+    runs 64 tuples of 33 tiles, one item a program, not 66 of 32; batch 8 (lanes of 3) keeps 44
+    equal shares of 48; groups of different sizes keep equal shares."""
+    assert ga.share_count(32, 32 * 66, {66}, 66) == 64
+    assert ga.share_count(32, 32 * 66, {66}, 44) == 44
+    assert ga.share_count(4, 4 * 66, {66}, 44) == 44
+    assert ga.share_count(3, 66 + 20 + 9, {66, 20, 9}, 44) == 44
+    items, starts = plan_of([256 * b for b in range(9)], [4096] * 8, 4, 132)
+    programs = program_items(items, starts)
+    assert len(programs) == 128 and all(len(p) == 1 and p[0][5] - p[0][4] == 33 for p in programs)
+
+
 def test_lanes_run_a_users_row_blocks_over_the_same_keys_side_by_side():
     """Batch 8 in lanes: 44 tuples of 3 programs, each of 48 (user, head, key tile) steps; the
     programs of a tuple run the three row blocks of the same users, heads and tiles."""
