@@ -1,12 +1,14 @@
 """The Gluon attention (ops/gluon_attention.py: its semantics, tiles and key loop) with a stream-K
 schedule and the candidates' own keys in the TMA pipeline. Opt-in (HSTU_GLUON_STREAM=1) until
-measured on a GPU: written in session 40, whose device calls got no machine.
+its plan kernels are timed on a GPU: run JA (H100) timed an earlier, looped plan that cost more
+than the schedule saved (benchmarks/RESULTS.md, fortieth session).
 
 Why: ops/gluon_attention.py runs batch 8's 96 units (row block x head) one a program, so 36 of an
 H100's 132 SMs idle through the whole call (151 us a layer, 0.45 of the bf16 matmul peak; issue 12
 asks 0.55), and gathers each candidate block's two own-key tiles by cp.async after its cache tiles,
 each waited at once. Here fewer units than SMs share their tiles evenly (batch 8: 48 tiles a
-program against 66), and the own tiles run in the two-stage TMA loop.
+program against 66; run JA without the plan's cost: 128 against 145 us), and the own tiles run in
+the two-stage TMA loop.
 
 Work is counted in key tiles of BLOCK_N keys. A unit is a row block of BLOCK_M rows of one user
 and one head; its tiles are the user's history tiles (cdiv(kv_len, BLOCK_N), at least 1) followed
