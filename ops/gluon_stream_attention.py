@@ -57,9 +57,9 @@ import math
 
 import torch
 
-from hstu.ops import knobs
-from hstu.ops.gluon_attention import BLOCK_M, BLOCK_N, MASKED_TMA, PLAN_ONCE, WARPS, available, fits  # noqa: F401
-from hstu.ops.triton_attention import MAX_SPLITS, _grid_programs
+from hstu.ops import gluon_attention, knobs
+from hstu.ops.gluon_attention import BLOCK_M, BLOCK_N, WARPS, available, fits  # noqa: F401
+from hstu.ops.triton_attention import MAX_SPLITS, _grid_programs, _unit_bound
 
 try:
     import triton
@@ -108,8 +108,8 @@ def unit_tiles(kv_len: int) -> int:
 
 
 def plan_capacity(rows: int, users: int, heads: int, grid: int) -> int:
-    """Rows of ITEMS: at most one item a unit and one more a program (a unit bound as _grid_programs')."""
-    return (-(-rows // BLOCK_M) + users) * heads + grid
+    """Rows of ITEMS: at most one item a unit and one more a program."""
+    return _unit_bound(rows, users, heads, BLOCK_M) + grid
 
 
 def plan_items(q_offsets: list[int], kv_lens: list[int], heads: int, num_sms: int, grid: int, capacity: int,
@@ -253,7 +253,7 @@ if gluon is not None:
             count = blocks * num_heads
             ends = tl.cumsum(count, axis=0)
             g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
-            mine = users[None, :] == tl.sum((ends[None, :] <= g[:, None]).to(tl.int32), axis=1)[:, None]
+            mine = _user_of(g, ends[None, :], users[None, :])
             local = g - _pick((ends - count)[None, :], mine)
             n = tl.maximum(_pick(blocks[None, :], mine), 1)
             work = g < units
@@ -612,7 +612,7 @@ if gluon is not None:
         graphs) starts there, and a graph bucket's metadata takes new contents before each
         replay. Without `plans` (a bare call), every call writes its own."""
         key = ("stream", heads, num_sms, num_splits, grid, capacity, slots)
-        if not PLAN_ONCE:
+        if not gluon_attention.PLAN_ONCE:  # the Gluon kernels' one knob, read at the call
             plans = None
         if plans is not None and layer > 0 and key in plans:
             return plans[key]
@@ -650,7 +650,7 @@ if gluon is not None:
             layer * kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(3), kv_cache.stride(2), max_pages,
             layer * P * 2 * page_size,
             SCALE=1.0 / math.sqrt(d), INV_SCALE_LEN=1.0 / scale_len, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d,
-            PAGE_SIZE=page_size, BOX=box, FIELDS=FIELDS, MASKED_TMA=MASKED_TMA, OWN_TMA=own_tma, num_warps=WARPS,
+            PAGE_SIZE=page_size, BOX=box, FIELDS=FIELDS, MASKED_TMA=gluon_attention.MASKED_TMA, OWN_TMA=own_tma, num_warps=WARPS,
         )
         _sum_pieces_kernel[(slots,)](
             items, part, out, out.stride(0), out.stride(1), FIELDS=FIELDS, BLOCK_M=BLOCK_M, HEAD_DIM=d,

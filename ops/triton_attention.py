@@ -167,12 +167,16 @@ def _num_sms(device: torch.device) -> int:
 MAX_SPLITS = 32
 
 
+def _unit_bound(rows: int, users: int, heads: int, block_m: int) -> int:
+    """The most units (row block x head) a batch of `rows` rows over `users` users can have: at most
+    cdiv(rows, block_m) + users row blocks (fixed for a CUDA graph's bucket)."""
+    return (-(-rows // block_m) + users) * heads
+
+
 def _grid_programs(rows: int, users: int, heads: int, block_m: int, num_sms: int, num_splits: int) -> int:
-    """Programs the kernel is launched with: at least one per unit (row block x head; a batch of
-    `rows` rows over `users` users has at most cdiv(rows, block_m) + users row blocks) and at least
-    one per SM (a balanced batch runs one wave); a forced split count multiplies the units."""
-    units = (-(-rows // block_m) + users) * heads
-    return max(num_sms, units * min(max(num_splits, 1), MAX_SPLITS))
+    """Programs the kernel is launched with: at least one per unit (_unit_bound) and at least one
+    per SM (a balanced batch runs one wave); a forced split count multiplies the units."""
+    return max(num_sms, _unit_bound(rows, users, heads, block_m) * min(max(num_splits, 1), MAX_SPLITS))
 
 
 def _align_tail_from_env() -> float:

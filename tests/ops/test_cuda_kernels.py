@@ -397,8 +397,6 @@ def spy_gluon(monkeypatch, variant: str = "default") -> list:
             monkeypatch.setattr(gluon_stream_attention, name.removeprefix("stream."), value)
         else:
             monkeypatch.setattr(gluon_attention, name, value)
-            if name == "MASKED_TMA":  # the stream kernel reads it from its own module
-                monkeypatch.setattr(gluon_stream_attention, name, value)
     calls, real = [], gluon_attention.launch
     monkeypatch.setattr(gluon_attention, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
