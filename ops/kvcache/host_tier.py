@@ -124,19 +124,21 @@ def admitted(
     stats: CacheStats,
 ) -> list[tuple[int, int]]:
     """The (user, row) jobs whose new full chunks go to the host tier (admission policy); counts the
-    rejected ones. The caller holds `_index_lock` (it reads the host index)."""
+    rejected ones. A user with no full chunk beyond what the host holds (a re-rank of an unchanged
+    history, new tokens inside a chunk) is no job: the offload worker would find nothing to store,
+    yet its submit and its Python would run beside the model thread's next batch, holding the GIL,
+    and its pages stay pinned until it ran. The caller holds `_index_lock` (it reads the host
+    index)."""
     chunk, out = config.chunk_tokens, []
     if config.host_slots == 0:
         return out
     for u, b in jobs:
-        n = plan.history_lens[b]
-        if n < chunk:
+        new_chunks = plan.history_lens[b] // chunk - len(host.lookup(u)[0])
+        if new_chunks <= 0:
             continue
         if admission.admits(u):
             out.append((u, b))
-            continue
-        new_chunks = n // chunk - len(host.lookup(u)[0])
-        if new_chunks > 0:
+        else:
             stats.add(offload_rejected_users=1, offload_rejected_bytes=new_chunks * config.chunk_bytes)
     return out
 

@@ -59,6 +59,23 @@ def test_a_user_seen_once_is_not_offloaded_and_the_bytes_are_counted(tiny_config
     engine.close()
 
 
+def test_no_offload_is_submitted_when_the_host_holds_every_full_chunk(tiny_config, book):
+    engine = _engine(tiny_config, on_no_new_tokens="candidates")
+    mgr = engine.cache
+    engine.rank([book.request(1, 11)])  # 24 history tokens: 3 chunks of 8 offloaded
+    mgr.drain()
+    submitted = []
+    offload_async = mgr.transfers.offload_async
+    mgr.transfers.offload_async = lambda jobs, *a: (submitted.append([j.user for j in jobs]), offload_async(jobs, *a))
+    engine.rank([book.request(1, 0, num_candidates=4)])  # a re-rank: the same history, new candidates
+    engine.rank([book.request(1, 1)])  # 26 tokens: inside the 4th chunk
+    assert submitted == [], "nothing new to store: no job for the offload worker"
+    engine.rank([book.request(1, 3)])  # 32 tokens: the 4th chunk is full
+    mgr.drain()
+    assert submitted == [[1]] and len(mgr.host.lookup(1)[0]) == 4
+    engine.close()
+
+
 def test_paced_offloads_still_complete(tiny_config, book):
     engine = _engine(tiny_config, offload_bytes_per_s=1e9)
     engine.rank([book.request(1, 11)])
