@@ -79,7 +79,7 @@ MASKED_TMA = knobs.flag("HSTU_GLUON_MASKED_TMA", default=True)
 # every layer's call, for comparisons.
 PLAN_ONCE = knobs.flag("HSTU_GLUON_PLAN_ONCE", default=True)
 # HSTU_GLUON_STREAM=1: this kernel with a stream-K schedule and the own keys by TMA
-# (ops/gluon_stream_attention.py; opt-in until measured on a GPU).
+# (ops/gluon_stream_attention.py; opt-in: slower at batch 1, batch 8 and the re-rank in run KA).
 STREAM = knobs.flag("HSTU_GLUON_STREAM", default=False)
 
 

@@ -1,7 +1,10 @@
 """The Gluon attention (ops/gluon_attention.py: its semantics, tiles and key loop) with a stream-K
-schedule and the candidates' own keys in the TMA pipeline. Opt-in (HSTU_GLUON_STREAM=1) until
-its plan kernels are timed on a GPU: run JA (H100) timed an earlier, looped plan that cost more
-than the schedule saved (benchmarks/RESULTS.md, fortieth session).
+schedule and the candidates' own keys in the TMA pipeline. Opt-in (HSTU_GLUON_STREAM=1): run JA
+(H100) timed an earlier, looped plan that cost more than the schedule saved, and run KA (H100, these
+plan kernels) still found it slower than the default Gluon kernel at batch 1 (105 against 33 us a
+layer), batch 8 (155 against 143) and the re-rank (99 against 88); faster only uncached (693
+against 710) and at mixed5 (118 against 125) (benchmarks/RESULTS.md, fortieth and forty-first
+sessions).
 
 Why: ops/gluon_attention.py runs batch 8's 96 units (row block x head) one a program, so 36 of an
 H100's 132 SMs idle through the whole call (151 us a layer, 0.45 of the bf16 matmul peak; issue 12
