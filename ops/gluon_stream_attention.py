@@ -4,7 +4,8 @@ schedule and the candidates' own keys in the TMA pipeline. Opt-in (HSTU_GLUON_ST
 plan kernels) still found it slower than the default Gluon kernel at batch 1 (105 against 33 us a
 layer), batch 8 (155 against 143) and the re-rank (99 against 88); faster only uncached (693
 against 710) and at mixed5 (118 against 125) (benchmarks/RESULTS.md, fortieth and forty-first
-sessions).
+sessions). Run KA's sum kernel walked each cut unit's chain over all its rows in one program; it
+walks it over 8 rows a program again, as in run JA (not yet timed since).
 
 Why: ops/gluon_attention.py runs batch 8's 96 units (row block x head) one a program, so 36 of an
 H100's 132 SMs idle through the whole call (151 us a layer, 0.45 of the bf16 matmul peak; issue 12
@@ -540,9 +541,13 @@ if gluon is not None:
     def _sum_pieces_kernel(ITEMS, PART, OUT, stride_ot, stride_oh, FIELDS: tl.constexpr, BLOCK_M: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
         """out of a cut unit's rows = the sum of its items' PART tiles, from its first item along
-        each item's next: one program an item (nothing unless it is a cut unit's first), BLOCK_R
-        rows at a time."""
-        g = tl.program_id(0)
+        each item's next: one program an item and BLOCK_R of its rows (nothing unless it is a cut
+        unit's first). Each step of the chain waits for the item it reads, so a program walks it
+        over BLOCK_R rows only: one program an item looping over all its rows (7c2a20d) made those
+        waits serial, pieces x BLOCK_M / BLOCK_R of them (run KA, H100: batch 1 105 us a layer
+        against run JA's 52 with this form)."""
+        g = tl.program_id(0) // (BLOCK_M // BLOCK_R)
+        chunk = tl.program_id(0) % (BLOCK_M // BLOCK_R)
         item = ITEMS + g * FIELDS
         b = tl.load(item)
         piece = tl.load(item + 6)
@@ -551,18 +556,25 @@ if gluon is not None:
             row0 = tl.load(item + 1)
             q_end = tl.load(item + 2)
             h = tl.load(item + 3)
+            r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
             dd = tl.arange(0, HEAD_DIM)
-            for c in tl.static_range(0, BLOCK_M, BLOCK_R):
-                r = c + tl.arange(0, BLOCK_R)
-                mask = (row0 + r < q_end)[:, None]
-                offs = r[:, None] * HEAD_DIM + dd[None, :]
-                acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
-                slot = g
-                for _ in range(pieces):
-                    acc += tl.load(PART + slot.to(tl.int64) * (BLOCK_M * HEAD_DIM) + offs, mask=mask, other=0.0)
-                    slot = tl.load(ITEMS + slot * FIELDS + 8)
-                out_ptrs = OUT + (row0 + r)[:, None] * stride_ot + h * stride_oh + dd[None, :]
-                tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+            mask = (row0 + r < q_end)[:, None]
+            offs = r[:, None] * HEAD_DIM + dd[None, :]
+            acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
+            slot = g
+            for _ in range(pieces):
+                acc += tl.load(PART + slot.to(tl.int64) * (BLOCK_M * HEAD_DIM) + offs, mask=mask, other=0.0)
+                slot = tl.load(ITEMS + slot * FIELDS + 8)
+            out_ptrs = OUT + (row0 + r)[:, None] * stride_ot + h * stride_oh + dd[None, :]
+            tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+
+    def sum_pieces(items: torch.Tensor, part: torch.Tensor, out: torch.Tensor, slots: int, block_r: int = 8) -> None:
+        """Each cut unit's rows of out [T, H, d] = the sum of its items' PART [slots, BLOCK_M, d]
+        tiles (ITEMS' first `slots` rows; whole units untouched)."""
+        _sum_pieces_kernel[(slots * (BLOCK_M // block_r),)](
+            items, part, out, out.stride(0), out.stride(1), FIELDS=FIELDS, BLOCK_M=BLOCK_M, HEAD_DIM=out.shape[-1],
+            BLOCK_R=block_r, num_warps=4,
+        )
 
     def own_tma_fits(t: torch.Tensor) -> bool:
         """Whether TMA can read t [T, H, d] as [T, H * d] rows: heads contiguous, 16-byte aligned base and rows."""
@@ -655,8 +667,5 @@ if gluon is not None:
             SCALE=1.0 / math.sqrt(d), INV_SCALE_LEN=1.0 / scale_len, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d,
             PAGE_SIZE=page_size, BOX=box, FIELDS=FIELDS, MASKED_TMA=gluon_attention.MASKED_TMA, OWN_TMA=own_tma, num_warps=WARPS,
         )
-        _sum_pieces_kernel[(slots,)](
-            items, part, out, out.stride(0), out.stride(1), FIELDS=FIELDS, BLOCK_M=BLOCK_M, HEAD_DIM=d,
-            BLOCK_R=16, num_warps=4,
-        )
+        sum_pieces(items, part, out, slots)
         return out

@@ -188,6 +188,43 @@ def test_plan_kernel_writes_the_reference_items():
     assert done.returncode == 0 and "same items" in done.stdout, done.stderr[-2000:]
 
 
+def test_sum_kernel_adds_each_cut_units_pieces_along_its_chain():
+    """_sum_pieces_kernel (Triton's interpreter) over plans with cut units (lanes, plain stream-K,
+    forced pieces): each cut unit's rows of out are its pieces' PART tiles summed; whole units'
+    rows are left as they were."""
+    pytest.importorskip("triton.experimental.gluon")
+    code = (
+        "import torch\n"
+        "from hstu.ops import gluon_stream_attention as ga\n"
+        "torch.manual_seed(0)\n"
+        "cut = 0\n"
+        "for offs, kv, H, sms, forced in [([0, 384], [3968], 4, 132, 0), ([0, 256, 512], [4096, 4096], 2, 20, 0),\n"
+        "                                  ([0, 130, 300], [70, 1000], 1, 8, 3)]:\n"
+        "    T, B, d = offs[-1], len(kv), 16\n"
+        "    grid = ga.grid_programs(T, B, H, sms, forced)\n"
+        "    cap = ga.plan_capacity(T, B, H, grid)\n"
+        "    slots = ga.plan_slots(cap, sms, forced)\n"
+        "    items, _ = ga.plan_items(offs, kv, H, sms, grid, cap, forced)\n"
+        "    part = torch.randn(slots, ga.BLOCK_M, d)\n"
+        "    out = torch.full((T, H, d), 7.0)\n"
+        "    ga.sum_pieces(torch.tensor(items, dtype=torch.int32), part, out, slots)\n"
+        "    want = torch.full((T, H, d), 7.0)\n"
+        "    for i, (b, row0, q_end, h, _, _, piece, pieces, _) in enumerate(items[:slots]):\n"
+        "        if b >= 0 and pieces > 1 and piece == 0:\n"
+        "            total, at, n = 0, i, min(row0 + ga.BLOCK_M, q_end) - row0\n"
+        "            for _ in range(pieces):\n"
+        "                total, at = total + part[at], items[at][8]\n"
+        "            want[row0 : row0 + n, h] = total[:n]\n"
+        "            cut += 1\n"
+        "    assert torch.allclose(out, want, atol=1e-5), (offs, kv, H, sms, forced)\n"
+        "assert cut >= 12, cut\n"
+        "print('summed')\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and "summed" in done.stdout, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("head_dim,page_size,masked_tma,own_tma", [(256, 32, False, False), (128, 8, False, False),
                                                                    (64, 128, False, False), (256, 32, True, True),
                                                                    (128, 8, True, True)])
