@@ -290,6 +290,7 @@ if triton is not None:
         total = tl.max(ends, axis=0)
         c = kv  # (causal shares: the first new history row's position, its rows before its candidates; kv: none)
         if _CAUSAL_SHARES:  # each row block's units at the key tiles its rows see
+            live = tl.arange(0, MAX_USERS) < num_users
             first_pos = tl.load(Q_POS + q_lo, mask=live & (q_hi > q_lo), other=-1).to(tl.int32)
             c = tl.where(first_pos >= 0, first_pos, kv)
             work = tl.zeros([MAX_USERS], dtype=tl.int32)
