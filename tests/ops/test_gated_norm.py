@@ -5,9 +5,6 @@ form in the `cuda`-marked tests."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -16,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hstu.ops.gated_norm import gated_layer_norm, gated_layer_norm_torch
+from tests.ops.interpreted import run_interpreted
 
 
 def _inputs(T: int, N: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
@@ -75,11 +73,7 @@ _SCRIPT = textwrap.dedent(
 
 def test_triton_kernel_in_interpreter():
     pytest.importorskip("triton")
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT.format(root=root)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_interpreted(_SCRIPT.format(root=str(Path(__file__).resolve().parents[2])), "ok", timeout=300)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

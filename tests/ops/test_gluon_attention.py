@@ -6,17 +6,14 @@ tests/ops/test_cuda_kernels.py."""
 
 from __future__ import annotations
 
-import math
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from hstu.ops import gluon_attention as ga
 from tests.ops.paged_cases import Float64Rows, make_paged_case, reference_fp64, rel_err
+from tests.ops.interpreted import run_interpreted
 
 
 def emulate(case, items: list[tuple[int, ...]]) -> torch.Tensor:
@@ -113,9 +110,7 @@ def test_plan_kernel_writes_the_reference_items():
         "    assert [tuple(r) for r in items.tolist()] == want, trial\n"
         "print('same items')\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0 and "same items" in done.stdout, done.stderr[-2000:]
+    run_interpreted(code, "same items")
 
 
 @pytest.mark.parametrize("head_dim,page_size,masked_tma", [(256, 32, False), (128, 8, False), (64, 128, False),

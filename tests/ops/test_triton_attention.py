@@ -13,14 +13,13 @@ bound is checked on the GPU only (test_cuda_kernels.py).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.ops.interpreted import run_interpreted
 
 triton = pytest.importorskip("triton")
 _TRITON = tuple(int(x) for x in triton.__version__.split(".")[:2])
@@ -125,12 +124,7 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_triton_kernel_matches_fp64_reference_in_interpreter():
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT.format(root=root)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+    run_interpreted(_SCRIPT.format(root=str(Path(__file__).resolve().parents[2])), "ok")
 
 
 _TAIL_SCRIPT = textwrap.dedent(
@@ -221,12 +215,5 @@ def test_align_tail_long_first_and_causal_shares_schedules_in_interpreter():
     taking each user's row blocks last first give the same sums; HSTU_ATTENTION_CAUSAL_SHARES
     (off by default): the plan counts each row block's own key tiles, and every schedule (aligned,
     balanced, lanes, forced pieces, long first) gives the same sums."""
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("HSTU_ATTENTION_ALIGN_TAIL", None)
-    env.pop("HSTU_ATTENTION_LONG_FIRST", None)
-    env.pop("HSTU_ATTENTION_CAUSAL_SHARES", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", _TAIL_SCRIPT.format(root=root)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+    run_interpreted(_TAIL_SCRIPT.format(root=str(Path(__file__).resolve().parents[2])), "ok",
+                    unset=("HSTU_ATTENTION_ALIGN_TAIL", "HSTU_ATTENTION_LONG_FIRST", "HSTU_ATTENTION_CAUSAL_SHARES"))
