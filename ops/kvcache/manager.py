@@ -238,13 +238,14 @@ class AsyncKVCacheManager:
         # Settle in-flight offloads of users this lookup may shrink, drop or onload, before taking
         # the index lock (the offload worker needs it to finish). A user whose GPU entry is reused
         # as it is (extended, or re-ranked unchanged) does not wait: its pages only grow.
-        # extended: users plainly extending their GPU entry -> (its length, its digest), the most
-        # common case, looked up once (under the lock only checked to be the same entry still).
+        # extended: users plainly extending their GPU entry, or re-ranking it unchanged, -> (its
+        # length, its digest), the common cases, looked up once (under the lock only checked to be
+        # the same entry still; the entry's length is then the cached length).
         extended: dict[int, tuple[int, bytes]] = {}
         waiting = []
         for u, n, ident in zip(user_ids, history_lens, identities):
             entry = self.gpu.lookup(u)
-            if self._gpu_extension(u, n, ident, entry):
+            if self._gpu_extension(u, n, ident, entry) or self._unchanged_rerank(u, n, ident, entry):
                 extended[u] = entry
             elif not self._reuses_gpu_entry(u, n, ident):
                 waiting.append(u)
@@ -322,6 +323,14 @@ class AsyncKVCacheManager:
         if 0 < gpu_len < n and self._prefix_matches(user, ident, gpu_len, gpu_digest):
             return gpu_len
         return 0
+
+    def _unchanged_rerank(self, user: int, n: int, ident: HistoryIdentity, entry: tuple[int, bytes]) -> bool:
+        """Whether the request re-ranks the user's whole GPU entry unchanged (its n tokens exactly
+        the entry's, on_no_new_tokens="candidates"): every cached token is used, as the tiers'
+        lookup would find after more lookups and a second prefix check."""
+        gpu_len, gpu_digest = entry
+        return (gpu_len == n > 0 and self.config.on_no_new_tokens == "candidates"
+                and self._prefix_matches(user, ident, gpu_len, gpu_digest))
 
     def _lookup_one(self, user: int, n: int, ident: HistoryIdentity, plan: BatchPlan) -> tuple[int, str]:
         cached, source = self._lookup_tiers(user, n, ident, plan)

@@ -119,6 +119,18 @@ def test_rerank_of_an_unchanged_history_computes_only_the_candidates(tiny_config
     assert all(o.computed_tokens == 4 for o in out)
 
 
+def test_rerank_of_an_equally_long_but_changed_history_reuses_nothing_past_the_change(tiny_config, book):
+    model, mgr = _setup(tiny_config, on_no_new_tokens="candidates")
+    req = book.request(1, 11)  # 24 tokens
+    _check(model, [req])
+    items = req.item_ids.copy()
+    items[-1] = (items[-1] + 1) % tiny_config.num_items  # the last event's item: its token 22 differs
+    changed = RankingRequest.create(1, items, req.actions, req.timestamps, [1, 2], req.contextual, tiny_config)
+    (out,) = _check(model, [changed])  # the oracle: the stale entry is never read as this history's
+    assert out.cached_tokens <= 16, "at most the host chunks before the change"
+    assert mgr.stats.snapshot()["invalidated_diverged"] == 1
+
+
 def test_rerank_after_gpu_eviction_onloads_the_whole_history_from_the_host(tiny_config, book):
     model, mgr = _setup(tiny_config, on_no_new_tokens="candidates")
     req = book.request(1, 11)  # 24 tokens: three full 8-token chunks
