@@ -237,7 +237,9 @@ class AsyncKVCacheManager:
                 raise ValueError(f"user {u}: identity covers {ident.num_tokens} tokens but the history has {n}")
         # Settle in-flight offloads of users this lookup may shrink, drop or onload, before taking
         # the index lock (the offload worker needs it to finish). A user whose GPU entry is reused
-        # as it is (extended, or re-ranked unchanged) does not wait: its pages only grow.
+        # as it is (extended, re-ranked unchanged, or read in part under on_shorter_history
+        # "reuse") does not wait: its pages only grow or are only read, so an offload reading the
+        # entry's full chunks may run on beside it.
         # extended: users plainly extending their GPU entry, or re-ranking it unchanged, -> (its
         # length, its digest), the common cases, looked up once (under the lock only checked to be
         # the same entry still; the entry's length is then the cached length).
@@ -247,7 +249,7 @@ class AsyncKVCacheManager:
             entry = self.gpu.lookup(u)
             if self._gpu_extension(u, n, ident, entry) or self._unchanged_rerank(u, n, ident, entry):
                 extended[u] = entry
-            elif not self._reuses_gpu_entry(u, n, ident):
+            elif not self._read_only_length(u, n, ident):
                 waiting.append(u)
         self.transfers.join(waiting)
         plan = BatchPlan(list(user_ids), list(history_lens), list(identities), [], [])
@@ -271,17 +273,6 @@ class AsyncKVCacheManager:
             gpu_hits=plan.sources.count("gpu"), host_hits=plan.sources.count("host"), misses=plan.sources.count("miss")
         )
         return plan
-
-    def _reuses_gpu_entry(self, user: int, n: int, ident: HistoryIdentity) -> bool:
-        """Whether the request keeps the user's whole GPU entry and only appends to it (or, an
-        unchanged history re-ranked under on_no_new_tokens="candidates", writes nothing to it), so
-        an offload reading the entry's full chunks may run on beside it."""
-        gpu_len, gpu_digest = self.gpu.lookup(user)
-        unchanged_rerank = gpu_len == n and self.config.on_no_new_tokens == "candidates"
-        kept = 0 < gpu_len and (gpu_len < n or unchanged_rerank)
-        if kept and self._prefix_matches(user, ident, gpu_len, gpu_digest):
-            return True
-        return self._read_only_length(user, n, ident) > 0
 
     def _prefix_matches(self, user: int, ident: HistoryIdentity, length: int, digest: bytes) -> bool:
         """Whether the request's first `length` tokens are those the user's GPU or host entry
