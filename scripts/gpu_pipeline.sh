@@ -268,23 +268,23 @@ modes_bench() {  # the end-to-end benchmark (cached vs uncached, batch 1 and 8, 
   done
 }
 export BENCH_MODES="${BENCH_MODES:-TRITON GLUON}"
+without() {  # without PREFIX "MODES": the modes not starting with PREFIX
+  local m kept=()
+  for m in $2; do [[ $m == "$1"* ]] || kept+=("$m"); done
+  echo "${kept[*]}"
+}
+skip_after_failed() {  # skip_after_failed TESTS PREFIX PIPELINE: a kernel whose tests failed (or hung): no PREFIX* mode
+  [[ " ${failed[*]} " == *" $1 "* ]] || return 0  # and no PIPELINE stage after them
+  export KERNEL_MODES="$(without "$2" "${KERNEL_MODES:-}")" MODES="$(without "$2" "${MODES:-}")" \
+    PRESSURE_MODES="$(without "$2" "${PRESSURE_MODES:-}")" BENCH_MODES="$(without "$2" "$BENCH_MODES")"
+  STAGES=${STAGES//$3/}
+  echo "$1 failed: $2 modes and $3 skipped" | tee -a "$LOG"
+}
 stage gluon_tests 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_cuda_kernels.py -k gluon
-no_gluon() { local m kept=(); for m in $1; do [[ $m == GLUON* ]] || kept+=("$m"); done; echo "${kept[*]}"; }
-if [[ " ${failed[*]} " == *" gluon_tests "* ]]; then  # a failing (or hanging) Gluon kernel: no GLUON* mode after it
-  export KERNEL_MODES="$(no_gluon "${KERNEL_MODES:-}")" MODES="$(no_gluon "${MODES:-}")" \
-    PRESSURE_MODES="$(no_gluon "${PRESSURE_MODES:-}")" BENCH_MODES="$(no_gluon "$BENCH_MODES")"
-  STAGES=${STAGES//pipeline_gluon/}
-  echo "gluon_tests failed: GLUON modes and pipeline_gluon skipped" | tee -a "$LOG"
-fi
-# the stream kernel's CUDA tests (HSTU_GLUON_STREAM=1, opt-in); failing, no STREAM* mode after it
+skip_after_failed gluon_tests GLUON pipeline_gluon
+# the stream kernel's CUDA tests (HSTU_GLUON_STREAM=1, opt-in)
 stage stream_tests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_cuda_kernels.py -k "gluon and stream"
-no_stream() { local m kept=(); for m in $1; do [[ $m == STREAM* ]] || kept+=("$m"); done; echo "${kept[*]}"; }
-if [[ " ${failed[*]} " == *" stream_tests "* ]]; then
-  export KERNEL_MODES="$(no_stream "${KERNEL_MODES:-}")" MODES="$(no_stream "${MODES:-}")" \
-    PRESSURE_MODES="$(no_stream "${PRESSURE_MODES:-}")" BENCH_MODES="$(no_stream "$BENCH_MODES")"
-  STAGES=${STAGES//pipeline_stream/}
-  echo "stream_tests failed: STREAM modes and pipeline_stream skipped" | tee -a "$LOG"
-fi
+skip_after_failed stream_tests STREAM pipeline_stream
 # compute-sanitizer memcheck on the Gluon kernel (issue 12: every new kernel): whole and cut units, a padded
 # bucket, both tail forms
 stage sanitize_gluon 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
