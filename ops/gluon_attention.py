@@ -12,7 +12,7 @@ FlashAttention-3 order, the next tile's Q K^T beside this tile's W V, was slower
 warpgroups, whose SiLU and wgmma already interleave.)
 
 Three launches, all graph-safe (every decision read from the batch's metadata on the device); the
-plan once a forward, at layer 0, kept on the metadata for the other layers (batch_items):
+plan once a forward, at layer 0, kept on the metadata for the other layers (planned):
   _plan_kernel (Triton)   writes ITEMS[g] for each program g: (user, first row, row end, head, first
                           key, key cap, piece, pieces, piece stride), user -1 for a program with no
                           work. A unit is a row block of BLOCK_M rows of one user and one head.
@@ -45,6 +45,8 @@ import math
 
 import torch
 
+from typing import Callable, TypeVar
+
 from hstu.ops import knobs
 from hstu.ops.triton_attention import MAX_SPLITS, _grid_programs
 
@@ -75,7 +77,7 @@ WAVES = int(knobs.number("HSTU_GLUON_WAVES", 1, "waves of pieces a batch may be 
 # H100: 1-2% faster at every seed shape than the single-buffered gather; HSTU_GLUON_MASKED_TMA=0
 # gathers them, for comparisons).
 MASKED_TMA = knobs.flag("HSTU_GLUON_MASKED_TMA", default=True)
-# The plan written once a forward, by layer 0 (batch_items); HSTU_GLUON_PLAN_ONCE=0 writes it in
+# The plan written once a forward, by layer 0 (planned); HSTU_GLUON_PLAN_ONCE=0 writes it in
 # every layer's call, for comparisons.
 PLAN_ONCE = knobs.flag("HSTU_GLUON_PLAN_ONCE", default=True)
 # HSTU_GLUON_STREAM=1: this kernel with a stream-K schedule and the own keys by TMA
@@ -142,6 +144,28 @@ def plan_items(q_offsets: list[int], kv_lens: list[int], heads: int, num_sms: in
                                   key_cap, p, splits, n))
     items = items[:grid]
     return items + [(-1, 0, 0, 0, 0, 0, 0, 1, 0)] * (grid - len(items))
+
+
+Plan = TypeVar("Plan")
+
+
+def planned(plans: dict | None, layer: int, key: tuple, write: Callable[[], Plan]) -> Plan:
+    """A forward's schedule, for either Gluon kernel: written by layer 0's call and kept in `plans`
+    (the metadata's attention_plans), which the later layers of the same forward read instead of
+    launching the plan kernels again (run GA, H100: 7 us a layer at batch 1 and 8). Layer 0 always
+    writes afresh: a forward (eager, a whole-forward graph, or the first of its per-layer segment
+    graphs) starts there, and a graph bucket's metadata takes new contents before each replay.
+    Without `plans` (a bare call) or with HSTU_GLUON_PLAN_ONCE=0, every call writes its own. `key`
+    names the launch shape (and the kernel), so another shape never reads this one's plan."""
+    if not PLAN_ONCE:
+        plans = None
+    if plans is not None and layer > 0 and key in plans:
+        return plans[key]
+    plan = write()
+    if plans is not None:
+        plans.clear()  # one plan a batch: whatever another shape wrote is not this forward's
+        plans[key] = plan
+    return plan
 
 
 def grid_programs(rows: int, users: int, heads: int, num_sms: int, forced_splits: int, waves: int = WAVES) -> int:
@@ -455,30 +479,11 @@ if gluon is not None:
         )
         return items
 
-    def batch_items(plans: dict | None, layer: int, q_offsets: torch.Tensor, kv_lens: torch.Tensor, heads: int,
-                    num_sms: int, num_splits: int, grid: int) -> torch.Tensor:
-        """The batch's ITEMS: written by layer 0's call and kept in `plans` (the metadata's
-        attention_plans), which the later layers of the same forward read instead of launching
-        _plan_kernel again (run GA, H100: 7 us a layer at batch 1 and 8). Layer 0 always writes
-        afresh: a forward (eager, a whole-forward graph, or the first of its per-layer segment
-        graphs) starts there, and a graph bucket's metadata takes new contents before each
-        replay. Without `plans` (a bare call), every call writes its own."""
-        key = (heads, num_sms, num_splits, grid, WAVES)
-        if not PLAN_ONCE:
-            plans = None
-        if plans is not None and layer > 0 and key in plans:
-            return plans[key]
-        items = write_items(q_offsets, kv_lens, heads, num_sms, num_splits, grid, WAVES)
-        if plans is not None:
-            plans.clear()  # one plan a batch: whatever another shape wrote is not this forward's
-            plans[key] = items
-        return items
-
     def launch(q, k, v, kv_cache, layer, page_table, kv_lens, q_offsets, q_pos, scale_len: int,
                num_sms: int, num_splits: int = 0, plans: dict | None = None) -> torch.Tensor:
         """The attention output [T, H, d] in q's dtype (the Triton op's contract); num_splits > 0
         cuts every unit into that many pieces (tests). plans: the metadata's attention_plans, so
-        one plan serves every layer of a forward (batch_items)."""
+        one plan serves every layer of a forward (planned)."""
         if STREAM:
             from hstu.ops import gluon_stream_attention
 
@@ -492,7 +497,8 @@ if gluon is not None:
             return out
         num_splits = min(num_splits, MAX_SPLITS)
         grid = grid_programs(T, B, H, num_sms, num_splits, WAVES)
-        items = batch_items(plans, layer, q_offsets, kv_lens, H, num_sms, num_splits, grid)
+        items = planned(plans, layer, (H, num_sms, num_splits, grid, WAVES),
+                        lambda: write_items(q_offsets, kv_lens, H, num_sms, num_splits, grid, WAVES))
         # only items of cut units write PART: without forced pieces they number at most WAVES waves
         slots = grid if num_splits > 0 else num_sms * WAVES
         part = torch.empty((slots, BLOCK_M, d), dtype=torch.float32, device=q.device)

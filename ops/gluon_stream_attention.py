@@ -22,7 +22,7 @@ then head, then row block, last (longest causal) block first, so a user's row bl
 keys side by side (L2 reuse).
 
 Four launches, all graph-safe (every decision read from the batch's metadata on the device); the
-plan once a forward, at layer 0, kept on the metadata for the other layers (batch_items):
+plan once a forward, at layer 0, kept on the metadata for the other layers (gluon_attention.planned):
   _plan_whole_kernel,     write ITEMS (user, first row, row end, head, first tile, end tile,
   _plan_stream_kernel     piece, pieces, the next piece's item; user -1 past the last) and
   (Triton)                STARTS (the programs with work; program g runs items STARTS[1 + g] ..
@@ -70,7 +70,6 @@ try:
     import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
     )
@@ -200,8 +199,8 @@ def lane_width(blocks: list[int], per: list[int], heads: int, num_sms: int, forc
     rows_max = max(blocks, default=0)
     busy = sum(n * heads * w for n, w in zip(blocks, per))
     steps = sum(heads * w for w in per)
-    fits = lanes and forced_splits <= 0 and 1 < rows_max <= num_sms and busy >= LANES_ABOVE * rows_max * steps
-    return rows_max if fits else 1
+    wide = lanes and forced_splits <= 0 and 1 < rows_max <= num_sms and busy >= LANES_ABOVE * rows_max * steps
+    return rows_max if wide else 1
 
 
 def plan_slots(capacity: int, num_sms: int, forced_splits: int) -> int:
@@ -617,31 +616,11 @@ if gluon is not None:
         )
         return items, starts
 
-    def batch_items(plans: dict | None, layer: int, q_offsets: torch.Tensor, kv_lens: torch.Tensor, heads: int,
-                    num_sms: int, num_splits: int, grid: int, capacity: int,
-                    slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's (ITEMS, STARTS): written by layer 0's call and kept in `plans` (the metadata's
-        attention_plans), which the later layers of the same forward read instead of launching
-        the plan kernels again (run GA, H100: 7 us a layer at batch 1 and 8). Layer 0 always writes
-        afresh: a forward (eager, a whole-forward graph, or the first of its per-layer segment
-        graphs) starts there, and a graph bucket's metadata takes new contents before each
-        replay. Without `plans` (a bare call), every call writes its own."""
-        key = ("stream", heads, num_sms, num_splits, grid, capacity, slots)
-        if not gluon_attention.PLAN_ONCE:  # the Gluon kernels' one knob, read at the call
-            plans = None
-        if plans is not None and layer > 0 and key in plans:
-            return plans[key]
-        plan = write_items(q_offsets, kv_lens, heads, num_sms, num_splits, grid, capacity, slots)
-        if plans is not None:
-            plans.clear()  # one plan a batch: whatever another shape wrote is not this forward's
-            plans[key] = plan
-        return plan
-
     def launch(q, k, v, kv_cache, layer, page_table, kv_lens, q_offsets, q_pos, scale_len: int,
                num_sms: int, num_splits: int = 0, plans: dict | None = None) -> torch.Tensor:
         """The attention output [T, H, d] in q's dtype (the Triton op's contract); num_splits > 0
         runs units x num_splits programs stream-K (tests: cut units). plans: the metadata's
-        attention_plans, so one plan serves every layer of a forward (batch_items)."""
+        attention_plans, so one plan serves every layer of a forward (gluon_attention.planned)."""
         T, H, d = q.shape
         L, P, _, page_size, _, _ = kv_cache.shape
         B, max_pages = page_table.shape
@@ -652,7 +631,9 @@ if gluon is not None:
         grid = grid_programs(T, B, H, num_sms, num_splits)
         capacity = plan_capacity(T, B, H, grid)
         slots = plan_slots(capacity, num_sms, num_splits)
-        items, starts = batch_items(plans, layer, q_offsets, kv_lens, H, num_sms, num_splits, grid, capacity, slots)
+        items, starts = gluon_attention.planned(
+            plans, layer, ("stream", H, num_sms, num_splits, grid, capacity, slots),
+            lambda: write_items(q_offsets, kv_lens, H, num_sms, num_splits, grid, capacity, slots))
         part = torch.empty((slots, BLOCK_M, d), dtype=torch.float32, device=q.device)
         box = min(page_size, BLOCK_N)
         own_tma = OWN_TMA and own_tma_fits(k) and own_tma_fits(v)

@@ -775,7 +775,7 @@ def paged_hstu_attention_triton(
         return torch.ops.hstu.paged_hstu_attention(*args)
     # Eager (and CUDA-graph capture): launch directly; the custom-op dispatch costs ~100 us a call,
     # more than the kernel itself at batch 1 (benchmarks/RESULTS.md).
-    if gluon:  # its schedule planned once a forward, kept on the metadata (gluon_attention.batch_items)
+    if gluon:  # its schedule planned once a forward, kept on the metadata (gluon_attention.planned)
         from hstu.ops import gluon_attention
 
         return gluon_attention.launch(q, k, v, kv_cache, layer, meta.page_table, meta.kv_lens, meta.q_offsets,

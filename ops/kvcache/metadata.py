@@ -106,7 +106,7 @@ class KVCacheMetadata:
         default=None, repr=False, compare=False
     )
     # The attention kernel's schedule of this batch on the device, written by layer 0's call and
-    # read by the others (ops/gluon_attention.py batch_items): every layer sees the same rows and
+    # read by the others (ops/gluon_attention.py planned): every layer sees the same rows and
     # keys, so one plan launch a forward instead of one a layer. Keyed by the launch's shape.
     attention_plans: dict = field(default_factory=dict, repr=False, compare=False)
 

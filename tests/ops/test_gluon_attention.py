@@ -172,25 +172,29 @@ def test_items_in_grid_order_cover_random_batches():
 
 
 def test_one_plan_a_forward_written_at_layer_0_and_read_by_the_others(monkeypatch):
-    """batch_items: layer 0 writes the batch's items and keeps them on the metadata; later layers
-    of that forward read them; the next forward's layer 0 writes afresh (a graph bucket's metadata
-    holds another batch by then); another launch shape or a bare call writes its own."""
-    pytest.importorskip("triton.experimental.gluon")
+    """planned (both Gluon kernels): layer 0 writes the batch's plan and keeps it on the metadata;
+    later layers of that forward read it; the next forward's layer 0 writes afresh (a graph
+    bucket's metadata holds another batch by then); another launch shape, a bare call or
+    HSTU_GLUON_PLAN_ONCE=0 writes its own. Pure Python: runs without Triton."""
     written = []
 
-    def fake_write(q_offsets, kv_lens, heads, num_sms, forced_splits, grid, waves):
-        written.append((heads, grid))
-        return torch.full((grid, ga.FIELDS), len(written), dtype=torch.int32)
+    def write(key):
+        def fresh():
+            written.append(key)
+            return object()
+        return fresh
 
-    monkeypatch.setattr(ga, "write_items", fake_write)
-    offs, kv = torch.tensor([0, 384], dtype=torch.int32), torch.tensor([4096], dtype=torch.int32)
     plans: dict = {}
-    first = [ga.batch_items(plans, layer, offs, kv, 4, 132, 0, 132) for layer in range(8)]
+    shape, other_shape = (4, 132, 0, 132, 1), ("stream", 4, 132, 0, 132, 140, 140)
+    first = [ga.planned(plans, layer, shape, write(shape)) for layer in range(8)]
     assert len(written) == 1 and all(t is first[0] for t in first)
-    again = ga.batch_items(plans, 0, offs, kv, 4, 132, 0, 132)
-    assert len(written) == 2 and again is not first[0] and ga.batch_items(plans, 5, offs, kv, 4, 132, 0, 132) is again
-    other = ga.batch_items(plans, 3, offs, kv, 2, 132, 0, 132)  # another shape: its own items
-    assert len(written) == 3 and other is not again
-    ga.batch_items(None, 3, offs, kv, 4, 132, 0, 132)
-    ga.batch_items(None, 3, offs, kv, 4, 132, 0, 132)
+    again = ga.planned(plans, 0, shape, write(shape))
+    assert len(written) == 2 and again is not first[0] and ga.planned(plans, 5, shape, write(shape)) is again
+    other = ga.planned(plans, 3, other_shape, write(other_shape))  # another shape: its own plan
+    assert len(written) == 3 and other is not again and list(plans) == [other_shape]
+    ga.planned(None, 3, shape, write(shape))
+    ga.planned(None, 3, shape, write(shape))
     assert len(written) == 5
+    monkeypatch.setattr(ga, "PLAN_ONCE", False)
+    ga.planned(plans, 4, other_shape, write(other_shape))
+    assert len(written) == 6

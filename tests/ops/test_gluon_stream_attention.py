@@ -266,28 +266,3 @@ def test_items_cover_every_units_tiles_in_order_on_random_batches():
         shares = [sum(it[5] - it[4] for it in p) for p in program_items(items, starts) if p]
         if not lanes and any(it[7] > 1 for it in items if it[0] >= 0):
             assert max(shares) - min(shares) <= 1
-
-
-def test_one_plan_a_forward_written_at_layer_0_and_read_by_the_others(monkeypatch):
-    """batch_items: layer 0 writes the batch's items and keeps them on the metadata; later layers
-    of that forward read them; the next forward's layer 0 writes afresh (a graph bucket's metadata
-    holds another batch by then); another launch shape or a bare call writes its own."""
-    pytest.importorskip("triton.experimental.gluon")
-    written = []
-
-    def fake_write(q_offsets, kv_lens, heads, num_sms, forced_splits, grid, capacity, slots):
-        written.append((heads, grid))
-        return torch.full((capacity, ga.FIELDS), len(written), dtype=torch.int32), torch.zeros(grid + 1)
-
-    monkeypatch.setattr(ga, "write_items", fake_write)
-    offs, kv = torch.tensor([0, 384], dtype=torch.int32), torch.tensor([4096], dtype=torch.int32)
-    plans: dict = {}
-    first = [ga.batch_items(plans, layer, offs, kv, 4, 132, 0, 132, 140, 140) for layer in range(8)]
-    assert len(written) == 1 and all(t is first[0] for t in first)
-    again = ga.batch_items(plans, 0, offs, kv, 4, 132, 0, 132, 140, 140)
-    assert len(written) == 2 and again is not first[0] and ga.batch_items(plans, 5, offs, kv, 4, 132, 0, 132, 140, 140) is again
-    other = ga.batch_items(plans, 3, offs, kv, 2, 132, 0, 132, 136, 136)  # another shape: its own items
-    assert len(written) == 3 and other is not again
-    ga.batch_items(None, 3, offs, kv, 4, 132, 0, 132, 140, 140)
-    ga.batch_items(None, 3, offs, kv, 4, 132, 0, 132, 140, 140)
-    assert len(written) == 5
