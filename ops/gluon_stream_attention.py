@@ -305,15 +305,15 @@ if gluon is not None:
             tile_starts = tile_ends - tile_count
             total = tl.sum(tile_count, axis=0)
             stream = tl.maximum(tl.minimum(num_sms // width, total), 1)
-            # groups alike (one tile count): each cut into k whole shares when that costs less (share_count)
+            # groups alike (one tile count): each cut into `shares` whole shares when that costs less (share_count)
             groups = tl.sum(grp_count, axis=0)
             per_max = tl.max(per, axis=0)
             alike = tl.min(tl.where(blocks > 0, per, per_max), axis=0) == per_max
-            k = tl.minimum((num_sms // width) // tl.maximum(groups, 1), per_max)
-            aligned = alike & (k >= 1)
-            aligned = aligned & ((per_max + k - 1) // tl.maximum(k, 1) + ITEM_COST
+            shares = tl.minimum((num_sms // width) // tl.maximum(groups, 1), per_max)
+            aligned = alike & (shares >= 1)
+            aligned = aligned & ((per_max + shares - 1) // tl.maximum(shares, 1) + ITEM_COST
                                  <= (total + stream - 1) // stream + 2 * ITEM_COST)
-            tuples = tl.where(aligned, groups * k, stream)
+            tuples = tl.where(aligned, groups * shares, stream)
             tuples = tl.where(forced_splits > 0,
                               tl.maximum(tl.minimum(tl.minimum(units * tl.minimum(forced_splits, MAX_SPLITS), grid),
                                                     total), 1), tuples)
@@ -336,9 +336,9 @@ if gluon is not None:
             # groups in [ga, gb] whose user has a row block for lane r (every group outside lanes)
             overlap = tl.minimum(gb[:, None] + 1, grp_ends_r) - tl.maximum(ga[:, None], grp_starts_r)
             has_lane = (~in_lanes) | (blocks_r > r[:, None])
-            k = tl.where(g < used, tl.sum(tl.where(has_lane, tl.maximum(overlap, 0), 0), axis=1), 0)
-            first_item = tl.cumsum(k, axis=0) - k
-            count = tl.sum(k, axis=0)
+            n_items = tl.where(g < used, tl.sum(tl.where(has_lane, tl.maximum(overlap, 0), 0), axis=1), 0)
+            first_item = tl.cumsum(n_items, axis=0) - n_items
+            count = tl.sum(n_items, axis=0)
             tl.store(STARTS + 1 + g, first_item, mask=g <= used)
             tl.store(STARTS, used)
             tl.debug_barrier()  # STARTS written by every thread before any reads a neighbour's back
