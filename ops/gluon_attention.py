@@ -42,10 +42,9 @@ pages, or a slice of one page). `fits` says whether a call qualifies; others tak
 from __future__ import annotations
 
 import math
+from typing import Callable, TypeVar
 
 import torch
-
-from typing import Callable, TypeVar
 
 from hstu.ops import knobs
 from hstu.ops.triton_attention import MAX_SPLITS, _grid_programs
