@@ -80,8 +80,15 @@ MASKED_TMA = knobs.flag("HSTU_GLUON_MASKED_TMA", default=True)
 # every layer's call, for comparisons.
 PLAN_ONCE = knobs.flag("HSTU_GLUON_PLAN_ONCE", default=True)
 # HSTU_GLUON_STREAM=1: this kernel with a stream-K schedule and the own keys by TMA
-# (ops/gluon_stream_attention.py; opt-in: slower at batch 1, batch 8 and the re-rank in run KA).
+# (ops/gluon_stream_attention.py) for every launch. Opt-in: run LA (H100, its sum kernel restored)
+# put it ahead at batch 8 (128 against 145 us a layer) and mixed5 (83 against 126), level at the
+# re-rank (89 / 88) and uncached (702-711 / 710-716), behind at batch 1 (36 against 33).
 STREAM = knobs.flag("HSTU_GLUON_STREAM", default=False)
+# HSTU_GLUON_STREAM_AUTO=1: the stream kernel only for launches whose row-block units reach
+# STREAM_FROM_SMS of the SMs (takes_stream), where run LA saw it win; this kernel for the rest.
+# Opt-in until the pipeline and graph tests and a --verify replay have run with it.
+STREAM_AUTO = knobs.flag("HSTU_GLUON_STREAM_AUTO", default=False)
+STREAM_FROM_SMS = 0.5
 
 
 _HOPPER: dict[int, bool] = {}
@@ -165,6 +172,19 @@ def planned(plans: dict | None, layer: int, key: tuple, write: Callable[[], Plan
         plans.clear()  # one plan a batch: whatever another shape wrote is not this forward's
         plans[key] = plan
     return plan
+
+
+def takes_stream(rows: int, heads: int, num_sms: int) -> bool:
+    """Whether a launch of `rows` query rows runs the stream kernel: always under HSTU_GLUON_STREAM,
+    else under HSTU_GLUON_STREAM_AUTO when its units (at least ceil(rows / BLOCK_M) x heads: each
+    user's rows start a row block) reach STREAM_FROM_SMS of the SMs. Fewer units are cut into
+    pieces by this kernel's plan as well as by stream-K, and there stream-K's extra plan and item
+    overhead lost (batch 1: 12 units; the re-rank: 64 units on 132 SMs, level); more units leave
+    SMs idle for a whole wave under this kernel (batch 8: 96 units, 36 SMs idle), which stream-K's
+    equal shares fill. A function of the launch's static shapes, so a CUDA graph keeps its choice."""
+    if STREAM:
+        return True
+    return STREAM_AUTO and -(-rows // BLOCK_M) * heads >= STREAM_FROM_SMS * num_sms
 
 
 def grid_programs(rows: int, users: int, heads: int, num_sms: int, forced_splits: int, waves: int = WAVES) -> int:
@@ -483,7 +503,7 @@ if gluon is not None:
         """The attention output [T, H, d] in q's dtype (the Triton op's contract); num_splits > 0
         cuts every unit into that many pieces (tests). plans: the metadata's attention_plans, so
         one plan serves every layer of a forward (planned)."""
-        if STREAM:
+        if takes_stream(q.shape[0], q.shape[1], num_sms):
             from hstu.ops import gluon_stream_attention
 
             return gluon_stream_attention.launch(q, k, v, kv_cache, layer, page_table, kv_lens, q_offsets, q_pos,

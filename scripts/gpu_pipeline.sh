@@ -8,7 +8,7 @@
 # regimes, profile, profile_cold, bench_trace, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, modes_kernels,
 # modes_replay, modes_pressure, modes_bench, gluon_tests, sanitize_gluon, profile_pipelined, pipeline_gluon, stream_tests,
-# pipeline_stream,
+# pipeline_stream (STREAM_ENV),
 # rest_loop2, engine_process, profile_host, rest_ray, rest_ray_direct, rest_ray_direct4, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
@@ -223,7 +223,8 @@ stage overlap_probe 240 bash -c 'python3 -m hstu.scripts.overlap_probe --out "$O
   && python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/scripts/test_overlap_probe.py'
 # A/B of attention variants by mode (mode_env): the schedule experiments of ops/triton_attention.py (off by
 # default): OFF; SIMPLE = ALIGN_TAIL=1 + LONG_FIRST=1; CAUSAL = both + CAUSAL_SHARES=1; and the kernel: TRITON, GLUON
-# (ops/gluon_attention.py), STREAM (ops/gluon_stream_attention.py: HSTU_GLUON_STREAM=1), STREAMP (its plain
+# (ops/gluon_attention.py), STREAM (ops/gluon_stream_attention.py: HSTU_GLUON_STREAM=1), AUTO (the stream kernel
+# where a launch's units reach half the SMs: HSTU_GLUON_STREAM_AUTO=1), STREAMP (its plain
 # stream-K, no lanes: HSTU_GLUON_LANES=0), STREAMO (its own-key tiles gathered: HSTU_GLUON_OWN_TMA=0),
 # GLUONG (its causal-boundary tiles gathered: HSTU_GLUON_MASKED_TMA=0). schedule_tests: the CUDA
 # attention tests with the three schedule rules on; modes_kernels:
@@ -239,6 +240,7 @@ mode_env() {
     TRITON) echo HSTU_ATTENTION_KERNEL=triton ;;
     GLUON) echo HSTU_ATTENTION_KERNEL=gluon ;;
     STREAM) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM=1 ;;
+    AUTO) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM_AUTO=1 ;;
     STREAMP) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM=1 HSTU_GLUON_LANES=0 ;;
     STREAMO) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM=1 HSTU_GLUON_OWN_TMA=0 ;;
     GLUONG) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_MASKED_TMA=0 ;;
@@ -285,6 +287,7 @@ skip_after_failed gluon_tests GLUON pipeline_gluon
 # the stream kernel's CUDA tests (HSTU_GLUON_STREAM=1, opt-in)
 stage stream_tests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_cuda_kernels.py -k "gluon and stream"
 skip_after_failed stream_tests STREAM pipeline_stream
+skip_after_failed stream_tests AUTO pipeline_stream
 # compute-sanitizer memcheck on the Gluon kernel (issue 12: every new kernel): whole and cut units, a padded
 # bucket, both tail forms
 stage sanitize_gluon 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
@@ -300,8 +303,9 @@ stage modes_replay 300 bash -c "$(declare -f mode_env replay_modes); replay_mode
 stage modes_pressure 200 bash -c "$(declare -f mode_env replay_modes); replay_modes pressure \
   '${PRESSURE_MODES:-OFF CAUSAL}' --users 256 --requests 600 --num-pages 1024 --host-cache-mb 4096"
 stage modes_bench 240 bash -c "$(declare -f mode_env modes_bench); modes_bench"
-# the GPU pipeline and graph tests under the stream kernel (HSTU_GLUON_STREAM=1, opt-in)
-HSTU_GLUON_STREAM=1 stage pipeline_stream 240 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
+# the GPU pipeline and graph tests under the stream kernel (HSTU_GLUON_STREAM=1, opt-in; STREAM_ENV=
+# HSTU_GLUON_STREAM_AUTO=1 for the per-launch choice)
+stage pipeline_stream 240 env ${STREAM_ENV:-HSTU_GLUON_STREAM=1} python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
   tests/model/test_cuda_pipeline.py tests/engine/test_graphs.py -k "not compiled_layers"
 HSTU_ATTENTION_KERNEL=gluon stage pipeline_gluon 240 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
   tests/model/test_cuda_pipeline.py tests/engine/test_graphs.py tests/ops/kvcache/test_plan_feedback.py -k "not compiled_layers"
