@@ -1,11 +1,12 @@
 """The Gluon attention (ops/gluon_attention.py: its semantics, tiles and key loop) with a stream-K
-schedule and the candidates' own keys in the TMA pipeline. Opt-in (HSTU_GLUON_STREAM=1): run JA
-(H100) timed an earlier, looped plan that cost more than the schedule saved, and run KA (H100, these
-plan kernels) still found it slower than the default Gluon kernel at batch 1 (105 against 33 us a
-layer), batch 8 (155 against 143) and the re-rank (99 against 88); faster only uncached (693
-against 710) and at mixed5 (118 against 125) (benchmarks/RESULTS.md, fortieth and forty-first
-sessions). Run KA's sum kernel walked each cut unit's chain over all its rows in one program; it
-walks it over 8 rows a program again, as in run JA (not yet timed since).
+schedule and the candidates' own keys in the TMA pipeline. Opt-in (HSTU_GLUON_STREAM=1 for every
+launch; HSTU_GLUON_STREAM_AUTO=1 where a launch's units reach half the SMs, gluon_attention.takes_stream).
+Run KA (H100) found it slower at batch 1 (105 against 33 us a layer): its sum kernel walked each cut
+unit's chain over all its rows in one program. Over 8 rows a program again, run LA (H100, 2026-12-07)
+timed it ahead of the default Gluon kernel at batch 8 (128 against 145 us a layer) and mixed5 (83
+against 126), level at the re-rank (89 / 88) and uncached (702-711 / 710-716), behind at batch 1 (36
+against 33); end to end b8 3.31 against 3.50 ms, b1 1.19 against 1.14 (benchmarks/RESULTS.md,
+forty-second session). Its pipeline and graph tests and a --verify replay have not run yet.
 
 Why: ops/gluon_attention.py runs batch 8's 96 units (row block x head) one a program, so 36 of an
 H100's 132 SMs idle through the whole call (151 us a layer, 0.45 of the bf16 matmul peak; issue 12
