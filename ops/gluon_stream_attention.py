@@ -5,7 +5,7 @@ Run KA (H100) found it slower at batch 1 (105 against 33 us a layer): its sum ke
 unit's chain over all its rows in one program. Over 8 rows a program again, run LA (H100, 2026-12-07)
 timed it ahead of the default Gluon kernel at batch 8 (128 against 145 us a layer) and mixed5 (83
 against 126), level at the re-rank (89 / 88) and uncached (702-711 / 710-716), behind at batch 1 (36
-against 33); end to end b8 3.31 against 3.50 ms, b1 1.19 against 1.14 (benchmarks/RESULTS.md,
+against 33); end to end (run LB) b8 3.31 against 3.50 ms, b1 1.19 against 1.14 (benchmarks/RESULTS.md,
 forty-second session). Its pipeline and graph tests and a --verify replay have not run yet.
 
 Why: ops/gluon_attention.py runs batch 8's 96 units (row block x head) one a program, so 36 of an
