@@ -378,12 +378,13 @@ def gluon_config(head_dim: int):
     return dataclasses.replace(default_config(head_dim), silu="tanh", kernel="gluon")
 
 
-# The Gluon kernels' knobs (HSTU_GLUON_MASKED_TMA, HSTU_GLUON_WAVES, HSTU_GLUON_STREAM and the stream
+# The Gluon kernels' knobs (HSTU_GLUON_MASKED_TMA, HSTU_GLUON_WAVES, HSTU_GLUON_STREAM(_AUTO) and the stream
 # kernel's HSTU_GLUON_LANES, HSTU_GLUON_OWN_TMA) as test variants; "default" is the modules' settings.
 GLUON_VARIANTS = {
     "default": {}, "gathered": {"MASKED_TMA": False}, "waves3": {"WAVES": 3},
     "stream": {"STREAM": True}, "stream_plain": {"STREAM": True, "stream.LANES": False},
     "stream_gathered": {"STREAM": True, "stream.OWN_TMA": False, "MASKED_TMA": False},
+    "stream_auto": {"STREAM_AUTO": True},  # the stream kernel where a launch's units reach half the SMs
 }
 
 
@@ -404,7 +405,7 @@ def spy_gluon(monkeypatch, variant: str = "default") -> list:
 
 @pytest.mark.parametrize("case_idx", range(len(ATTN_CASES)))
 @pytest.mark.parametrize("num_splits", [0, 1, 3])
-@pytest.mark.parametrize("variant", ["default", "gathered", "stream", "stream_plain", "stream_gathered"])
+@pytest.mark.parametrize("variant", ["default", "gathered", "stream", "stream_plain", "stream_gathered", "stream_auto"])
 def test_gluon_attention_bf16_within_2x_of_torch_reference_error(monkeypatch, case_idx, num_splits, variant):
     """ops/gluon_attention.py on every case: whole units, and every unit cut into pieces."""
     from hstu.ops.triton_attention import paged_hstu_attention_triton
@@ -456,11 +457,12 @@ def test_gluon_attention_at_seed_shapes_and_page_sizes(monkeypatch, users, page_
 
 
 @pytest.mark.parametrize("users,candidates", [(8, 256), (1, 256), (8, 200), (5, 256)])
-@pytest.mark.parametrize("variant", ["stream", "stream_plain", "stream_gathered"])
+@pytest.mark.parametrize("variant", ["stream", "stream_plain", "stream_gathered", "stream_auto"])
 def test_gluon_stream_attention_at_cached_seed_shapes(monkeypatch, users, candidates, variant):
     """The stream kernel where stream-K runs: every user cached (3,968 keys, 128 new rows and the
     candidates), fewer units than SMs (batch 8 in lanes of 3; 200 candidates: a last own tile
-    across the user's rows, gathered), within 2x of the bf16 torch error."""
+    across the user's rows, gathered), within 2x of the bf16 torch error. stream_auto: batch 8 and
+    5 take the stream kernel, batch 1 the default one (gluon_attention.takes_stream)."""
     needs_hopper()
     calls = spy_gluon(monkeypatch, variant)
     c = make_paged_case([4096] * users, [3968] * users, [candidates] * users, page_size=32, heads=4, head_dim=256,
