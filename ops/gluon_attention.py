@@ -88,7 +88,7 @@ STREAM = knobs.flag("HSTU_GLUON_STREAM", default=False)
 # STREAM_FROM_SMS of the SMs (takes_stream), where run LA saw it win; this kernel for the rest.
 # Opt-in until the pipeline and graph tests and a --verify replay have run with it.
 STREAM_AUTO = knobs.flag("HSTU_GLUON_STREAM_AUTO", default=False)
-STREAM_FROM_SMS = 0.5
+STREAM_FROM_SMS = 0.25
 
 
 _HOPPER: dict[int, bool] = {}
@@ -177,11 +177,13 @@ def planned(plans: dict | None, layer: int, key: tuple, write: Callable[[], Plan
 def takes_stream(rows: int, heads: int, num_sms: int) -> bool:
     """Whether a launch of `rows` query rows runs the stream kernel: always under HSTU_GLUON_STREAM,
     else under HSTU_GLUON_STREAM_AUTO when its units (at least ceil(rows / BLOCK_M) x heads: each
-    user's rows start a row block) reach STREAM_FROM_SMS of the SMs. Fewer units are cut into
-    pieces by this kernel's plan as well as by stream-K, and there stream-K's extra plan and item
-    overhead lost (batch 1: 12 units; the re-rank: 64 units on 132 SMs, level); more units leave
-    SMs idle for a whole wave under this kernel (batch 8: 96 units, 36 SMs idle), which stream-K's
-    equal shares fill. A function of the launch's static shapes, so a CUDA graph keeps its choice."""
+    user's rows start a row block, so a mixed batch has more) reach STREAM_FROM_SMS of the SMs.
+    A few units are cut into pieces by this kernel's plan as well as by stream-K, and there
+    stream-K's second plan kernel and item overhead lost (run LA, batch 1: 12 units, 36 against 33
+    us a layer). More units leave SMs idle for a wave under this kernel, which stream-K's equal
+    shares fill: batch 8 (96 units, 128 against 145 us), mixed5 (40 by this bound, 104 in fact: 83
+    against 126); the re-rank (64) and uncached batches were level. A function of the launch's
+    static shapes, so a CUDA graph keeps its choice."""
     if STREAM:
         return True
     return STREAM_AUTO and -(-rows // BLOCK_M) * heads >= STREAM_FROM_SMS * num_sms

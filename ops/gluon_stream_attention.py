@@ -1,6 +1,6 @@
 """The Gluon attention (ops/gluon_attention.py: its semantics, tiles and key loop) with a stream-K
 schedule and the candidates' own keys in the TMA pipeline. Opt-in (HSTU_GLUON_STREAM=1 for every
-launch; HSTU_GLUON_STREAM_AUTO=1 where a launch's units reach half the SMs, gluon_attention.takes_stream).
+launch; HSTU_GLUON_STREAM_AUTO=1 where a launch's units reach a quarter of the SMs, gluon_attention.takes_stream).
 Run KA (H100) found it slower at batch 1 (105 against 33 us a layer): its sum kernel walked each cut
 unit's chain over all its rows in one program. Over 8 rows a program again, run LA (H100, 2026-12-07)
 timed it ahead of the default Gluon kernel at batch 8 (128 against 145 us a layer) and mixed5 (83

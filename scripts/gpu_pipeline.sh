@@ -224,7 +224,7 @@ stage overlap_probe 240 bash -c 'python3 -m hstu.scripts.overlap_probe --out "$O
 # A/B of attention variants by mode (mode_env): the schedule experiments of ops/triton_attention.py (off by
 # default): OFF; SIMPLE = ALIGN_TAIL=1 + LONG_FIRST=1; CAUSAL = both + CAUSAL_SHARES=1; and the kernel: TRITON, GLUON
 # (ops/gluon_attention.py), STREAM (ops/gluon_stream_attention.py: HSTU_GLUON_STREAM=1), AUTO (the stream kernel
-# where a launch's units reach half the SMs: HSTU_GLUON_STREAM_AUTO=1), STREAMP (its plain
+# where a launch's units reach a quarter of the SMs: HSTU_GLUON_STREAM_AUTO=1), STREAMP (its plain
 # stream-K, no lanes: HSTU_GLUON_LANES=0), STREAMO (its own-key tiles gathered: HSTU_GLUON_OWN_TMA=0),
 # GLUONG (its causal-boundary tiles gathered: HSTU_GLUON_MASKED_TMA=0). schedule_tests: the CUDA
 # attention tests with the three schedule rules on; modes_kernels:

@@ -384,7 +384,7 @@ GLUON_VARIANTS = {
     "default": {}, "gathered": {"MASKED_TMA": False}, "waves3": {"WAVES": 3},
     "stream": {"STREAM": True}, "stream_plain": {"STREAM": True, "stream.LANES": False},
     "stream_gathered": {"STREAM": True, "stream.OWN_TMA": False, "MASKED_TMA": False},
-    "stream_auto": {"STREAM_AUTO": True},  # the stream kernel where a launch's units reach half the SMs
+    "stream_auto": {"STREAM_AUTO": True},  # the stream kernel where a launch's units reach a quarter of the SMs
 }
 
 
@@ -461,8 +461,8 @@ def test_gluon_attention_at_seed_shapes_and_page_sizes(monkeypatch, users, page_
 def test_gluon_stream_attention_at_cached_seed_shapes(monkeypatch, users, candidates, variant):
     """The stream kernel where stream-K runs: every user cached (3,968 keys, 128 new rows and the
     candidates), fewer units than SMs (batch 8 in lanes of 3; 200 candidates: a last own tile
-    across the user's rows, gathered), within 2x of the bf16 torch error. stream_auto: batch 8 takes
-    the stream kernel, batches 1 and 5 (12 and 60 units) the default one (gluon_attention.takes_stream)."""
+    across the user's rows, gathered), within 2x of the bf16 torch error. stream_auto: batches 8 and
+    5 (96 and 60 units) take the stream kernel, batch 1 (12 units) the default one (takes_stream)."""
     needs_hopper()
     calls = spy_gluon(monkeypatch, variant)
     c = make_paged_case([4096] * users, [3968] * users, [candidates] * users, page_size=32, heads=4, head_dim=256,

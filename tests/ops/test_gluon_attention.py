@@ -200,14 +200,15 @@ def test_one_plan_a_forward_written_at_layer_0_and_read_by_the_others(monkeypatc
     assert len(written) == 6
 
 
-def test_stream_kernel_takes_launches_whose_units_reach_half_the_sms(monkeypatch):
+def test_stream_kernel_takes_launches_whose_units_reach_a_quarter_of_the_sms(monkeypatch):
     """takes_stream: off by default; HSTU_GLUON_STREAM takes every launch; HSTU_GLUON_STREAM_AUTO
-    takes batch 8 (3,072 rows: 96 units) and the uncached batch, and leaves batch 1 (384 rows: 12
-    units) and the batch-8 re-rank (2,048 rows: 64 units) to the default kernel, on 132 SMs."""
-    shapes = {"b1": 384, "rerank8": 2048, "b8": 3072, "uncached8": 8 * 4352}
+    takes batch 8 (3,072 rows: 96 units), mixed5 (1,187 rows: at least 40 units), the re-rank
+    (2,048 rows: 64 units) and the uncached batch, and leaves batch 1 (384 rows: 12 units) and
+    batch 2 (24 units) to the default kernel, on 132 SMs."""
+    shapes = {"b1": 384, "b2": 768, "mixed5": 1187, "rerank8": 2048, "b8": 3072, "uncached8": 8 * 4352}
     assert not any(ga.takes_stream(rows, 4, 132) for rows in shapes.values())
     monkeypatch.setattr(ga, "STREAM_AUTO", True)
-    assert {name for name, rows in shapes.items() if ga.takes_stream(rows, 4, 132)} == {"b8", "uncached8"}
-    assert ga.takes_stream(3072, 4, 193) is False  # 96 units under half of 193 SMs
+    assert {name for name, rows in shapes.items() if not ga.takes_stream(rows, 4, 132)} == {"b1", "b2"}
+    assert ga.takes_stream(1187, 4, 200) is False  # 40 units under a quarter of 200 SMs
     monkeypatch.setattr(ga, "STREAM", True)
     assert all(ga.takes_stream(rows, 4, 132) for rows in shapes.values())
