@@ -223,7 +223,7 @@ stage overlap_probe 240 bash -c 'python3 -m hstu.scripts.overlap_probe --out "$O
   && python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/scripts/test_overlap_probe.py'
 # A/B of attention variants by mode (mode_env): the schedule experiments of ops/triton_attention.py (off by
 # default): OFF; SIMPLE = ALIGN_TAIL=1 + LONG_FIRST=1; CAUSAL = both + CAUSAL_SHARES=1; and the kernel: TRITON, GLUON
-# (ops/gluon_attention.py), STREAM (ops/gluon_stream_attention.py: HSTU_GLUON_STREAM=1), AUTO (the stream kernel
+# (ops/gluon_attention.py), STREAM (ops/gluon_stream_attention.py: HSTU_GLUON_STREAM=1), STREAMA (the stream kernel
 # where a launch's units reach a quarter of the SMs: HSTU_GLUON_STREAM_AUTO=1), STREAMP (its plain
 # stream-K, no lanes: HSTU_GLUON_LANES=0), STREAMO (its own-key tiles gathered: HSTU_GLUON_OWN_TMA=0),
 # GLUONG (its causal-boundary tiles gathered: HSTU_GLUON_MASKED_TMA=0). schedule_tests: the CUDA
@@ -240,7 +240,7 @@ mode_env() {
     TRITON) echo HSTU_ATTENTION_KERNEL=triton ;;
     GLUON) echo HSTU_ATTENTION_KERNEL=gluon ;;
     STREAM) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM=1 ;;
-    AUTO) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM_AUTO=1 ;;
+    STREAMA) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM_AUTO=1 ;;
     STREAMP) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM=1 HSTU_GLUON_LANES=0 ;;
     STREAMO) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM=1 HSTU_GLUON_OWN_TMA=0 ;;
     GLUONG) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_MASKED_TMA=0 ;;
@@ -287,7 +287,6 @@ skip_after_failed gluon_tests GLUON pipeline_gluon
 # the stream kernel's CUDA tests (HSTU_GLUON_STREAM=1, opt-in)
 stage stream_tests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_cuda_kernels.py -k "gluon and stream"
 skip_after_failed stream_tests STREAM pipeline_stream
-skip_after_failed stream_tests AUTO pipeline_stream
 # compute-sanitizer memcheck on the Gluon kernel (issue 12: every new kernel): whole and cut units, a padded
 # bucket, both tail forms
 stage sanitize_gluon 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
