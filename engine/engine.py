@@ -295,6 +295,8 @@ class RankingEngine:
         return self.model.forward_no_cache(requests)
 
     def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
         if self.cache is not None:
             self.cache.close()
 
@@ -377,12 +379,17 @@ class RankingEngine:
             buckets = default_graph_buckets(compile, host_split)
         if self.cache is None or (capture and self.model.device.type != "cuda"):
             raise RuntimeError("CUDA graphs need a CUDA model with a KV cache manager")
+        from hstu.engine.device_launch import DeviceLaunch
         from hstu.engine.graphs import ForwardGraphs
+
+        if self.graphs is not None:  # captured again: the last set's device execs go first
+            self.graphs.close()
 
         layer_fns = self._compiled_layers(dynamic=False) if compile else None
         self.graphs = ForwardGraphs(
             self.model, self.cache.kv_pages, self.cache.scratch_page, max_batch, buckets, layer_fns, capture,
             keep_layer_inputs=self.cache.keeps_hidden, waits_in_graph=_ONLOAD_IN_GRAPH,
+            device_launch=DeviceLaunch.create(self.model.device) if capture else None,
         )
         # Every layer is one code object (paged_layer) compiled once per (layer, bucket): lift
         # Dynamo's per-code recompile limit for the captures, else the later ones run uncompiled.

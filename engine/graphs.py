@@ -31,6 +31,9 @@ Two captures per bucket read them:
            the device read the event when the node runs rather than at the launch.
 Both end in a static logits tensor [rows, num_tasks]; the engine copies out the batch's rows
 before the next replay can overwrite them.
+Device launch (HSTU_DEVICE_LAUNCH=1, engine/device_launch.py): `whole` is also instantiated for
+launch from the device, with one launcher graph per staging slot that copies the slot into the
+device buffer and then launches it; a batch's stage and replay are then one small host launch.
 
 Padding (static shapes per bucket of T_pad rows, at most max_batch users):
   rows T..T_pad-1        features of row 0's kind (index 0, position 0): embedded, attended by no
@@ -63,6 +66,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from hstu.engine.device_launch import DeviceLaunch
 from hstu.ops.kv_ops import read_pinned
 from hstu.ops.kvcache.metadata import KVCacheMetadata, PackedMetadata, PadSpec
 
@@ -93,6 +97,8 @@ class _Bucket:
     # waits_in_graph: the whole forward with each layer's onload wait inside, one per event set
     waited: list[Replay] = field(default_factory=list)
     waited_logits: list[torch.Tensor] = field(default_factory=list)
+    # device launch: per staging slot, the exec of a graph that stages the slot and launches `whole`
+    launchers: list[int] = field(default_factory=list)
     next_slot: int = 0
 
 
@@ -110,6 +116,7 @@ class ForwardGraphs:
         capture: bool = True,
         keep_layer_inputs: bool = False,
         waits_in_graph: bool = False,
+        device_launch: DeviceLaunch | None = None,
     ) -> None:
         self.model = model
         n = len(model.block.layers)
@@ -127,6 +134,9 @@ class ForwardGraphs:
         self.max_pages = -(-model.config.max_seq_len // self.page_size)
         self.device = kv_cache.device
         self.capture = capture
+        # whole forwards launched from the device behind their staging copy (captures only)
+        self.device_launch = device_launch if capture else None
+        self.device_launches = 0
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._buckets: dict[int, _Bucket] = {}
         # [L, largest bucket, D]: each replay's layer inputs (keep_layer_inputs), else None
@@ -209,7 +219,7 @@ class ForwardGraphs:
         spec = PadSpec(rows, self.max_batch, self.max_pages, self.scratch_page)
         empty = KVCacheMetadata.padded_empty(spec, self.page_size)
         meta_bytes, layout = empty.packed[0].numel(), empty.packed[1]
-        total = meta_bytes + 5 * rows * 8
+        total = -(-(meta_bytes + 5 * rows * 8) // 16) * 16  # a device launcher copies 16-byte words
         device_buffer = torch.zeros(total, dtype=torch.uint8, device=self.device)
         device_buffer[:meta_bytes].copy_(empty.packed[0])
         # views, no copy; the layers skip the padded appends bound for the scratch page
@@ -244,7 +254,14 @@ class ForwardGraphs:
                 for _ in range(2):
                     whole()
             torch.cuda.current_stream(self.device).wait_stream(side)
-        replay_whole, whole_logits = self._record(whole)
+        replay_whole, whole_logits, whole_graph = self._record(whole, keep_graph=self.device_launch is not None)
+        launchers = []
+        if whole_graph is not None:
+            forward = self.device_launch.instantiate(whole_graph)
+            if forward is None:
+                whole_graph.instantiate()  # the host launch, instantiated now rather than at the first replay
+            else:
+                launchers = [self.device_launch.launcher(t, device_buffer, forward) for t in staging]
         waited, waited_logits = [], []
         if self.waits_in_graph:
 
@@ -257,7 +274,7 @@ class ForwardGraphs:
                 return head(h)
 
             for ready in self.layer_ready:
-                replay, out = self._record(functools.partial(whole_waiting, ready))
+                replay, out, _ = self._record(functools.partial(whole_waiting, ready))
                 waited.append(replay)
                 waited_logits.append(out)
         segments, h = [], None
@@ -266,29 +283,53 @@ class ForwardGraphs:
                 out = layer(i, embed() if i == 0 else h_in)
                 return head(out) if i == len(fns) - 1 else out
 
-            replay, h = self._record(segment)
+            replay, h, _ = self._record(segment)
             segments.append(replay)
         copied = [None] * len(staging)
         return _Bucket(
             rows, device_buffer, meta, staging, staged_inputs, copied, replay_whole, whole_logits, segments, h, waited,
-            waited_logits,
+            waited_logits, launchers,
         )
 
-    def _record(self, fn: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
-        """(replay, static output) of fn over the bucket's static buffers."""
+    def _record(
+        self, fn: Callable[[], torch.Tensor], keep_graph: bool = False
+    ) -> tuple[Replay, torch.Tensor, "torch.cuda.CUDAGraph | None"]:
+        """(replay, static output, graph) of fn over the bucket's static buffers; the graph (else
+        None) is returned uninstantiated with keep_graph, for the caller to instantiate."""
         if not self.capture:
             out = fn()
-            return (lambda: out.copy_(fn())), out
-        graph = torch.cuda.CUDAGraph()
+            return (lambda: out.copy_(fn())), out, None
+        graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = fn()
-        return graph.replay, out
+        return graph.replay, out, (graph if keep_graph else None)
+
+    def close(self) -> None:
+        """Release the device launch's execs once the device finished the work that uses them."""
+        if self.device_launch is not None:
+            torch.cuda.synchronize(self.device)
+            self.device_launch.close()
+            self.device_launch = None
+            for bucket in self._buckets.values():
+                bucket.launchers = []
 
     # ------------------------------------------------------------------ replay
     def stage(self, pad: PadSpec, meta: KVCacheMetadata | PackedMetadata) -> bool:
         """Enqueue the H2D copy of the batch's staging slot (packed metadata `meta` and the inputs)
         into its bucket's device buffer; False when the metadata is not the bucket's (the caller
         runs eagerly). run() does it itself unless told the batch is staged."""
+        bucket = self._staged_bucket(pad, meta)
+        if bucket is None:
+            return False
+        if self.capture and STAGE_BY_KERNEL:
+            read_pinned(bucket.device_buffer, pad.staging)
+        else:
+            bucket.device_buffer.copy_(pad.staging, non_blocking=True)
+        self._slot_read(bucket, pad.slot)
+        return True
+
+    def _staged_bucket(self, pad: PadSpec, meta: KVCacheMetadata | PackedMetadata) -> _Bucket | None:
+        """The bucket whose staging slot `pad` names and holds `meta`, packed for it; else None."""
         bucket = self._buckets.get(pad.rows)
         slot = pad.slot
         if (
@@ -299,16 +340,16 @@ class ForwardGraphs:
             or meta.layout_key != bucket.meta.layout_key
             or meta.packed[0].data_ptr() != pad.staging.data_ptr()
         ):
-            return False
-        if self.capture and STAGE_BY_KERNEL:
-            read_pinned(bucket.device_buffer, pad.staging)
-        else:
-            bucket.device_buffer.copy_(pad.staging, non_blocking=True)
+            return None
+        return bucket
+
+    def _slot_read(self, bucket: _Bucket, slot: int) -> None:
+        """Record when the work just enqueued (which reads the staging slot) completes: pad_spec
+        hands the slot out again only after it."""
         if self.capture:
             if bucket.copied[slot] is None:
                 bucket.copied[slot] = torch.cuda.Event()
             bucket.copied[slot].record()
-        return True
 
     def run(
         self,
@@ -336,6 +377,13 @@ class ForwardGraphs:
         replayed this bucket since). onload() with wait_set (take_wait_set; waits_in_graph), instead
         of before_layer: enqueues every layer's onload after the inputs copy, each layer recording
         its event of the set (wait_events); then the set's waited graph replays once."""
+        if not staged and before_layer is None and onload is None and self.device_launch is not None:
+            launched = self._launch_from_device(pad, meta)
+            if launched is not None:
+                if after_launch is not None:
+                    after_launch()
+                self.replays += 1
+                return launched[:num_candidates].clone() if copy else launched[:num_candidates]
         if not staged and not self.stage(pad, meta):
             return None
         bucket = self._buckets[pad.rows]
@@ -364,3 +412,15 @@ class ForwardGraphs:
             self.segmented_replays += 1
         self.replays += 1
         return logits[:num_candidates].clone() if copy else logits[:num_candidates]
+
+    def _launch_from_device(self, pad: PadSpec, meta: KVCacheMetadata | PackedMetadata) -> torch.Tensor | None:
+        """The whole forward staged and launched by the slot's device launcher: the bucket's static
+        logits, or None when the bucket has no launchers (the caller stages and replays) or the
+        metadata is not the bucket's (stage() then says so)."""
+        bucket = self._staged_bucket(pad, meta)
+        if bucket is None or not bucket.launchers:
+            return None
+        self.device_launch.launch(bucket.launchers[pad.slot])
+        self._slot_read(bucket, pad.slot)
+        self.device_launches += 1
+        return bucket.whole_logits

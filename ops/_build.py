@@ -136,3 +136,39 @@ def load_extension() -> ModuleType:
         if building:
             logger.warning("hstu ops built in %.0f s", time.monotonic() - started)
         return _module
+
+
+_DEVICE_LAUNCH_LOCK = threading.Lock()
+
+
+def device_launch_library(arch: str | None = None) -> Path:
+    """The shared library of csrc/device_launch/device_launch.cu (engine/device_launch.py), built
+    by nvcc on first use and cached under the build dir keyed by the source, the arch and nvcc.
+
+    Why not the JIT extension: its kernel launches graphs from the device, which needs relocatable
+    device code linked against libcudadevrt, a device-link step torch's JIT build does not run.
+    Raises RuntimeError (nvcc's output) when nvcc is missing or fails."""
+    import hashlib
+    import subprocess
+
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else shutil.which("nvcc")
+    if nvcc is None or not os.path.exists(nvcc):
+        raise RuntimeError("the device-launch library needs nvcc: set CUDA_HOME or put nvcc on PATH")
+    source = _csrc_dir() / "device_launch" / "device_launch.cu"
+    arch = arch or os.environ.get("HSTU_CUDA_ARCH", "90")
+    key = hashlib.sha256(source.read_bytes() + f"|{arch}|{os.path.realpath(nvcc)}".encode()).hexdigest()[:16]
+    target = _build_dir("device_launch") / f"libhstu_device_launch_{key}.so"
+    with _DEVICE_LAUNCH_LOCK:
+        if target.exists():
+            return target
+        partial = target.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-rdc=true",
+               f"-gencode=arch=compute_{arch},code=sm_{arch}", str(source), "-lcudadevrt", "-o", str(partial)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise RuntimeError(f"nvcc failed on {source}:\n{done.stderr[-4000:]}")
+        partial.replace(target)  # atomic: another process never loads a half-written library
+    return target

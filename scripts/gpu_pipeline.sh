@@ -8,7 +8,7 @@
 # regimes, profile, profile_cold, bench_trace, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, modes_kernels,
 # modes_replay, modes_pressure, modes_bench, gluon_tests, sanitize_gluon, profile_pipelined, pipeline_gluon, stream_tests,
-# pipeline_stream (STREAM_ENV),
+# pipeline_stream (STREAM_ENV), dl_tests, pipeline_dl, sanitize_dl,
 # rest_loop2, engine_process, profile_host, rest_ray, rest_ray_direct, rest_ray_direct4, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
@@ -226,7 +226,8 @@ stage overlap_probe 240 bash -c 'python3 -m hstu.scripts.overlap_probe --out "$O
 # (ops/gluon_attention.py), STREAM (ops/gluon_stream_attention.py: HSTU_GLUON_STREAM=1), STREAMA (the stream kernel
 # where a launch's units reach a quarter of the SMs: HSTU_GLUON_STREAM_AUTO=1), STREAMP (its plain
 # stream-K, no lanes: HSTU_GLUON_LANES=0), STREAMO (its own-key tiles gathered: HSTU_GLUON_OWN_TMA=0),
-# GLUONG (its causal-boundary tiles gathered: HSTU_GLUON_MASKED_TMA=0). schedule_tests: the CUDA
+# GLUONG (its causal-boundary tiles gathered: HSTU_GLUON_MASKED_TMA=0); and the launch: DL (whole forwards
+# launched from the device: HSTU_DEVICE_LAUNCH=1), DLSA (DL with STREAMA). schedule_tests: the CUDA
 # attention tests with the three schedule rules on; modes_kernels:
 # the kernel at the bench shapes at its default tiles per mode (KERNEL_MODES); modes_replay: the seed replay
 # alternating the modes (MODES), --verify; modes_pressure: the pressure replay per mode (PRESSURE_MODES); modes_bench:
@@ -245,6 +246,8 @@ mode_env() {
     STREAMO) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM=1 HSTU_GLUON_OWN_TMA=0 ;;
     GLUONG) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_MASKED_TMA=0 ;;
     PLANEACH) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_PLAN_ONCE=0 ;;
+    DL) echo HSTU_DEVICE_LAUNCH=1 ;;
+    DLSA) echo HSTU_DEVICE_LAUNCH=1 HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM_AUTO=1 ;;
     *) echo "unknown mode $1" >&2; return 1 ;;
   esac
 }
@@ -287,6 +290,14 @@ skip_after_failed gluon_tests GLUON pipeline_gluon
 # the stream kernel's CUDA tests (HSTU_GLUON_STREAM=1, opt-in)
 stage stream_tests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_cuda_kernels.py -k "gluon and stream"
 skip_after_failed stream_tests STREAM pipeline_stream
+# the device launch (HSTU_DEVICE_LAUNCH=1, engine/device_launch.py): its tests, then the GPU pipeline and graph
+# tests under it (pipeline_dl); sanitize_dl: its kernel under compute-sanitizer memcheck
+stage dl_tests 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/engine/test_device_launch.py
+skip_after_failed dl_tests DL pipeline_dl
+stage pipeline_dl 240 env HSTU_DEVICE_LAUNCH=1 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
+  tests/model/test_cuda_pipeline.py tests/engine/test_graphs.py -k "not compiled_layers"
+stage sanitize_dl 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  python3 -m pytest -q -m cuda -rfE -p no:cacheprovider tests/engine/test_device_launch.py
 # compute-sanitizer memcheck on the Gluon kernel (issue 12: every new kernel): whole and cut units, a padded
 # bucket, both tail forms
 stage sanitize_gluon 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \

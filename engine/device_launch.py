@@ -1,0 +1,110 @@
+"""Whole-forward CUDA graphs launched from the device, behind their staging copy (issue 12).
+
+Why: the model thread's cudaGraphLaunch of the whole cached forward (~150 kernel nodes) took
+0.13 ms at batch 1 and 0.33 ms at batch 8 (H100, runs IA and LA), and the GPU waited for it, after
+the plan, every forward. With this, the thread launches a graph of one kernel per batch: the kernel
+copies the batch's staging slot into its bucket's device buffer (what read_pinned did) and
+tail-launches the forward graph, instantiated for device launch (csrc/device_launch/device_launch.cu
+says how and under which contracts).
+
+Used by ForwardGraphs for its `whole` captures when HSTU_DEVICE_LAUNCH=1 and CUDA is there; a
+graph the driver will not instantiate for device launch (a node kind device graphs do not allow)
+keeps torch's host launch, so the option never changes what runs, only who launches it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from hstu.ops import knobs
+
+logger = logging.getLogger(__name__)
+
+ENABLED = knobs.flag("HSTU_DEVICE_LAUNCH", default=False)
+
+
+class DeviceLaunch:
+    """The device-launch library bound to one device; owns every graph exec it made."""
+
+    def __init__(self, library: ctypes.CDLL, device: torch.device) -> None:
+        self._lib = library
+        self.device = torch.device(device)
+        self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self._execs: list[int] = []
+        vp, ll = ctypes.c_void_p, ctypes.c_longlong
+        library.hstu_dl_error_string.restype = ctypes.c_char_p
+        library.hstu_dl_error_string.argtypes = [ctypes.c_int]
+        library.hstu_dl_instantiate.argtypes = [ctypes.c_int, vp, vp, ctypes.POINTER(vp)]
+        library.hstu_dl_launcher.argtypes = [ctypes.c_int, vp, vp, ll, vp, ctypes.POINTER(vp)]
+        library.hstu_dl_launch.argtypes = [vp, vp]
+        library.hstu_dl_destroy.argtypes = [vp]
+        for fn in ("hstu_dl_instantiate", "hstu_dl_launcher", "hstu_dl_launch", "hstu_dl_destroy"):
+            getattr(library, fn).restype = ctypes.c_int
+
+    @classmethod
+    def create(cls, device: torch.device) -> "DeviceLaunch | None":
+        """The device launcher for `device` when HSTU_DEVICE_LAUNCH=1 and it is a CUDA device whose
+        library builds; else None (logged), and the graphs keep torch's host launch."""
+        if not ENABLED or torch.device(device).type != "cuda":
+            return None
+        from hstu.ops._build import device_launch_library
+
+        try:
+            library = ctypes.CDLL(str(device_launch_library()))
+        except (OSError, RuntimeError) as exc:
+            logger.warning("HSTU_DEVICE_LAUNCH=1 but the device-launch library is unavailable (%s); host launches", exc)
+            return None
+        return cls(library, device)
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            raise RuntimeError(f"{what} failed: {self._lib.hstu_dl_error_string(code).decode()} (cudaError {code})")
+
+    def _stream(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def instantiate(self, graph: torch.cuda.CUDAGraph) -> int | None:
+        """An exec of `graph` (captured with keep_graph=True) launchable from the device, uploaded
+        on the current stream; None when the driver refuses it for device launch (logged)."""
+        exec_out = ctypes.c_void_p()
+        code = self._lib.hstu_dl_instantiate(self._index, ctypes.c_void_p(graph.raw_cuda_graph()), self._stream(),
+                                             ctypes.byref(exec_out))
+        if code != 0:
+            logger.warning("a forward graph cannot be launched from the device (%s); it keeps the host launch",
+                           self._lib.hstu_dl_error_string(code).decode())
+            return None
+        self._execs.append(exec_out.value)
+        return exec_out.value
+
+    def launcher(self, staging: torch.Tensor, device_buffer: torch.Tensor, forward: int) -> int:
+        """A one-kernel graph that copies the pinned `staging` block into `device_buffer` (same
+        bytes, a multiple of 16) and then launches `forward` (an instantiate() exec)."""
+        nbytes = staging.numel() * staging.element_size()
+        if not staging.is_pinned() or device_buffer.device != self.device:
+            raise ValueError(f"a launcher copies pinned host memory to {self.device}; got "
+                             f"pinned={staging.is_pinned()}, device buffer on {device_buffer.device}")
+        if nbytes != device_buffer.numel() * device_buffer.element_size() or nbytes % 16:
+            raise ValueError(f"a launcher copies equal blocks of a multiple of 16 bytes; got {nbytes} bytes of staging "
+                             f"for {device_buffer.numel() * device_buffer.element_size()}")
+        exec_out = ctypes.c_void_p()
+        self._check(
+            self._lib.hstu_dl_launcher(self._index, ctypes.c_void_p(staging.data_ptr()),
+                                       ctypes.c_void_p(device_buffer.data_ptr()), nbytes, ctypes.c_void_p(forward),
+                                       ctypes.byref(exec_out)),
+            "building a device launcher",
+        )
+        self._execs.append(exec_out.value)
+        return exec_out.value
+
+    def launch(self, launcher: int) -> None:
+        """Enqueue `launcher` (its copy, then its forward) on the current stream."""
+        self._check(self._lib.hstu_dl_launch(ctypes.c_void_p(launcher), self._stream()), "a device launcher's launch")
+
+    def close(self) -> None:
+        """Destroy every exec made here (the caller synchronised the work that uses them)."""
+        execs, self._execs = self._execs, []
+        for e in execs:
+            self._lib.hstu_dl_destroy(ctypes.c_void_p(e))

@@ -1,0 +1,91 @@
+"""engine/device_launch.py: whole-forward graphs staged and launched from the device.
+
+CPU: the library builds wherever nvcc is (no GPU needed), and without the option or without CUDA
+nothing changes. CUDA: outputs equal the host-launched graphs' and the reference, over many
+batches rotating every staging slot, with work enqueued after a launch ordered after its forward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+
+import pytest
+import torch
+
+from hstu.engine import RankingEngine, device_launch
+from hstu.model.ranking import InferenceRankingGR
+from hstu.ops import _build
+from hstu.ops.kvcache.config import KVCacheConfig
+from hstu.ops.kvcache.manager import AsyncKVCacheManager
+from tests.configs import cuda_pipeline_model
+from tests.conftest import HistoryBook, rel_err
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_the_library_builds_once_and_exports_its_entry_points(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSTU_BUILD_DIR", str(tmp_path))
+    path = _build.device_launch_library()
+    assert path.exists() and _build.device_launch_library() == path  # cached: the same file, not rebuilt
+    lib = ctypes.CDLL(str(path))
+    for name in ("hstu_dl_instantiate", "hstu_dl_launcher", "hstu_dl_launch", "hstu_dl_destroy"):
+        assert hasattr(lib, name), name
+    lib.hstu_dl_error_string.restype = ctypes.c_char_p
+    assert lib.hstu_dl_error_string(0)  # cudaSuccess has a name
+
+
+def test_off_or_without_cuda_there_is_no_device_launch(monkeypatch):
+    monkeypatch.setattr(device_launch, "ENABLED", False)
+    assert device_launch.DeviceLaunch.create(torch.device("cuda")) is None
+    monkeypatch.setattr(device_launch, "ENABLED", True)
+    assert device_launch.DeviceLaunch.create(torch.device("cpu")) is None
+
+
+def _engine(cfg) -> RankingEngine:
+    kv = KVCacheConfig.for_model(cfg, page_size=16, num_pages=128, chunk_tokens=32, host_capacity_bytes=32 << 20)
+    return RankingEngine(InferenceRankingGR(cfg, device="cuda"), AsyncKVCacheManager(kv, device="cuda"))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_device_launched_forwards_equal_host_launched_ones_and_the_reference(monkeypatch):
+    cfg = cuda_pipeline_model("float32")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    buckets = (128, 256)
+    monkeypatch.setattr(device_launch, "ENABLED", True)
+    launched = _engine(cfg)
+    launched.enable_cuda_graphs(max_batch=4, buckets=buckets)
+    monkeypatch.setattr(device_launch, "ENABLED", False)
+    hosted = _engine(cfg)
+    hosted.enable_cuda_graphs(max_batch=4, buckets=buckets)
+    assert hosted.graphs.device_launch is None
+    assert launched.graphs.device_launch is not None, "the device launch was not set up"
+    book_d, book_h = HistoryBook(cfg, seed=11), HistoryBook(cfg, seed=11)
+    for step in range(16):  # 8 a bucket: every staging slot reused
+        users = [step % 5, 5 + step % 3]
+        new = 3 + step % 6 + (60 if step % 2 else 0)  # the two buckets in turn
+        rd = [book_d.request(u, new, 20) for u in users]
+        rh = [book_h.request(u, new, 20) for u in users]
+        out_d = launched.forward(rd)
+        # read on the host with no synchronisation of our own: the engine's copy-out must wait
+        assert torch.isfinite(out_d).all()
+        assert rel_err(out_d, hosted.forward(rh)) < 1e-5
+        assert rel_err(out_d, launched.forward_no_cache(rd)) < 1e-5
+    assert launched.graphs.device_launches >= 12
+    launched.close()
+    hosted.close()
+    assert launched.graphs.device_launch is None  # its execs destroyed
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_a_launcher_checks_its_blocks():
+    launch = device_launch.DeviceLaunch(ctypes.CDLL(str(_build.device_launch_library())), torch.device("cuda"))
+    pinned = torch.zeros(64, dtype=torch.uint8, pin_memory=True)
+    with pytest.raises(ValueError, match="equal blocks"):
+        launch.launcher(pinned, torch.zeros(48, dtype=torch.uint8, device="cuda"), 0)
+    with pytest.raises(ValueError, match="pinned"):
+        launch.launcher(torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8, device="cuda"), 0)
+    launch.close()
