@@ -122,8 +122,10 @@ class EndToEnd:
         self.cost = self.cached.calibrate() if planner else None
         self.cached_mgr.cost_model = None
 
-    def _replays(self, model: RankingEngine) -> int:
-        return model.graphs.replays if model.graphs is not None else 0
+    def _replays(self, model: RankingEngine) -> tuple[int, int]:
+        """(graph replays, of which launched from the device) so far."""
+        g = model.graphs
+        return (g.replays, g.device_launches) if g is not None else (0, 0)
 
     def close(self) -> None:
         self.cached_mgr.close()
@@ -205,7 +207,7 @@ class EndToEnd:
                            "host_hits", self.cost))
         passes.append(("cached_rerank", self.cached, prefilled_whole, None, None))
 
-        states = {name: {"replays": 0} for name, *_ in passes}
+        states = {name: {"replays": 0, "device_launches": 0} for name, *_ in passes}
         probes = {name: PhaseProbe(model) for name, model, *_ in passes}
 
         def timed(name: str, model: RankingEngine, cost: Any) -> Callable[[], list[RankOutput]]:
@@ -213,11 +215,13 @@ class EndToEnd:
             fn = self.with_cost(probes[name].timed(rank), cost)
 
             def call() -> list[RankOutput]:
-                replays = self._replays(model)
+                replays, launches = self._replays(model)
                 try:
                     return fn()
                 finally:
-                    state["replays"] += self._replays(model) - replays
+                    now = self._replays(model)
+                    state["replays"] += now[0] - replays
+                    state["device_launches"] += now[1] - launches
 
             return call
 
@@ -239,6 +243,7 @@ class EndToEnd:
         times, uncached_out = measured["uncached"]
         failures += _check_outputs("e2e/uncached", uncached_out, 0, batch)
         out["uncached"] = {**summarize(times), "cuda_graph_replays": states["uncached"]["replays"],
+                           "device_launches": states["uncached"]["device_launches"],
                            "host_phases_ms": probes["uncached"].per_forward_ms(repeats)["host_phases_ms"]}
         reference = [o.logits for o in uncached_out]
         for name, _, _, tier, cost in passes[1:-1]:
@@ -252,6 +257,7 @@ class EndToEnd:
                 **summarize(times),
                 **probes[name].per_forward_ms(repeats),
                 "cuda_graph_replays": states[name]["replays"],
+                "device_launches": states[name]["device_launches"],
                 "bytes_onloaded_per_forward": delta["bytes_onloaded"],
                 "onloaded_tokens_per_forward": delta["tokens_onloaded"],
                 "recomputed_tokens_per_forward": delta["tokens_recomputed"],
@@ -265,6 +271,7 @@ class EndToEnd:
         out["cached_rerank"] = {
             **summarize(times),
             "host_phases_ms": probes["cached_rerank"].per_forward_ms(repeats)["host_phases_ms"],
+            "device_launches": states["cached_rerank"]["device_launches"],
             "max_abs_diff_vs_uncached": _compare("e2e/cached_rerank vs uncached", rerank_out, reference, dtype, failures),
         }
         if batch == 1:
