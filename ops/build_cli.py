@@ -4,7 +4,9 @@ so a serving host starts without compiling. The build lands in HSTU_BUILD_DIR (d
 
 `hstu build-ext --check-cuda` compiles only the CUDA sources, to objects it throws away, against
 this install's torch headers: on a machine with nvcc but a CPU build of torch (no GPU) it catches
-a CUDA source that would not build before a GPU session is spent on finding out."""
+a CUDA source that would not build before a GPU session is spent on finding out. Both build the
+device-launch library too (HSTU_DEVICE_LAUNCH=1, engine/device_launch.py) where the extension has
+its CUDA kernels: it is linked, not only compiled, so --check-cuda keeps it."""
 
 from __future__ import annotations
 
@@ -24,13 +26,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from hstu.ops._build import check_cuda_sources, load_extension
+    from hstu.ops._build import check_cuda_sources, cuda_build_enabled, device_launch_library, load_extension
 
     if args.check_cuda:
         for source in check_cuda_sources():
             logger.info("compiles: %s", source)
+        logger.info("device-launch library: %s", device_launch_library())
         return 0
 
     module = load_extension()
     logger.info("hstu ops ready: %s", module.__file__)
+    if cuda_build_enabled():
+        logger.info("device-launch library ready: %s", device_launch_library())
     return 0
