@@ -81,6 +81,38 @@ def test_device_launched_forwards_equal_host_launched_ones_and_the_reference(mon
 
 @pytest.mark.cuda
 @needs_cuda
+def test_a_launcher_stages_its_slot_then_runs_the_graph_before_later_stream_work():
+    """The contract alone, without the engine: a graph reading a device buffer, launched from the
+    device after the launcher copied a pinned slot into that buffer; work enqueued after the launch
+    (a torch op on the same stream) sees the graph's output, launch after launch, slot after slot."""
+    launch = device_launch.DeviceLaunch(ctypes.CDLL(str(_build.device_launch_library())), torch.device("cuda"))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        device_buffer = torch.zeros(1024, dtype=torch.uint8, device="cuda")
+        slots = [torch.zeros(1024, dtype=torch.uint8, pin_memory=True) for _ in range(3)]
+        values = device_buffer.view(torch.float32)
+        out = torch.zeros_like(values)
+        values.add_(0)  # allocator and kernels settle before the capture
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(graph, stream=stream):
+            out.copy_(values * 2 + 1)
+        forward = launch.instantiate(graph)
+        assert forward is not None, "a graph of elementwise kernels must launch from the device"
+        launchers = [launch.launcher(s, device_buffer, forward) for s in slots]
+        for step in range(12):
+            slot = step % 3
+            torch.cuda.current_stream().synchronize()  # the slot's last launch has read it
+            slots[slot].view(torch.float32).copy_(torch.arange(256, dtype=torch.float32) + step)
+            launch.launch(launchers[slot])
+            seen = out.clone()  # enqueued after the launch: must read this step's forward
+            expected = (torch.arange(256, dtype=torch.float32) + step) * 2 + 1
+            assert torch.equal(seen.cpu(), expected), step
+    stream.synchronize()
+    launch.close()
+
+
+@pytest.mark.cuda
+@needs_cuda
 def test_a_launcher_checks_its_blocks():
     launch = device_launch.DeviceLaunch(ctypes.CDLL(str(_build.device_launch_library())), torch.device("cuda"))
     pinned = torch.zeros(64, dtype=torch.uint8, pin_memory=True)
