@@ -69,9 +69,8 @@ class DeviceLaunch:
     def instantiate(self, graph: torch.cuda.CUDAGraph) -> int | None:
         """An exec of `graph` (captured with keep_graph=True) launchable from the device, uploaded
         on the current stream; None when the driver refuses it for device launch (logged)."""
-        exec_out = ctypes.c_void_p()
-        code = self._lib.hstu_dl_instantiate(self._index, ctypes.c_void_p(graph.raw_cuda_graph()), self._stream(),
-                                             ctypes.byref(exec_out))
+        exec_out, raw = ctypes.c_void_p(), ctypes.c_void_p(int(graph.raw_cuda_graph()))
+        code = self._lib.hstu_dl_instantiate(self._index, raw, self._stream(), ctypes.byref(exec_out))
         if code != 0:
             logger.warning("a forward graph cannot be launched from the device (%s); it keeps the host launch",
                            self._lib.hstu_dl_error_string(code).decode())
