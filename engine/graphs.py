@@ -377,14 +377,9 @@ class ForwardGraphs:
         replayed this bucket since). onload() with wait_set (take_wait_set; waits_in_graph), instead
         of before_layer: enqueues every layer's onload after the inputs copy, each layer recording
         its event of the set (wait_events); then the set's waited graph replays once."""
-        if not staged and before_layer is None and onload is None and self.device_launch is not None:
-            launched = self._launch_from_device(pad, meta)
-            if launched is not None:
-                if after_launch is not None:
-                    after_launch()
-                self.replays += 1
-                return launched[:num_candidates].clone() if copy else launched[:num_candidates]
-        if not staged and not self.stage(pad, meta):
+        # a whole forward staged and launched by the slot's device launcher, where the bucket has one
+        launched = not staged and before_layer is None and onload is None and self._launch_from_device(pad, meta)
+        if not staged and not launched and not self.stage(pad, meta):
             return None
         bucket = self._buckets[pad.rows]
         if onload is not None and wait_set is not None and bucket.waited:
@@ -398,7 +393,8 @@ class ForwardGraphs:
             logits = bucket.waited_logits[j]
             self.waited_replays += 1
         elif before_layer is None:
-            bucket.whole()
+            if not launched:
+                bucket.whole()
             logits = bucket.whole_logits
             if after_launch is not None:
                 after_launch()
@@ -413,14 +409,14 @@ class ForwardGraphs:
         self.replays += 1
         return logits[:num_candidates].clone() if copy else logits[:num_candidates]
 
-    def _launch_from_device(self, pad: PadSpec, meta: KVCacheMetadata | PackedMetadata) -> torch.Tensor | None:
-        """The whole forward staged and launched by the slot's device launcher: the bucket's static
-        logits, or None when the bucket has no launchers (the caller stages and replays) or the
-        metadata is not the bucket's (stage() then says so)."""
-        bucket = self._staged_bucket(pad, meta)
-        if bucket is None or not bucket.launchers:
-            return None
+    def _launch_from_device(self, pad: PadSpec, meta: KVCacheMetadata | PackedMetadata) -> bool:
+        """Enqueue the slot's device launcher (its staging copy, then the whole forward); False when
+        the bucket has no launchers (the caller stages and replays) or the metadata is not the
+        bucket's (stage() then says so)."""
+        bucket = self._buckets.get(pad.rows)
+        if bucket is None or not bucket.launchers or self._staged_bucket(pad, meta) is None:
+            return False
         self.device_launch.launch(bucket.launchers[pad.slot])
         self._slot_read(bucket, pad.slot)
         self.device_launches += 1
-        return bucket.whole_logits
+        return True
