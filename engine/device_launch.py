@@ -31,9 +31,11 @@ class DeviceLaunch:
 
     def __init__(self, library: ctypes.CDLL, device: torch.device) -> None:
         self._lib = library
-        self.device = torch.device(device)
-        self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        device = torch.device(device)
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device(device.type, self._index)  # "cuda" and "cuda:0" compare unequal
         self._execs: list[int] = []
+        self.refusals: list[str] = []  # why each refused graph keeps the host launch
         vp, ll = ctypes.c_void_p, ctypes.c_longlong
         library.hstu_dl_error_string.restype = ctypes.c_char_p
         library.hstu_dl_error_string.argtypes = [ctypes.c_int]
@@ -72,8 +74,9 @@ class DeviceLaunch:
         exec_out, raw = ctypes.c_void_p(), ctypes.c_void_p(int(graph.raw_cuda_graph()))
         code = self._lib.hstu_dl_instantiate(self._index, raw, self._stream(), ctypes.byref(exec_out))
         if code != 0:
-            logger.warning("a forward graph cannot be launched from the device (%s); it keeps the host launch",
-                           self._lib.hstu_dl_error_string(code).decode())
+            reason = self._lib.hstu_dl_error_string(code).decode()
+            self.refusals.append(reason)
+            logger.warning("a forward graph cannot be launched from the device (%s); it keeps the host launch", reason)
             return None
         self._execs.append(exec_out.value)
         return exec_out.value

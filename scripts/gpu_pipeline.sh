@@ -291,12 +291,13 @@ skip_after_failed gluon_tests GLUON pipeline_gluon
 stage stream_tests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_cuda_kernels.py -k "gluon and stream"
 skip_after_failed stream_tests STREAM pipeline_stream
 # the device launch (HSTU_DEVICE_LAUNCH=1, engine/device_launch.py): its tests, then the GPU pipeline and graph
-# tests under it (pipeline_dl); sanitize_dl: its kernel under compute-sanitizer memcheck
+# tests under it (pipeline_dl); sanitize_dl: its kernel under compute-sanitizer memcheck, with the caching
+# allocator on (without it, a capture's allocations are plain cudaMallocs, which a capture refuses)
 stage dl_tests 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/engine/test_device_launch.py
 skip_after_failed dl_tests DL pipeline_dl
 stage pipeline_dl 240 env HSTU_DEVICE_LAUNCH=1 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
   tests/model/test_cuda_pipeline.py tests/engine/test_graphs.py -k "not compiled_layers"
-stage sanitize_dl 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
+stage sanitize_dl 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
   python3 -m pytest -q -m cuda -rfE -p no:cacheprovider tests/engine/test_device_launch.py
 # compute-sanitizer memcheck on the Gluon kernel (issue 12: every new kernel): whole and cut units, a padded
 # bucket, both tail forms

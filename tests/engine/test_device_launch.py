@@ -65,7 +65,7 @@ def test_device_launched_forwards_equal_host_launched_ones_and_the_reference(mon
     book_d, book_h = HistoryBook(cfg, seed=11), HistoryBook(cfg, seed=11)
     for step in range(16):  # 8 a bucket: every staging slot reused
         users = [step % 5, 5 + step % 3]
-        new = 3 + step % 6 + (60 if step % 2 else 0)  # the two buckets in turn
+        new = 3 + step % 6 + (30 if step % 2 else 0)  # the two buckets in turn: 52-70 rows, then 176-192
         rd = [book_d.request(u, new, 20) for u in users]
         rh = [book_h.request(u, new, 20) for u in users]
         out_d = launched.forward(rd)
@@ -73,7 +73,11 @@ def test_device_launched_forwards_equal_host_launched_ones_and_the_reference(mon
         assert torch.isfinite(out_d).all()
         assert rel_err(out_d, hosted.forward(rh)) < 1e-5
         assert rel_err(out_d, launched.forward_no_cache(rd)) < 1e-5
-    assert launched.graphs.device_launches >= 12
+    graphs = launched.graphs
+    assert all(b.launchers for b in graphs._buckets.values()), f"refused: {graphs.device_launch.refusals}"
+    # every batch replayed a whole forward (nothing to onload), each launched from the device
+    assert graphs.replays - graphs.segmented_replays - graphs.waited_replays == 16
+    assert graphs.device_launches == 16
     launched.close()
     hosted.close()
     assert launched.graphs.device_launch is None  # its execs destroyed
