@@ -36,14 +36,16 @@ class DeviceLaunch:
         self.device = torch.device(device.type, self._index)  # "cuda" and "cuda:0" compare unequal
         self._execs: list[int] = []
         self.refusals: list[str] = []  # why each refused graph keeps the host launch
+        self._profiled = False
         vp, ll = ctypes.c_void_p, ctypes.c_longlong
         library.hstu_dl_error_string.restype = ctypes.c_char_p
         library.hstu_dl_error_string.argtypes = [ctypes.c_int]
         library.hstu_dl_instantiate.argtypes = [ctypes.c_int, vp, vp, ctypes.POINTER(vp)]
         library.hstu_dl_launcher.argtypes = [ctypes.c_int, vp, vp, ll, vp, ctypes.POINTER(vp)]
+        library.hstu_dl_probe.argtypes = [ctypes.c_int, vp, vp, ctypes.POINTER(ctypes.c_int)]
         library.hstu_dl_launch.argtypes = [vp, vp]
         library.hstu_dl_destroy.argtypes = [vp]
-        for fn in ("hstu_dl_instantiate", "hstu_dl_launcher", "hstu_dl_launch", "hstu_dl_destroy"):
+        for fn in ("hstu_dl_instantiate", "hstu_dl_launcher", "hstu_dl_probe", "hstu_dl_launch", "hstu_dl_destroy"):
             getattr(library, fn).restype = ctypes.c_int
 
     @classmethod
@@ -70,7 +72,9 @@ class DeviceLaunch:
 
     def instantiate(self, graph: torch.cuda.CUDAGraph) -> int | None:
         """An exec of `graph` (captured with keep_graph=True) launchable from the device, uploaded
-        on the current stream; None when the driver refuses it for device launch (logged)."""
+        on the current stream and probed there once (it replays: call it right after the capture,
+        whose inputs its buffers still hold); None when the driver refuses it for device launch or
+        the probe's launch fails (logged, kept in refusals)."""
         exec_out, raw = ctypes.c_void_p(), ctypes.c_void_p(int(graph.raw_cuda_graph()))
         code = self._lib.hstu_dl_instantiate(self._index, raw, self._stream(), ctypes.byref(exec_out))
         if code != 0:
@@ -78,8 +82,28 @@ class DeviceLaunch:
             self.refusals.append(reason)
             logger.warning("a forward graph cannot be launched from the device (%s); it keeps the host launch", reason)
             return None
+        launch_error = ctypes.c_int(0)
+        code = self._lib.hstu_dl_probe(self._index, exec_out, self._stream(), ctypes.byref(launch_error))
+        if code != 0 or launch_error.value != 0:
+            self._lib.hstu_dl_destroy(exec_out)
+            reason = self._lib.hstu_dl_error_string(code or launch_error.value).decode()
+            self.refusals.append(f"probe: {reason}")
+            logger.warning("a forward graph failed its device-launch probe (%s); it keeps the host launch", reason)
+            return None
         self._execs.append(exec_out.value)
         return exec_out.value
+
+    def usable(self) -> bool:
+        """Whether launches may go through the device now. Not once a torch profiler has run in this
+        process: under it a device-side launch failed (run MC, H100) and a serving launcher traps,
+        taking the context with it; the host launch runs the same graphs."""
+        if self._profiled:
+            return False
+        if torch._C._autograd._profiler_enabled():
+            self._profiled = True
+            logger.warning("a profiler is running: forward graphs go back to the host launch for this process")
+            return False
+        return True
 
     def launcher(self, staging: torch.Tensor, device_buffer: torch.Tensor, forward: int) -> int:
         """A one-kernel graph that copies the pinned `staging` block into `device_buffer` (same

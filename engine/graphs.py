@@ -257,10 +257,11 @@ class ForwardGraphs:
         replay_whole, whole_logits, whole_graph = self._record(whole, keep_graph=self.device_launch is not None)
         launchers = []
         if whole_graph is not None:
+            # the host launch too, instantiated now rather than at the first replay: it takes over
+            # where the device launch is refused or stops being usable (a profiler)
+            whole_graph.instantiate()
             forward = self.device_launch.instantiate(whole_graph)
-            if forward is None:
-                whole_graph.instantiate()  # the host launch, instantiated now rather than at the first replay
-            else:
+            if forward is not None:
                 launchers = [self.device_launch.launcher(t, device_buffer, forward) for t in staging]
         waited, waited_logits = [], []
         if self.waits_in_graph:
@@ -414,7 +415,12 @@ class ForwardGraphs:
         the bucket has no launchers (the caller stages and replays) or the metadata is not the
         bucket's (stage() then says so)."""
         bucket = self._buckets.get(pad.rows)
-        if bucket is None or not bucket.launchers or self._staged_bucket(pad, meta) is None:
+        if (
+            bucket is None
+            or not bucket.launchers
+            or self._staged_bucket(pad, meta) is None
+            or not self.device_launch.usable()
+        ):
             return False
         self.device_launch.launch(bucket.launchers[pad.slot])
         self._slot_read(bucket, pad.slot)

@@ -30,10 +30,22 @@ def test_the_library_builds_once_and_exports_its_entry_points(tmp_path, monkeypa
     path = _build.device_launch_library()
     assert path.exists() and _build.device_launch_library() == path  # cached: the same file, not rebuilt
     lib = ctypes.CDLL(str(path))
-    for name in ("hstu_dl_instantiate", "hstu_dl_launcher", "hstu_dl_launch", "hstu_dl_destroy"):
+    for name in ("hstu_dl_instantiate", "hstu_dl_launcher", "hstu_dl_probe", "hstu_dl_launch", "hstu_dl_destroy"):
         assert hasattr(lib, name), name
     lib.hstu_dl_error_string.restype = ctypes.c_char_p
     assert lib.hstu_dl_error_string(0)  # cudaSuccess has a name
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_a_profiler_ends_the_device_launch_for_good(tmp_path, monkeypatch):
+    """Under a profiler a device-side launch failed (run MC), and a serving launcher traps: once one
+    has run, every launch goes back to the host, after it too (what it left attached is unknown)."""
+    monkeypatch.setenv("HSTU_BUILD_DIR", str(tmp_path))
+    launch = device_launch.DeviceLaunch(ctypes.CDLL(str(_build.device_launch_library())), torch.device("cuda", 0))
+    assert launch.usable()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert not launch.usable()
+    assert not launch.usable()
 
 
 def test_off_or_without_cuda_there_is_no_device_launch(monkeypatch):
@@ -113,6 +125,32 @@ def test_a_launcher_stages_its_slot_then_runs_the_graph_before_later_stream_work
             assert torch.equal(seen.cpu(), expected), step
     stream.synchronize()
     launch.close()
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_under_a_profiler_forwards_take_the_host_launch_and_stay_exact(monkeypatch):
+    cfg = cuda_pipeline_model("float32")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(device_launch, "ENABLED", True)
+    engine = _engine(cfg)
+    engine.enable_cuda_graphs(max_batch=4, buckets=(128,))
+    book = HistoryBook(cfg, seed=5)
+
+    def check(user: int) -> None:
+        requests = [book.request(user, 4, 8)]
+        out = engine.forward(requests)
+        torch.cuda.synchronize()
+        assert rel_err(out, engine.forward_no_cache(requests)) < 1e-5
+
+    for step in range(3):
+        check(step % 2)
+    assert engine.graphs.device_launches == 3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]):
+        check(0)
+    check(1)
+    assert engine.graphs.device_launches == 3  # host launches since the profiler, no trap
+    engine.close()
 
 
 @pytest.mark.cuda
