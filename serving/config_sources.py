@@ -23,11 +23,12 @@ ENV_PREFIX = "HSTU_"
 MODEL_SECTION = "model"
 # Variables that are not settings: the extension build's (ops/_build.py) and the experiment knobs
 # that modules read themselves for same-call A/B runs (the server must start under them).
+# Prefixes: the attention kernels' knobs (HSTU_ATTENTION_*, HSTU_GLUON_*) and the onload's.
 RESERVED_ENV = (
     "HSTU_BUILD", "HSTU_FORCE_CPU", "HSTU_CUDA_ARCH",
-    "HSTU_PIPE_THREADS", "HSTU_REBUILD_AHEAD", "HSTU_REBUILD_GRAPHS", "HSTU_ATTENTION_SILU", "HSTU_ONLOAD_IMPL",
-    "HSTU_FINISH_WAITS_ONLOAD", "HSTU_ONLOAD_WAITS_ALL", "HSTU_ONLOAD_IN_GRAPH", "HSTU_LOGITS_OUT",
-    "HSTU_GC_FREEZE",
+    "HSTU_PIPE_THREADS", "HSTU_REBUILD_AHEAD", "HSTU_REBUILD_GRAPHS", "HSTU_ATTENTION_", "HSTU_GLUON_", "HSTU_ONLOAD_",
+    "HSTU_FINISH_WAITS_ONLOAD", "HSTU_LOGITS_OUT", "HSTU_GC_FREEZE", "HSTU_DEVICE_LAUNCH", "HSTU_FUSED_GATE",
+    "HSTU_GRAPH_BUCKETS", "HSTU_STAGE_COPY", "HSTU_TEST_KNOB",
 )
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
