@@ -223,11 +223,13 @@ stage overlap_probe 240 bash -c 'python3 -m hstu.scripts.overlap_probe --out "$O
   && python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/scripts/test_overlap_probe.py'
 # A/B of attention variants by mode (mode_env): the schedule experiments of ops/triton_attention.py (off by
 # default): OFF; SIMPLE = ALIGN_TAIL=1 + LONG_FIRST=1; CAUSAL = both + CAUSAL_SHARES=1; and the kernel: TRITON, GLUON
-# (ops/gluon_attention.py), STREAM (ops/gluon_stream_attention.py: HSTU_GLUON_STREAM=1), STREAMA (the stream kernel
-# where a launch's units reach a quarter of the SMs: HSTU_GLUON_STREAM_AUTO=1), STREAMP (its plain
+# (ops/gluon_attention.py, no stream kernel, host launch: the defaults before session 44), STREAM
+# (ops/gluon_stream_attention.py: HSTU_GLUON_STREAM=1), STREAMA (the stream kernel where a launch's units reach a
+# quarter of the SMs, host launch), STREAMP (its plain
 # stream-K, no lanes: HSTU_GLUON_LANES=0), STREAMO (its own-key tiles gathered: HSTU_GLUON_OWN_TMA=0),
 # GLUONG (its causal-boundary tiles gathered: HSTU_GLUON_MASKED_TMA=0); and the launch: DL (whole forwards
-# launched from the device: HSTU_DEVICE_LAUNCH=1), DLSA (DL with STREAMA). schedule_tests: the CUDA
+# launched from the device: HSTU_DEVICE_LAUNCH=1), DLSA (DL with STREAMA: the defaults since session 44), HL (the
+# defaults with the host launch); DEFAULT: the defaults. schedule_tests: the CUDA
 # attention tests with the three schedule rules on; modes_kernels:
 # the kernel at the bench shapes at its default tiles per mode (KERNEL_MODES); modes_replay: the seed replay
 # alternating the modes (MODES), --verify; modes_pressure: the pressure replay per mode (PRESSURE_MODES); modes_bench:
@@ -239,12 +241,14 @@ mode_env() {
     SIMPLE) echo HSTU_ATTENTION_ALIGN_TAIL=1 HSTU_ATTENTION_LONG_FIRST=1 ;;
     CAUSAL) echo HSTU_ATTENTION_ALIGN_TAIL=1 HSTU_ATTENTION_LONG_FIRST=1 HSTU_ATTENTION_CAUSAL_SHARES=1 ;;
     TRITON) echo HSTU_ATTENTION_KERNEL=triton ;;
-    GLUON) echo HSTU_ATTENTION_KERNEL=gluon ;;
+    DEFAULT) echo MODE=default ;;
+    GLUON) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM_AUTO=0 HSTU_DEVICE_LAUNCH=0 ;;
     STREAM) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM=1 ;;
-    STREAMA) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM_AUTO=1 ;;
+    STREAMA) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM_AUTO=1 HSTU_DEVICE_LAUNCH=0 ;;
     STREAMP) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM=1 HSTU_GLUON_LANES=0 ;;
     STREAMO) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM=1 HSTU_GLUON_OWN_TMA=0 ;;
     GLUONG) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_MASKED_TMA=0 ;;
+    HL) echo HSTU_DEVICE_LAUNCH=0 ;;
     PLANEACH) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_PLAN_ONCE=0 ;;
     DL) echo HSTU_DEVICE_LAUNCH=1 ;;
     DLSA) echo HSTU_DEVICE_LAUNCH=1 HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM_AUTO=1 ;;

@@ -6,6 +6,7 @@ tests/ops/test_cuda_kernels.py."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -201,11 +202,13 @@ def test_one_plan_a_forward_written_at_layer_0_and_read_by_the_others(monkeypatc
 
 
 def test_stream_kernel_takes_launches_whose_units_reach_a_quarter_of_the_sms(monkeypatch):
-    """takes_stream: off by default; HSTU_GLUON_STREAM takes every launch; HSTU_GLUON_STREAM_AUTO
-    takes batch 8 (3,072 rows: 96 units), mixed5 (1,187 rows: at least 40 units), the re-rank
+    """takes_stream: none without HSTU_GLUON_STREAM_AUTO; HSTU_GLUON_STREAM takes every launch;
+    HSTU_GLUON_STREAM_AUTO (the default) takes batch 8 (3,072 rows: 96 units), mixed5 (1,187 rows: at least 40 units), the re-rank
     (2,048 rows: 64 units) and the uncached batch, and leaves batch 1 (384 rows: 12 units) and
     batch 2 (24 units) to the default kernel, on 132 SMs."""
     shapes = {"b1": 384, "b2": 768, "mixed5": 1187, "rerank8": 2048, "b8": 3072, "uncached8": 8 * 4352}
+    assert ga.STREAM_AUTO or "HSTU_GLUON_STREAM_AUTO" in os.environ
+    monkeypatch.setattr(ga, "STREAM_AUTO", False)
     assert not any(ga.takes_stream(rows, 4, 132) for rows in shapes.values())
     monkeypatch.setattr(ga, "STREAM_AUTO", True)
     assert {name for name, rows in shapes.items() if not ga.takes_stream(rows, 4, 132)} == {"b1", "b2"}
