@@ -163,6 +163,7 @@ def create_app(settings: ServerSettings | None = None, runtime_factory: RuntimeF
     metrics = ServingMetrics(settings.max_batch_size)
     runtime = runtime_factory(settings, config, limits, metrics)
     metrics.watch_cache(lambda: runtime.manager)
+    metrics.watch_graphs(lambda: getattr(runtime, "engine", None))
     metrics.queue_depth.set_function(lambda: runtime.pending)
     RankRequestModel = build_rank_request_model(limits)
     RankColumnsModel = build_rank_columns_model(limits)

@@ -185,6 +185,11 @@ class ServingMetrics:
         """Expose the cache metrics of whatever manager `manager_fn` returns (None: not loaded yet)."""
         self.registry.register(CacheCollector(manager_fn))
 
+    def watch_graphs(self, engine_fn: Callable[[], object | None]) -> None:
+        """Expose the CUDA-graph replays of whatever engine `engine_fn` returns (None, or an engine
+        without graphs: nothing), by who launched them."""
+        self.registry.register(GraphsCollector(engine_fn))
+
     def watch_history_store(self, store) -> None:
         """Expose the occupancy and evictions of a serving/history_store.HistoryStore."""
         self.registry.register(HistoryStoreCollector(store))
@@ -208,6 +213,25 @@ class HistoryStoreCollector(_ScrapeTimeCollector):
         yield GaugeMetricFamily("hstu_history_store_bytes", "Bytes of the histories kept for incremental requests", value=s.nbytes)
         yield GaugeMetricFamily("hstu_history_store_users", "Users whose history is kept", value=len(s))
         yield CounterMetricFamily("hstu_history_store_evictions", "Users' histories evicted to make room", value=s.evictions)
+
+
+class GraphsCollector(_ScrapeTimeCollector):
+    """Reads an engine's graph replay counts at scrape time. Why: whole forwards are launched from
+    the GPU unless that is off, refused or stopped (a profiler ran in the process: every later
+    launch goes through the host), and an operator sees which here."""
+
+    def __init__(self, engine_fn: Callable[[], object | None]) -> None:
+        self._engine_fn = engine_fn
+
+    def collect(self) -> Iterator[Metric]:
+        graphs = getattr(self._engine_fn(), "graphs", None)
+        if graphs is None:
+            return
+        m = CounterMetricFamily("hstu_graph_replays", "CUDA-graph forwards (whole or in layer segments), by who "
+                                "launched them: the GPU (engine/device_launch.py) or the host", labels=["launch"])
+        m.add_metric(["device"], graphs.device_launches)
+        m.add_metric(["host"], graphs.replays - graphs.device_launches)
+        yield m
 
 
 class CacheCollector(_ScrapeTimeCollector):

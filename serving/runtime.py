@@ -136,9 +136,10 @@ class ServingRuntime(Runtime):
 
     @classmethod
     def standalone(cls, settings: ServerSettings) -> "ServingRuntime":
-        """Runtime.standalone, with the cache's metrics attached too."""
+        """Runtime.standalone, with the cache's and the graphs' metrics attached too."""
         runtime = super().standalone(settings)
         runtime.metrics.watch_cache(lambda: runtime.manager)
+        runtime.metrics.watch_graphs(lambda: runtime.engine)
         return runtime
 
     @property
