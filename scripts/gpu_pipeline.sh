@@ -8,7 +8,7 @@
 # regimes, profile, profile_cold, bench_trace, rest, rest_invalidate, rest_switch, rest_worker, replay_worker, pytest_serving, rest_engine, rest_front2, rest_front3,
 # attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, modes_kernels,
 # modes_replay, modes_pressure, modes_bench, gluon_tests, sanitize_gluon, profile_pipelined, pipeline_gluon, stream_tests,
-# pipeline_stream (STREAM_ENV), dl_tests, pipeline_dl, sanitize_dl,
+# pipeline_stream (STREAM_ENV), dl_tests, pipeline_dl, sanitize_dl, launch_cost,
 # rest_loop2, engine_process, profile_host, rest_ray, rest_ray_direct, rest_ray_direct4, bench_export, bench_compiled), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
@@ -229,7 +229,9 @@ stage overlap_probe 240 bash -c 'python3 -m hstu.scripts.overlap_probe --out "$O
 # stream-K, no lanes: HSTU_GLUON_LANES=0), STREAMO (its own-key tiles gathered: HSTU_GLUON_OWN_TMA=0),
 # GLUONG (its causal-boundary tiles gathered: HSTU_GLUON_MASKED_TMA=0); and the launch: DL (whole forwards
 # launched from the device: HSTU_DEVICE_LAUNCH=1), DLSA (DL with STREAMA: the defaults since session 44), HL (the
-# defaults with the host launch); DEFAULT: the defaults. schedule_tests: the CUDA
+# defaults with the host launch); DEFAULT: the defaults; FB: the default buckets with 18432 and 20480 added (a
+# batch of 8's host-tier front of 2304 or 2560 tokens a user fits without padding to 24576; bar_bounds: b8 host tier
+# 1.62x -> 1.65x). schedule_tests: the CUDA
 # attention tests with the three schedule rules on; modes_kernels:
 # the kernel at the bench shapes at its default tiles per mode (KERNEL_MODES); modes_replay: the seed replay
 # alternating the modes (MODES), --verify; modes_pressure: the pressure replay per mode (PRESSURE_MODES); modes_bench:
@@ -249,6 +251,7 @@ mode_env() {
     STREAMO) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM=1 HSTU_GLUON_OWN_TMA=0 ;;
     GLUONG) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_MASKED_TMA=0 ;;
     HL) echo HSTU_DEVICE_LAUNCH=0 ;;
+    FB) echo HSTU_GRAPH_BUCKETS=256,384,512,768,1024,1536,2048,3072,4096,6144,8192,12288,16384,18432,20480,24576 ;;
     PLANEACH) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_PLAN_ONCE=0 ;;
     DL) echo HSTU_DEVICE_LAUNCH=1 ;;
     DLSA) echo HSTU_DEVICE_LAUNCH=1 HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM_AUTO=1 ;;
@@ -308,6 +311,8 @@ stage sanitize_dl 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
 stage sanitize_gluon 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
   python3 -m pytest -q -m cuda -rfE -p no:cacheprovider tests/ops/test_cuda_kernels.py \
   -k "gluon and (padded or default-8-32 or gathered-2-8)"
+# the model thread's launch of a graph batch piece by piece (device launch, host replay, clone, event), b1 and b8
+stage launch_cost 120 python3 -m hstu.scripts.launch_cost --batch 1 8 --out "$OUT/launch_cost.json"
 # issue 12's GPU busy share: batches launched back to back as the server does (rank_async), batch 1 and 8
 stage profile_pipelined 150 python3 -m hstu.cli profile --device cuda --cuda-graphs --batch 1 8 --forwards 10 \
   --pipelined 16 --out "$OUT/profile_pipelined"
