@@ -41,7 +41,7 @@ from hstu.ops.kvcache.batch import BatchPlan
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.ops.kvcache.planner import CostModel
 from hstu.ops.kvcache.transfers import COPY_AHEAD
-from hstu.ops.knobs import flag
+from hstu.ops.knobs import choice, flag
 from hstu.ops.kv_ops import write_pinned
 
 # A batch is ranked at most this many times: the retry after a failed onload is a plain miss.
@@ -54,10 +54,13 @@ _ONLOAD_IN_GRAPH = os.environ.get("HSTU_ONLOAD_IN_GRAPH", "0") == "1"
 # HSTU_LOGITS_OUT=kernel: rank_async writes the batch's logits to pinned memory with a kernel
 # (kv_ops.write_pinned) instead of a D2H copy, which shares the copy engine with the offloads' D2H
 # and may queue behind a whole history's (an experiment knob, off until measured on a GPU)
-_LOGITS_OUT = os.environ.get("HSTU_LOGITS_OUT", "copy") or "copy"
-if _LOGITS_OUT not in ("copy", "kernel"):
-    raise ValueError(f"HSTU_LOGITS_OUT must be 'copy' or 'kernel', got {_LOGITS_OUT!r}")
-_LOGITS_BY_KERNEL = _LOGITS_OUT == "kernel"
+_LOGITS_BY_KERNEL = choice("HSTU_LOGITS_OUT", ("copy", "kernel"), "copy") == "kernel"
+# HSTU_COMPILE_MODE: torch.compile's mode for the layers enable_cuda_graphs(compile=True) captures.
+# "max-autotune-no-cudagraphs" lets Inductor weigh its Triton GEMM templates against cuBLAS, with
+# the SiLU after the projection and the residual after the output matmul fused into their
+# epilogues where that measures faster: the memory passes beside the GEMMs (issue 12; run AY's
+# default-mode compile gave nothing over eager layers). An experiment: compiling takes minutes.
+_COMPILE_MODE = choice("HSTU_COMPILE_MODE", ("default", "max-autotune-no-cudagraphs"), "default")
 # HSTU_ONLOAD_AT_RESERVE=0: a graph-bucket batch's onload starts after the plan, as before, not as
 # soon as its pages are reserved (an experiment knob for same-call comparisons)
 _ONLOAD_AT_RESERVE = flag("HSTU_ONLOAD_AT_RESERVE", default=True)
@@ -385,7 +388,7 @@ class RankingEngine:
         if self.graphs is not None:  # captured again: the last set's device execs go first
             self.graphs.close()
 
-        layer_fns = self._compiled_layers(dynamic=False) if compile else None
+        layer_fns = self._compiled_layers(dynamic=False, mode=_COMPILE_MODE) if compile else None
         self.graphs = ForwardGraphs(
             self.model, self.cache.kv_pages, self.cache.scratch_page, max_batch, buckets, layer_fns, capture,
             keep_layer_inputs=self.cache.keeps_hidden, waits_in_graph=_ONLOAD_IN_GRAPH,

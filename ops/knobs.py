@@ -18,6 +18,15 @@ def flag(name: str, default: bool = False) -> bool:
     return value == "1"
 
 
+def choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """Environment variable `name` as one of `choices` (unset or empty: default); anything else
+    raises naming it and the choices."""
+    value = os.environ.get(name) or default
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
 def number(name: str, default: float, meaning: str, minimum: float | None = None) -> float:
     """Environment variable `name` as a finite number, at least `minimum` when given (unset:
     default); anything else raises naming it and what it means."""

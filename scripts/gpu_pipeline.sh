@@ -9,7 +9,8 @@
 # attention, pytest_attention, silu_ab, profile_rerank, overlap_probe, schedule_tests, modes_kernels,
 # modes_replay, modes_pressure, modes_bench, gluon_tests, sanitize_gluon, profile_pipelined, pipeline_gluon, stream_tests,
 # pipeline_stream (STREAM_ENV), dl_tests, pipeline_dl, sanitize_dl, launch_cost,
-# rest_loop2, engine_process, profile_host, rest_ray, rest_ray_direct, rest_ray_direct4, bench_export, bench_compiled), e.g.
+# rest_loop2, engine_process, profile_host, rest_ray, rest_ray_direct, rest_ray_direct4, bench_export, bench_compiled,
+# bench_autotune), e.g.
 #   STAGES="build pytest_cuda replay_graphs bench_compiled" bash scripts/gpu_pipeline.sh
 # Each stage has its own time limit so the call ends inside the device's 10 minutes; failed stages
 # are listed last and make the exit status non-zero. scripts/gpu_check.sh covers the kernels alone
@@ -331,7 +332,15 @@ HSTU_ATTENTION_KERNEL=gluon stage pipeline_gluon 240 python3 -m pytest -m cuda -
   tests/model/test_cuda_pipeline.py tests/engine/test_graphs.py tests/ops/kvcache/test_plan_feedback.py -k "not compiled_layers"
 stage bench_export 300 python3 -m hstu.scripts.bench_export --device cuda --batch 8 --cuda-graphs --out "$OUT/bench_export.json"
 stage bench_compiled 200 python3 -m hstu.cli bench --device cuda --compile --sections e2e --batch-sizes 8 --out "$OUT/bench_compiled"
-rm -f "$OUT/bench_graphs/bench.md" "$OUT/bench_compiled/bench.md" "$OUT/bench_trace/bench.md"
+# issue 12's memory passes beside the GEMMs: batch 8 with layers compiled under max-autotune (Inductor's GEMM templates,
+# the SiLU and residual fused into their epilogues where faster) against the same buckets' eager-layer graphs, one
+# bucket (3072 rows) so the autotuning stays within the stage (HSTU_COMPILE_MODE, engine/engine.py)
+stage bench_autotune 420 bash -c 'env HSTU_GRAPH_BUCKETS=3072 python3 -m hstu.cli bench --device cuda --cuda-graphs \
+  --sections e2e --batch-sizes 8 --out "$OUT/bench_b8_eager" && env HSTU_GRAPH_BUCKETS=3072 \
+  HSTU_COMPILE_MODE=max-autotune-no-cudagraphs python3 -m hstu.cli bench --device cuda --compile --sections e2e \
+  --batch-sizes 8 --out "$OUT/bench_b8_autotune"'
+rm -f "$OUT/bench_graphs/bench.md" "$OUT/bench_compiled/bench.md" "$OUT/bench_trace/bench.md" \
+  "$OUT/bench_b8_eager/bench.md" "$OUT/bench_b8_autotune/bench.md"
 
 if ((${#failed[@]})); then
   echo "FAILED stages: ${failed[*]}" | tee -a "$LOG"

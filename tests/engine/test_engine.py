@@ -85,4 +85,4 @@ def test_an_unknown_logits_out_knob_is_refused_naming_it():
 
     env = {**os.environ, "HSTU_LOGITS_OUT": "dma"}
     proc = subprocess.run([sys.executable, "-c", "import hstu.engine.engine"], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "HSTU_LOGITS_OUT must be 'copy' or 'kernel', got 'dma'" in proc.stderr
+    assert proc.returncode != 0 and "HSTU_LOGITS_OUT must be one of copy, kernel; got 'dma'" in proc.stderr

@@ -24,3 +24,15 @@ def test_number_defaults_and_rejects_non_finite_or_below_its_minimum(monkeypatch
         monkeypatch.setenv("HSTU_TEST_KNOB", bad)
         with pytest.raises(ValueError, match=f"got '{bad}'"):
             knobs.number("HSTU_TEST_KNOB", 0.8, "a share")
+
+
+def test_choice_defaults_when_unset_or_empty_and_rejects_anything_else_naming_the_choices(monkeypatch):
+    monkeypatch.delenv("HSTU_TEST_KNOB", raising=False)
+    assert knobs.choice("HSTU_TEST_KNOB", ("copy", "kernel"), "copy") == "copy"
+    monkeypatch.setenv("HSTU_TEST_KNOB", "")
+    assert knobs.choice("HSTU_TEST_KNOB", ("copy", "kernel"), "copy") == "copy"
+    monkeypatch.setenv("HSTU_TEST_KNOB", "kernel")
+    assert knobs.choice("HSTU_TEST_KNOB", ("copy", "kernel"), "copy") == "kernel"
+    monkeypatch.setenv("HSTU_TEST_KNOB", "dma")
+    with pytest.raises(ValueError, match="HSTU_TEST_KNOB must be one of copy, kernel; got 'dma'"):
+        knobs.choice("HSTU_TEST_KNOB", ("copy", "kernel"), "copy")

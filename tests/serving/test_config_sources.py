@@ -10,8 +10,8 @@ from hstu.serving.settings import ServerSettings
 from hstu.model.config import HSTUConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-# an HSTU_* name read by a module itself: knobs.flag/number("HSTU_X", ...) or os.environ.get("HSTU_X")
-_READ = re.compile(r"""(?:knobs\.\w+|environ\.get|environ\[)\(?\s*["'](HSTU_[A-Z0-9_]+)["']""")
+# an HSTU_* name read by a module itself: flag/number/choice("HSTU_X", ...) (knobs.py) or os.environ.get("HSTU_X")
+_READ = re.compile(r"""(?:\b(?:flag|number|choice)\(|environ\.get\(|environ\[)\s*["'](HSTU_[A-Z0-9_]+)["']""")
 
 
 def _names_read_by_modules() -> set[str]:
