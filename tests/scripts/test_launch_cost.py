@@ -19,16 +19,17 @@ def test_without_cuda_it_says_it_needs_a_gpu(monkeypatch):
 
 
 def test_the_pieces_of_a_cached_batch_are_timed_uncaptured_on_a_cpu():
-    costs = launch_cost.launch_costs(2, iters=3, shape=TINY_SHAPE, device="cpu")
-    for piece in ("run", "host stage + replay", "host replay", "logits clone"):
+    costs, top = launch_cost.launch_costs(2, iters=3, shape=TINY_SHAPE, device="cpu")
+    for piece in ("run", "host stage + replay", "host replay", "logits clone", "plan"):
         assert costs[piece] > 0, piece
     assert "device launch" not in costs
+    assert top and all(row["own_us"] >= 0 for row in top)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_every_piece_is_timed_on_a_small_shape():
-    costs = launch_cost.launch_costs(2, iters=5, shape=TINY_SHAPE)
+    costs, _ = launch_cost.launch_costs(2, iters=5, shape=TINY_SHAPE)
     for piece in ("run", "host stage + replay", "host replay", "event record", "logits clone", "current stream",
-                  "device launch"):
+                  "device launch", "plan"):
         assert costs[piece] > 0, piece
