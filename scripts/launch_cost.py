@@ -55,6 +55,7 @@ def launch_costs(
     graphs.run = lambda *args, **kwargs: calls.append((args, kwargs)) or run(*args, **kwargs)
     prefix, full = make_requests(shape, engine.config, batch)
     engine.rank(prefix)
+    engine.cache.drain()  # the prefixes' offloads settled: no worker holds the GIL during the plans
     plans, plan_top = _plan_costs(engine, shape, batch, iters, sync)
     engine.rank(full)  # a GPU-resident cached batch: one whole replay
     graphs.run = run
