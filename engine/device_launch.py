@@ -8,8 +8,9 @@ tail-launches the forward graph, instantiated for device launch (csrc/device_lau
 says how and under which contracts).
 
 Used by ForwardGraphs for its `whole` captures where CUDA is there (HSTU_DEVICE_LAUNCH=0: off); a
-graph the driver will not instantiate for device launch (a node kind device graphs do not allow)
-keeps torch's host launch, so the option never changes what runs, only who launches it.
+graph the driver will not instantiate for device launch (a node kind device graphs do not allow),
+or whose launch from the device fails its probe, keeps torch's host launch, as does every launch
+once a profiler has run: the option never changes what runs, only who launches it.
 """
 
 from __future__ import annotations
@@ -82,20 +83,20 @@ class DeviceLaunch:
         exec_out, raw = ctypes.c_void_p(), ctypes.c_void_p(int(graph.raw_cuda_graph()))
         code = self._lib.hstu_dl_instantiate(self._index, raw, self._stream(), ctypes.byref(exec_out))
         if code != 0:
-            reason = self._lib.hstu_dl_error_string(code).decode()
-            self.refusals.append(reason)
-            logger.warning("a forward graph cannot be launched from the device (%s); it keeps the host launch", reason)
-            return None
+            return self._refuse("", code)
         launch_error = ctypes.c_int(0)
         code = self._lib.hstu_dl_probe(self._index, exec_out, self._stream(), ctypes.byref(launch_error))
         if code != 0 or launch_error.value != 0:
             self._lib.hstu_dl_destroy(exec_out)
-            reason = self._lib.hstu_dl_error_string(code or launch_error.value).decode()
-            self.refusals.append(f"probe: {reason}")
-            logger.warning("a forward graph failed its device-launch probe (%s); it keeps the host launch", reason)
-            return None
+            return self._refuse("probe: ", code or launch_error.value)
         self._execs.append(exec_out.value)
         return exec_out.value
+
+    def _refuse(self, stage: str, code: int) -> None:
+        """Keep and log why a forward graph keeps the host launch."""
+        reason = stage + self._lib.hstu_dl_error_string(code).decode()
+        self.refusals.append(reason)
+        logger.warning("a forward graph cannot be launched from the device (%s); it keeps the host launch", reason)
 
     def usable(self) -> bool:
         """Whether launches may go through the device now. Not once a torch profiler has run in this

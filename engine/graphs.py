@@ -31,9 +31,10 @@ Two captures per bucket read them:
            the device read the event when the node runs rather than at the launch.
 Both end in a static logits tensor [rows, num_tasks]; the engine copies out the batch's rows
 before the next replay can overwrite them.
-Device launch (HSTU_DEVICE_LAUNCH=1, engine/device_launch.py): `whole` is also instantiated for
-launch from the device, with one launcher graph per staging slot that copies the slot into the
-device buffer and then launches it; a batch's stage and replay are then one small host launch.
+Device launch (on by default, HSTU_DEVICE_LAUNCH=0 off; engine/device_launch.py): `whole` is also
+instantiated for launch from the device, with one launcher graph per staging slot that copies the
+slot into the device buffer and then launches it; a batch's stage and replay are then one small
+host launch. Where that is refused or stops (a profiler), torch's host launch of `whole` runs.
 
 Padding (static shapes per bucket of T_pad rows, at most max_batch users):
   rows T..T_pad-1        features of row 0's kind (index 0, position 0): embedded, attended by no
@@ -414,13 +415,8 @@ class ForwardGraphs:
         """Enqueue the slot's device launcher (its staging copy, then the whole forward); False when
         the bucket has no launchers (the caller stages and replays) or the metadata is not the
         bucket's (stage() then says so)."""
-        bucket = self._buckets.get(pad.rows)
-        if (
-            bucket is None
-            or not bucket.launchers
-            or self._staged_bucket(pad, meta) is None
-            or not self.device_launch.usable()
-        ):
+        bucket = self._staged_bucket(pad, meta)
+        if bucket is None or not bucket.launchers or not self.device_launch.usable():
             return False
         self.device_launch.launch(bucket.launchers[pad.slot])
         self._slot_read(bucket, pad.slot)

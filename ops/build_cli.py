@@ -5,8 +5,8 @@ so a serving host starts without compiling. The build lands in HSTU_BUILD_DIR (d
 `hstu build-ext --check-cuda` compiles only the CUDA sources, to objects it throws away, against
 this install's torch headers: on a machine with nvcc but a CPU build of torch (no GPU) it catches
 a CUDA source that would not build before a GPU session is spent on finding out. Both build the
-device-launch library too (HSTU_DEVICE_LAUNCH=1, engine/device_launch.py) where the extension has
-its CUDA kernels: it is linked, not only compiled, so --check-cuda keeps it."""
+device-launch library too (engine/device_launch.py, on unless HSTU_DEVICE_LAUNCH=0) where the
+extension has its CUDA kernels: it is linked, not only compiled, so --check-cuda keeps it."""
 
 from __future__ import annotations
 

@@ -252,7 +252,8 @@ mode_env() {
     STREAMO) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM=1 HSTU_GLUON_OWN_TMA=0 ;;
     GLUONG) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_MASKED_TMA=0 ;;
     HL) echo HSTU_DEVICE_LAUNCH=0 ;;
-    FB) echo HSTU_GRAPH_BUCKETS=256,384,512,768,1024,1536,2048,3072,4096,6144,8192,12288,16384,18432,20480,24576 ;;
+    FB) echo HSTU_GRAPH_BUCKETS=$(python3 -c "from hstu.engine.engine import default_graph_buckets as b
+print(','.join(map(str, sorted({*b(host_split='auto'), 18432, 20480}))))") ;;
     PLANEACH) echo HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_PLAN_ONCE=0 ;;
     DL) echo HSTU_DEVICE_LAUNCH=1 ;;
     DLSA) echo HSTU_DEVICE_LAUNCH=1 HSTU_ATTENTION_KERNEL=gluon HSTU_GLUON_STREAM_AUTO=1 ;;

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from hstu.scripts import report
 from hstu.scripts.bench_shapes import BenchShape, make_requests
 from hstu.scripts.profile_forward import profile_engine
 
@@ -91,7 +92,7 @@ def _plan_costs(engine, shape: BenchShape, batch: int, iters: int, sync: Callabl
     hand them over), and cold (fresh request objects, as `hstu bench` times them); then cProfile's
     top functions of the prepared plan."""
     times: dict[str, list[float]] = {"plan": [], "plan, cold requests": []}
-    profiler = cProfile.Profile()
+    profiler, profiled = cProfile.Profile(), 0
     _, warm = make_requests(shape, engine.config, batch)
     for r in warm:
         r.validate(engine.config)
@@ -107,18 +108,17 @@ def _plan_costs(engine, shape: BenchShape, batch: int, iters: int, sync: Callabl
         engine.cache.wait(plan)
         if profiling:
             profiler.disable()
+            profiled += 1
         elif i < 2 * iters:
             times[kind].append(time.perf_counter() - t0)
         engine.cache.abort(plan)
-    profiled = sum(1 for i in range(2 * iters, 3 * iters) if i % 3 != 1)
     return {k: statistics.median(v) * 1e6 for k, v in times.items()}, _top_functions(profiler, profiled)
 
 
 def _top_functions(profiler: cProfile.Profile, calls: int, top: int = 12) -> list[dict]:
     """cProfile's `top` functions by own time, per profiled call (us)."""
-    rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
-    return [{"function": f"{Path(f).name}:{line}({name})", "own_us": c[2] / calls * 1e6, "cumulative_us": c[3] / calls * 1e6}
-            for (f, line, name), c in rows]
+    return [{"function": fn, "own_us": own / calls * 1e6, "cumulative_us": cumulative / calls * 1e6}
+            for fn, _, own, cumulative in report.top_own_time(pstats.Stats(profiler), top)]
 
 
 def main() -> None:

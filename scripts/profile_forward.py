@@ -147,10 +147,9 @@ def host_profile(engine, shape, batch, n, device, rerank=False, cold=False) -> d
         sync(device)
         wall += time.perf_counter() - t0
     stats = pstats.Stats(prof)
-    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:25]  # by own time
     top = [
-        {"function": f"{Path(f).name}:{line}({name})", "calls_per_forward": c[1] / n, "own_ms_per_forward": c[2] / n * 1e3}
-        for (f, line, name), c in rows
+        {"function": fn, "calls_per_forward": calls / n, "own_ms_per_forward": own / n * 1e3}
+        for fn, calls, own, _ in report.top_own_time(stats, 25)
     ]
     total_own = sum(c[2] for c in stats.stats.values()) / n * 1e3
     return {"wall_ms_per_forward": wall / n * 1e3, "profiled_host_ms_per_forward": total_own, "top_own_time": top}

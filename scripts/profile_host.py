@@ -151,14 +151,12 @@ def profile_host(
             prof.disable()
     phases = {f"{p}_ms": statistics.median(t[p] for t in times) * 1e3 for p in HOST_PHASES}
     phases["total_ms"] = statistics.median(sum(t.values()) for t in times) * 1e3
-    stats = pstats.Stats(prof)
-    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     return {
         "phases": phases,
         "top_own_time": [
-            {"function": f"{Path(f).name}:{line}({name})", "calls_per_batch": c[1] / n, "own_ms_per_batch": c[2] / n * 1e3,
-             "cumulative_ms_per_batch": c[3] / n * 1e3}
-            for (f, line, name), c in rows
+            {"function": fn, "calls_per_batch": calls / n, "own_ms_per_batch": own / n * 1e3,
+             "cumulative_ms_per_batch": cumulative / n * 1e3}
+            for fn, calls, own, cumulative in report.top_own_time(pstats.Stats(prof), top)
         ],
     }
 

@@ -1,11 +1,13 @@
 """Reports shared by `hstu bench`, `hstu replay` and `hstu profile`: one text/markdown table
-formatter, the number format of their cells, the run's environment and the JSON file writer."""
+formatter, the number format of their cells, the run's environment, cProfile's top functions and
+the JSON file writer."""
 
 from __future__ import annotations
 
 import json
 import math
 import platform
+import pstats
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +82,12 @@ def environment(device: torch.device) -> dict[str, Any]:
     except ImportError as exc:
         env["attention"] = f"torch (triton kernel not importable: {exc})"
     return env
+
+
+def top_own_time(stats: pstats.Stats, top: int) -> list[tuple[str, int, float, float]]:
+    """cProfile's `top` functions by own time: (file:line(name), calls, own s, cumulative s)."""
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [(f"{Path(f).name}:{line}({name})", c[1], c[2], c[3]) for (f, line, name), c in rows]
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
