@@ -9,6 +9,7 @@ decide whether cached K/V may be reused.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,6 +82,17 @@ class RankingRequest:
             self.user_id, self.item_ids[:events], self.actions[:events], self.timestamps[:events], self.candidates,
             self.contextual, config,
         )
+
+    def for_user(self, user_id: int) -> "RankingRequest":
+        """The same request (history, contextual features, candidates: the same read-only arrays)
+        under another user id. It keeps its validation, since nothing validated depends on the id
+        but its sign, and not its identity digests: a copy is hashed afresh when ranked, as a new
+        request is. (dataclasses.replace dropped both: a benchmark's copies were validated again
+        inside the timed call, which a request made by create() never is.)"""
+        req = dataclasses.replace(self, user_id=int(user_id))
+        if req.user_id >= 0:
+            req._valid_for = self._valid_for
+        return req
 
     @property
     def num_events(self) -> int:

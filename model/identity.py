@@ -28,6 +28,7 @@ again after a checkpoint load), so K/V never outlive the weights that produced t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import weakref
@@ -47,6 +48,12 @@ def _h(role: bytes, *parts) -> bytes:
     for p in parts:
         h.update(p)
     return h.digest()
+
+
+@functools.lru_cache(maxsize=16)
+def _root(model_id: bytes) -> bytes:
+    """D_0 of a model: one per model (and checkpoint), not one hash per request's identity."""
+    return _h(_ROOT, model_id)
 
 
 def token_records(contextual: np.ndarray, item_ids: np.ndarray, actions: np.ndarray, timestamps: np.ndarray) -> np.ndarray:
@@ -71,7 +78,7 @@ class HistoryIdentity:
     def __init__(self, model_id: bytes, records: np.ndarray) -> None:
         self._bytes = memoryview(np.ascontiguousarray(records, dtype="<i8")).cast("B")
         self.num_tokens = int(records.shape[0])
-        self._chain = [_h(_ROOT, model_id)]
+        self._chain = [_root(model_id)]
         # prefix(length) digests of lengths off a block boundary: a batch asks for the same
         # one or two (cached, whole history) several times (lookup, extension check, commit).
         self._tails: dict[int, bytes] = {}

@@ -19,7 +19,6 @@ previous history exactly (same prefix) or are a restart; every request passes Ra
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -229,7 +228,8 @@ class FreshUserIds:
 
 
 def as_users(requests: list[RankingRequest], user_ids: list[int]) -> list[RankingRequest]:
-    """The same requests (history, contextual features, candidates) under other user ids."""
+    """The same requests (history, contextual features, candidates) under other user ids, still
+    validated (RankingRequest.for_user)."""
     if len(requests) != len(user_ids):
         raise ValueError(f"{len(requests)} requests but {len(user_ids)} user ids")
-    return [dataclasses.replace(r, user_id=u) for r, u in zip(requests, user_ids)]
+    return [r.for_user(u) for r, u in zip(requests, user_ids)]

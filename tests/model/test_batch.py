@@ -29,6 +29,25 @@ def test_a_request_checked_by_the_front_end_is_not_checked_again_after_a_pickle(
         received.validate(other)  # a different config is checked
 
 
+def test_a_copy_for_another_user_stays_validated_but_is_hashed_afresh(tiny_config, monkeypatch):
+    request = RankingRequest.create(3, [1, 2], [0, 1], [5, 6], [4], config=tiny_config)
+    model_id = b"m" * 32
+    request.identity(model_id)
+
+    class Checks:
+        @staticmethod
+        def check_request(*args):
+            raise AssertionError("validated again")
+
+    monkeypatch.setattr(batch_module, "load_extension", Checks)
+    copy = request.for_user(11)
+    assert copy.user_id == 11 and copy.item_ids is request.item_ids
+    copy.validate(tiny_config)  # no second check: nothing validated depends on the id but its sign
+    assert not copy._identities  # its digests are computed when it is ranked, as a new request's
+    with pytest.raises(ValueError, match="user_id must be >= 0, got -1"):
+        request.for_user(-1).validate(tiny_config)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
