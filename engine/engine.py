@@ -10,8 +10,9 @@ one at a time (the server's batcher calls rank from its single model thread):
   4. cache.wait(): pages and metadata; the block runs layer by layer, layer i first calling the
      plan's ready hook (its onload), as per-layer CUDA graphs when a bucket fits, else eagerly
   5. model.logits(): candidate rows through the postprocessor and the head
-  6. cache.finish(): commit, offload newly full chunks; users whose onload failed are ranked
-     again, from scratch (their cache entry is gone, so the retry cannot onload)
+  6. cache.finish(): commit, offload newly full chunks; users whose onload failed, or whose
+     history turned out not to extend the GPU entry the batch reused (compared after the launch),
+     are ranked again, from scratch (their cache entry is gone, so the retry cannot onload)
 Any error between plan and finish aborts the plan (pins released, nothing committed).
 Without a cache, rank runs every user's full sequence through the dense path.
 
@@ -418,7 +419,7 @@ class RankingEngine:
             if not owned:  # the retry's replay may overwrite the static output these views read
                 outputs = {u: dataclasses.replace(o, logits=o.logits.clone()) for u, o in outputs.items()}
             todo = [r for r in todo if r.user_id in failed]
-        raise RuntimeError(f"users {sorted(failed)} failed to onload on every attempt")
+        raise RuntimeError(f"users {sorted(failed)} failed (onload, or a diverged history) on every attempt")
 
     def _rank_batch(
         self, requests: list[RankingRequest], outputs: dict[int, RankOutput], owned: bool = True

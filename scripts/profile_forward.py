@@ -96,8 +96,9 @@ def _forwards(
     engine's cache given an onload split (FixedSplit), the prefix is evicted to the host tier
     first, so the forward onloads that share of it and recomputes the rest. rerank: the prefill
     is the full requests themselves, so the forward computes the candidates only. cold: the
-    requests reach the timed forward neither validated nor hashed (as `hstu bench` times them;
-    by default both happen before, where the server does them: off the model thread)."""
+    requests reach the timed forward validated (by create(), as an in-process caller's do) but not
+    hashed, as `hstu bench` times them; by default hashing happens before too, where the server
+    does it: off the model thread)."""
     prefix, full = make_requests(shape, engine.config, batch)
     split = engine.cache.cost_model
     for _ in range(n):
@@ -439,7 +440,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="the cached prefix in the host tier instead: onload its share F, recompute the rest",
     )
     p.add_argument("--cold-requests", action="store_true",
-                   help="requests neither validated nor hashed before the timed forward (as hstu bench times them)")
+                   help="requests not hashed before the timed forward (as hstu bench times them)")
     p.add_argument("--host-split", choices=HOST_SPLITS, default="auto", help=HOST_SPLIT_HELP)
     p.add_argument("--host-format", choices=HOST_FORMATS, default="kv", help=HOST_FORMAT_HELP)
     p.add_argument("--prepare-worker", action="store_true",

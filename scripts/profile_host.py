@@ -18,8 +18,8 @@ its host time at batch 8 (0.75-0.88 against 0.28 ms: benchmarks/RESULTS.md, twen
 
 Each profiled batch follows an untimed one that commits the users' cached prefix (a GPU hit
 extending it, as in `hstu profile`); requests are validated and hashed first, as the server's
-front end does (--cold-requests: neither, so the batch's validate phase and its plan do both, as
-rank() does for an in-process caller and `hstu bench` times it). Medians over --forwards batches
+front end does (--cold-requests: validated only, as RankingRequest.create hands them to an
+in-process caller's rank() and `hstu bench` times them, so the batch's plan hashes them). Medians over --forwards batches
 per phase, then cProfile's top functions.
 """
 
@@ -112,7 +112,7 @@ def _batches(
     """n times: commit fresh users' prefixes (untimed; rerank: their full histories, so the batch
     re-ranks them unchanged; onload_fraction: then evicted to the host tier, so the batch onloads
     that share of them, FixedSplit, and recomputes the rest), then yield their full requests,
-    validated and hashed (cold: neither, as `hstu bench` and an in-process caller hand them over)."""
+    validated and hashed (cold: validated only, as `hstu bench` and an in-process caller hand them over)."""
     prefix, full = make_requests(shape, engine.config, batch)
     cache = engine.cache
     split = FixedSplit(onload_fraction) if onload_fraction is not None else None

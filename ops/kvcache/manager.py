@@ -14,9 +14,11 @@ Interface (the engine, engine/engine.py, is its only caller; one model thread dr
                    copies (one event per layer on the onload stream), so they queue behind the
                    batch's own inputs copy (PreparedBatch.start_onload).
   finish(plan) -> failed users
-                   after the block was launched (its onload enqueued, not yet landed): commits new
-                   lengths and digests, invalidates users whose onload failed to enqueue (the
-                   caller recomputes them), offloads newly full chunks (the
+                   after the block was launched (its onload enqueued, not yet landed): compares the
+                   prefixes of users whose GPU entry the plan reused unchecked (check_after_launch),
+                   commits new lengths and digests, invalidates users whose onload failed to
+                   enqueue or whose prefix was not the entry's (the caller ranks them again, never
+                   serving what the batch computed for them), offloads newly full chunks (the
                    offload worker gathers all layers in one op on the offload stream, copies into
                    host slots, commits them after the copy completed, then unpins).
   abort(plan)      the forward failed anywhere after plan(): wait for the workers, unpin, keep only
@@ -52,6 +54,8 @@ Invariants:
   - The GPU tier never holds less than the host tier for a resident user (host is filled from GPU).
   - Cached K/V are reused only when the digest stored with them equals the request's digest of the
     same prefix; a shortened or uncommitted prefix has an empty digest, which matches nothing.
+    Under check_after_launch a GPU entry's prefix is compared after its batch was launched, before
+    anything of the batch is committed or served: a mismatch drops the user's output and entry.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ import numpy as np
 import torch
 
 from hstu.model.identity import HistoryIdentity
+from hstu.ops import knobs
 from hstu.ops._build import load_extension
 from hstu.ops.kvcache.admission import FrequencyAdmission
 from hstu.ops.kvcache.page_reuse import PageReuse
@@ -86,9 +91,23 @@ logger = logging.getLogger(__name__)
 # HSTU_FINISH_WAITS_ONLOAD=1: finish() waits for the onload's copies to land before committing, as
 # it did before (an experiment knob for same-call comparisons)
 _FINISH_WAITS_ONLOAD = os.environ.get("HSTU_FINISH_WAITS_ONLOAD", "0") == "1"
+# HSTU_CHECK_AFTER_LAUNCH=0: a GPU entry's prefix is checked against the request before the batch
+# is launched, as it was before (an experiment knob for same-call comparisons); see _lookup.
+_CHECK_AFTER_LAUNCH = knobs.flag("HSTU_CHECK_AFTER_LAUNCH", default=True)
 
 _ext = load_extension()
 CacheCapacityError = _ext.CacheCapacityError
+
+
+def _matches(stored: HistoryIdentity | None, ident: HistoryIdentity, length: int, digest: bytes) -> bool:
+    """Whether the request's first `length` tokens (identity `ident`) are those a cached entry of
+    digest `digest` over its first `length` tokens was computed from, `stored` being the identity
+    the user's GPU entry was last committed with (None: none kept): see _prefix_matches."""
+    if not digest:
+        return False
+    if stored is not None and stored.num_tokens >= length and stored.prefix(length) == digest:
+        return ident.shares_prefix(stored, length)
+    return ident.prefix(length) == digest
 
 
 class HistoryConflictError(ValueError):
@@ -144,6 +163,7 @@ class AsyncKVCacheManager:
         self._prefetcher = Prefetcher(c, self.gpu, self.host, self.transfers, self.stats, self._index_lock)
         # which earlier batch an onload must wait for before overwriting its reserved pages
         self._reuse = PageReuse(self.is_cuda)
+        self.check_after_launch = _CHECK_AFTER_LAUNCH
         self._closed = False
 
     # ------------------------------------------------------------------- plan
@@ -243,11 +263,21 @@ class AsyncKVCacheManager:
         # extended: users plainly extending their GPU entry, or re-ranking it unchanged, -> (its
         # length, its digest), the common cases, looked up once (under the lock only checked to be
         # the same entry still; the entry's length is then the cached length).
+        # With check_after_launch, such a user's prefix is not compared with the entry's here: the
+        # batch reuses the entry as if it matched, and finish() compares it after the launch,
+        # while the GPU runs the batch (the records' memcmp and the identity's bookkeeping were
+        # ~8 us a user of the plan before the launch, dev CPU). A user whose prefix turns out not
+        # to be the entry's is never served: finish() drops its entry and returns it to be ranked
+        # again, as a miss (the rare diverged history costs one forward more).
         extended: dict[int, tuple[int, bytes]] = {}
+        unchecked: dict[int, tuple[HistoryIdentity | None, int, bytes]] = {}
         waiting = []
         for u, n, ident in zip(user_ids, history_lens, identities):
             entry = self.gpu.lookup(u)
-            if self._gpu_extension(u, n, ident, entry) or self._unchanged_rerank(u, n, ident, entry):
+            if self.check_after_launch and self._may_extend(n, entry):
+                extended[u] = entry
+                unchecked[u] = (self._identities.get(u), *entry)
+            elif self._gpu_extension(u, n, ident, entry) or self._unchanged_rerank(u, n, ident, entry):
                 extended[u] = entry
             elif not self._read_only_length(u, n, ident):
                 waiting.append(u)
@@ -262,6 +292,8 @@ class AsyncKVCacheManager:
                     if entry is not None and self.gpu.lookup(u) == entry:
                         cached, source = entry[0], "gpu"
                         self._prefetcher.looked_up(u, source)
+                        if u in unchecked:
+                            plan.unchecked[u] = unchecked[u]
                     else:
                         cached, source = self._lookup_one(u, n, ident, plan)
                     plan.cached_lens.append(cached)
@@ -274,6 +306,14 @@ class AsyncKVCacheManager:
         )
         return plan
 
+    def _may_extend(self, n: int, entry: tuple[int, bytes]) -> bool:
+        """Whether a request of n tokens would extend the user's GPU entry (length, digest), or
+        re-rank it unchanged under on_no_new_tokens="candidates", if its prefix is the entry's."""
+        gpu_len, gpu_digest = entry
+        if not gpu_digest or gpu_len <= 0:
+            return False
+        return gpu_len < n or (gpu_len == n and self.config.on_no_new_tokens == "candidates")
+
     def _prefix_matches(self, user: int, ident: HistoryIdentity, length: int, digest: bytes) -> bool:
         """Whether the request's first `length` tokens are those the user's GPU or host entry
         (digest `digest` over its first `length` tokens) was computed from. Against the identity
@@ -284,12 +324,7 @@ class AsyncKVCacheManager:
         records: ~7% of an engine process's loop at a GPU hit, and a request no front end hashed
         hashed its whole host-tier prefix, ~0.4 ms of a batch-8 plan, dev CPU); else by the
         request's digest."""
-        if not digest:
-            return False
-        stored = self._identities.get(user)
-        if stored is not None and stored.num_tokens >= length and stored.prefix(length) == digest:
-            return ident.shares_prefix(stored, length)
-        return ident.prefix(length) == digest
+        return _matches(self._identities.get(user), ident, length, digest)
 
     def _read_only_length(self, user: int, n: int, ident: HistoryIdentity) -> int:
         """Under on_shorter_history="reuse": the length of the user's GPU entry when the request's
@@ -505,13 +540,14 @@ class AsyncKVCacheManager:
         onload failed, which the caller must recompute."""
         prepared = self.wait(plan)
         prepared.enqueue_onload()  # (a forward that never asked for a layer: the copies still run)
+        diverged = self._check_unchecked(plan)
         # Hashed here, after the launch, while the GPU runs the batch, and outside the index lock (a GPU
         # hit adopted its prefix's digests at lookup and hashes only its new blocks). A user whose
         # onload fails is hashed for nothing: rare, and its digest is then not used.
         digests = {
             b: ident.prefix(n)
             for b, (u, n, ident) in enumerate(zip(plan.user_ids, plan.history_lens, plan.identities))
-            if u not in plan.read_only
+            if u not in plan.read_only and u not in diverged
         }
         # Every layer's copies are enqueued by now (on this thread): commit without waiting for
         # them to land. Everything that reads these pages runs after them on the device (the
@@ -531,7 +567,7 @@ class AsyncKVCacheManager:
             # (_onload_failed_late), never half of it
             failed = sorted(prepared.onload_users) if handle.failed else []
             for b, u in enumerate(plan.user_ids):
-                if u in failed:
+                if u in failed or u in diverged:
                     continue
                 n = plan.history_lens[b]
                 if u not in plan.read_only:
@@ -547,6 +583,12 @@ class AsyncKVCacheManager:
                 for u in failed:
                     self.invalidate(u)
                 self.stats.add(recomputes=len(failed))
+            if diverged:  # (their offloads settled in _check_unchecked: nothing else pins them)
+                self.gpu.release(diverged)
+                for u in diverged:
+                    self.invalidate(u)
+                self.stats.add(invalidations=len(diverged), invalidated_diverged=len(diverged),
+                               diverged_after_launch=len(diverged))
             offload = admitted(plan, jobs, self.config, self.admission, self.host, self.stats)
             stored = {b: len(self.host.lookup(u)[0]) for u, b in offload} if plan.hidden_chunks else {}
             done = [u for u, b in jobs if (u, b) not in offload] + list(plan.read_only)
@@ -554,7 +596,7 @@ class AsyncKVCacheManager:
                 self.gpu.release(done)
         hidden = {}
         if plan.hidden_chunks:  # gathered now, on the compute stream, before any later forward
-            kept = [b for b in plan.hidden_chunks if plan.user_ids[b] not in failed]
+            kept = [b for b in plan.hidden_chunks if plan.user_ids[b] not in failed and plan.user_ids[b] not in diverged]
             hidden = gather_hidden(plan, kept, self.config.chunk_tokens, self._tails, digests, stored)
         # after everything the batch enqueued (its gather included): what the offload and later
         # onloads into its pages wait for
@@ -566,7 +608,23 @@ class AsyncKVCacheManager:
                 launched,
             )
         plan.layer_inputs = None  # gathered: a graph's buffer may be overwritten, an eager batch's freed
-        return failed
+        return failed + diverged
+
+    def _check_unchecked(self, plan: BatchPlan) -> list[int]:
+        """After the launch: the users whose GPU entry the batch reused unchecked (check_after_launch)
+        and whose request's prefix is not the one the entry was computed from, compared with the
+        identity the entry was committed with then (taking over its digests where equal, so the
+        commit hashes only the new blocks). Their in-flight offloads are waited for (they did not
+        wait at lookup), so finish() may drop them."""
+        if not plan.unchecked:
+            return []
+        identity = dict(zip(plan.user_ids, plan.identities))
+        diverged = [
+            u for u, (stored, length, digest) in plan.unchecked.items() if not _matches(stored, identity[u], length, digest)
+        ]
+        if diverged:
+            self.transfers.join(diverged)
+        return diverged
 
     def _launched(self, plan: BatchPlan) -> "torch.cuda.Event | None":
         """The batch enqueued all its compute work: later onloads into pages it used wait for the

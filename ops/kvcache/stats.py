@@ -16,6 +16,7 @@ class CacheStats:
     invalidations: int = 0  # both reasons below
     invalidated_shorter: int = 0
     invalidated_diverged: int = 0
+    diverged_after_launch: int = 0  # of those: found by finish(), the batch launched (ranked again)
     shorter_reused: int = 0  # shorter histories ranked from a longer GPU entry, read-only (kept)
     recomputes: int = 0
     onload_failures: int = 0

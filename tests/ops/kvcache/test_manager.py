@@ -538,3 +538,63 @@ def test_an_onload_enqueues_each_layers_copies_ahead_of_the_layer_that_reads_the
         assert copied == (4 if ahead is None else min(4, layer + 1 + ahead)), events
     mgr.drain()
     assert mgr.host.pin_count(1) == 0 and mgr.gpu.pin_count(1) == 0
+
+
+def _finish_calls(mgr, monkeypatch) -> list[list[int]]:
+    """The users each finish() returned to be ranked again."""
+    calls = []
+    finish = mgr.finish
+    monkeypatch.setattr(mgr, "finish", lambda plan: calls.append(finish(plan)) or calls[-1])
+    return calls
+
+
+def _diverge_first_event(book, config, user: int) -> None:
+    items, _, _ = book.histories[user]
+    items[0] = (items[0] + 1) % config.num_items
+
+
+def test_a_diverged_history_found_after_the_launch_is_ranked_again_from_scratch(tiny_config, book, monkeypatch):
+    """check_after_launch (the default): the batch reuses the GPU entry of a user whose history
+    changed, compares the prefix after the launch, drops that user's output and entry, and ranks
+    the user again as a miss; the batch's other users keep their outputs from the first forward."""
+    model, mgr = _setup(tiny_config)
+    assert mgr.check_after_launch
+    _check(model, [book.request(1, 10), book.request(2, 10)])
+    calls = _finish_calls(mgr, monkeypatch)
+    _diverge_first_event(book, tiny_config, 1)
+    out = _check(model, [book.request(1, 2), book.request(2, 2)])
+    assert calls == [[1], []], "user 1 alone ranked again"
+    assert out[0].cached_tokens == 0 and out[1].cached_tokens == tiny_config.history_tokens(10)
+    stats = mgr.stats.snapshot()
+    assert stats["diverged_after_launch"] == 1 and stats["invalidated_diverged"] == 1
+    # the retry committed the user's new history: its next request extends it
+    assert _check(model, [book.request(1, 1)])[0].cached_tokens == tiny_config.history_tokens(12)
+
+
+def test_with_check_after_launch_off_a_diverged_history_is_found_before_the_launch(tiny_config, book, monkeypatch):
+    model, mgr = _setup(tiny_config)
+    mgr.check_after_launch = False
+    _check(model, [book.request(1, 10)])
+    calls = _finish_calls(mgr, monkeypatch)
+    _diverge_first_event(book, tiny_config, 1)
+    (out,) = _check(model, [book.request(1, 2)])
+    assert calls == [[]] and out.cached_tokens == 0
+    stats = mgr.stats.snapshot()
+    assert stats["diverged_after_launch"] == 0 and stats["invalidated_diverged"] == 1
+
+
+def test_an_extension_compares_its_prefix_only_after_the_launch(tiny_config, book, monkeypatch):
+    """The records of a GPU hit are compared with its entry's in finish(), after the forward was
+    launched, not in the plan before it; the digests it takes over spare the commit any hashing of
+    the prefix."""
+    from hstu.model.identity import HistoryIdentity
+
+    model, mgr = _setup(tiny_config)
+    _check(model, [book.request(1, 10)])
+    phase, compared = ["plan"], []
+    finish, shares_prefix = mgr.finish, HistoryIdentity.shares_prefix
+    monkeypatch.setattr(mgr, "finish", lambda plan: (phase.append("finish"), finish(plan))[1])
+    monkeypatch.setattr(HistoryIdentity, "shares_prefix", lambda self, *a: compared.append(phase[-1]) or shares_prefix(self, *a))
+    (out,) = _check(model, [book.request(1, 3)])
+    assert out.cached_tokens == tiny_config.history_tokens(10)
+    assert compared == ["finish"]
