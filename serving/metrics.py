@@ -7,6 +7,7 @@ manager's own counters:
   hstu_cache_bytes_total{direction=onload|offload}          hstu_cache_evictions_total{tier=gpu|host}
   hstu_cache_invalidations_total{reason=shorter|diverged}
   hstu_cache_recomputes_total  hstu_cache_offload_skipped_total  hstu_cache_shorter_reused_total
+  hstu_cache_diverged_after_launch_total
   hstu_cache_failures_total{stage=onload|offload}           hstu_cache_tokens_total{kind=cached|computed}
   hstu_cache_gpu_free_pages  hstu_cache_host_free_slots
 Incremental requests (serving/incremental.py) are counted where they are rebuilt; the history
@@ -72,6 +73,8 @@ _COUNTERS = (
     ("hstu_cache_offload_skipped", "Offloads skipped (host tier full of pinned users)", "offload_skipped"),
     ("hstu_cache_shorter_reused", "Shorter histories ranked read-only from the cached prefix of a longer one",
      "shorter_reused"),
+    ("hstu_cache_diverged_after_launch", "Diverged histories found after their batch's launch (ranked again, from "
+     "scratch)", "diverged_after_launch"),
 )
 
 
