@@ -10,6 +10,7 @@ decide whether cached K/V may be reused.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -142,9 +143,10 @@ class RankingRequest:
     def identity(self, model_id: bytes) -> HistoryIdentity:
         """Prefix digests of this history under the model `model_id` (built once, then reused)."""
         ident = self._identities.get(model_id)
-        if ident is None:
-            records = token_records(self.contextual, self.item_ids, self.actions, self.timestamps)
-            ident = self._identities[model_id] = HistoryIdentity(model_id, records)
+        if ident is None:  # its records built when first read (HistoryIdentity.deferred)
+            tokens = self.contextual.shape[0] + 2 * self.num_events
+            make = functools.partial(token_records, self.contextual, self.item_ids, self.actions, self.timestamps)
+            ident = self._identities[model_id] = HistoryIdentity.deferred(model_id, tokens, make)
         return ident
 
     def adopt_identity(self, model_id: bytes, identity: HistoryIdentity) -> None:

@@ -32,6 +32,7 @@ import functools
 import hashlib
 import json
 import weakref
+from typing import Callable
 
 import numpy as np
 import torch
@@ -73,10 +74,11 @@ _MAX_TAILS = 8  # tail digests kept per identity (a few lengths are asked for pe
 class HistoryIdentity:
     """Prefix digests of one history under one model; block digests are computed once, lazily."""
 
-    __slots__ = ("_bytes", "_chain", "num_tokens", "_tails", "_shared", "__weakref__")
+    __slots__ = ("_data", "_make", "_chain", "num_tokens", "_tails", "_shared", "__weakref__")
 
     def __init__(self, model_id: bytes, records: np.ndarray) -> None:
-        self._bytes = memoryview(np.ascontiguousarray(records, dtype="<i8")).cast("B")
+        self._data: memoryview | None = memoryview(np.ascontiguousarray(records, dtype="<i8")).cast("B")
+        self._make: Callable[[], np.ndarray] | None = None
         self.num_tokens = int(records.shape[0])
         self._chain = [_root(model_id)]
         # prefix(length) digests of lengths off a block boundary: a batch asks for the same
@@ -87,6 +89,29 @@ class HistoryIdentity:
         # was ever committed with to the next one, each holding its records, for as long as the
         # user is cached.
         self._shared: tuple[weakref.ref, int] | None = None
+
+    @classmethod
+    def deferred(cls, model_id: bytes, num_tokens: int, make_records: Callable[[], np.ndarray]) -> "HistoryIdentity":
+        """The identity of the `num_tokens` records make_records() returns, built the first time they
+        are read: a batch that extends a GPU entry reads them only after its launch (the prefix
+        check and the commit's digest), so the plan before it does not build them (~4 us a 4k-token
+        history, dev CPU). make_records must not hold the request (its arrays only: no cycle)."""
+        out = object.__new__(cls)
+        out._data, out._make, out.num_tokens = None, make_records, int(num_tokens)
+        out._chain, out._tails, out._shared = [_root(model_id)], {}, None
+        return out
+
+    @property
+    def _bytes(self) -> memoryview:
+        """The records as bytes (built now if deferred; their count checked against num_tokens)."""
+        data = self._data
+        if data is None:
+            records = np.ascontiguousarray(self._make(), dtype="<i8")
+            if records.shape[0] != self.num_tokens:
+                raise ValueError(f"deferred records cover {records.shape[0]} tokens, the identity {self.num_tokens}")
+            data = self._data = memoryview(records).cast("B")
+            self._make = None
+        return data
 
     @property
     def records(self) -> np.ndarray:
@@ -102,7 +127,7 @@ class HistoryIdentity:
             raise ValueError(f"prefix length {length} outside [0, {self.num_tokens}]")
         joined = np.concatenate([self.records[:length], np.asarray(records, dtype="<i8").reshape(-1, 2)])
         out = object.__new__(HistoryIdentity)
-        out._bytes = memoryview(joined).cast("B")
+        out._data, out._make = memoryview(joined).cast("B"), None
         out.num_tokens = int(joined.shape[0])
         out._chain = self._chain[: length // BLOCK_TOKENS + 1]
         out._tails = {}
@@ -194,7 +219,8 @@ def _restored_identity(
     data: bytes | memoryview, chain: list[bytes], num_tokens: int, tails: dict[int, bytes] | None = None
 ) -> HistoryIdentity:
     out = object.__new__(HistoryIdentity)
-    out._bytes = data if isinstance(data, memoryview) else memoryview(data).cast("B")
+    out._data = data if isinstance(data, memoryview) else memoryview(data).cast("B")
+    out._make = None
     out._chain = chain
     out.num_tokens = num_tokens
     out._tails = tails or {}

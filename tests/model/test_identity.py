@@ -210,6 +210,22 @@ def test_prefix_digests_are_chained_per_block_and_differ_between_tail_and_block(
         a.prefix(a.num_tokens + 1)
 
 
+def test_a_deferred_identity_builds_its_records_once_when_read_and_digests_as_an_eager_one():
+    rng = np.random.default_rng(1)
+    n_events = BLOCK_TOKENS + 7
+    fields = [rng.integers(0, 100, 2), rng.integers(0, 100, n_events), rng.integers(0, 4, n_events), np.arange(n_events)]
+    eager = HistoryIdentity(b"model", token_records(*fields))
+    built = []
+    deferred = HistoryIdentity.deferred(b"model", eager.num_tokens, lambda: built.append(1) or token_records(*fields))
+    assert deferred.num_tokens == eager.num_tokens and not built, "nothing built before a read"
+    assert deferred.prefix(eager.num_tokens) == eager.prefix(eager.num_tokens)
+    assert deferred.shares_prefix(eager, eager.num_tokens) and (deferred.records == eager.records).all()
+    assert built == [1], "built once"
+    wrong = HistoryIdentity.deferred(b"model", 5, lambda: token_records(*fields))
+    with pytest.raises(ValueError, match=rf"deferred records cover {eager.num_tokens} tokens, the identity 5"):
+        wrong.prefix(5)
+
+
 @torch.inference_mode()
 def test_new_weights_on_a_shared_cache_recompute_instead_of_reusing_old_k_v(tiny_config):
     rng = np.random.default_rng(3)

@@ -598,3 +598,19 @@ def test_an_extension_compares_its_prefix_only_after_the_launch(tiny_config, boo
     (out,) = _check(model, [book.request(1, 3)])
     assert out.cached_tokens == tiny_config.history_tokens(10)
     assert compared == ["finish"]
+
+
+def test_the_plan_of_an_extension_builds_no_token_records(tiny_config, book, monkeypatch):
+    """A request's identity builds its token records when they are first read: for a GPU hit that
+    is after the launch (the prefix check, the commit's digest), never in the plan."""
+    from hstu.model import batch as batch_module
+
+    model, mgr = _setup(tiny_config)
+    _check(model, [book.request(1, 10)])
+    request = book.request(1, 3)
+    built = []
+    records = batch_module.token_records
+    monkeypatch.setattr(batch_module, "token_records", lambda *a: built.append(1) or records(*a))
+    plan = model._plan([request])
+    assert plan.cached_lens == [tiny_config.history_tokens(10)] and not built
+    mgr.abort(plan)
