@@ -65,6 +65,9 @@ _COMPILE_MODE = choice("HSTU_COMPILE_MODE", ("default", "max-autotune-no-cudagra
 # HSTU_ONLOAD_AT_RESERVE=0: a graph-bucket batch's onload starts after the plan, as before, not as
 # soon as its pages are reserved (an experiment knob for same-call comparisons)
 _ONLOAD_AT_RESERVE = flag("HSTU_ONLOAD_AT_RESERVE", default=True)
+# A planned host-tier batch is measured from before its plan (=0: from after it, as before; an
+# experiment knob for same-call comparisons): plan_feedback.py says why.
+_FEEDBACK_FROM_PLAN = flag("HSTU_FEEDBACK_FROM_PLAN", default=True)
 
 # Row buckets of the CUDA graphs, at most 1.5x apart: a batch computes its bucket's rows, and the
 # seed replay's cached batches (mixed users: 256-12k rows) padded 28% more rows with buckets 2x apart
@@ -429,10 +432,15 @@ class RankingEngine:
         cache = self.cache
         timing = ForwardTiming()
         t0 = time.perf_counter()
+        # a planner's host-tier plan is measured against its prediction (plan_feedback.py), from
+        # before its plan where a cost model may plan one (its start event is then recorded now)
+        from_plan = _FEEDBACK_FROM_PLAN and isinstance(cache.cost_model, CostModel)
+        start = cache.plan_feedback.mark(self.model.device) if from_plan else None
         plan = self._plan(requests)
         timing.plan_s = time.perf_counter() - t0
-        # a planner's host-tier plan: its layers measured against their prediction (plan_feedback.py)
-        measured = cache.plan_feedback.begin(*plan.measure, self.model.device) if plan.measure is not None else None
+        measured = (
+            cache.plan_feedback.begin(*plan.measure, self.model.device, start=start) if plan.measure is not None else None
+        )
         try:
             logits = self._forward(requests, plan, timing, owned)
         except BaseException:
@@ -440,7 +448,7 @@ class RankingEngine:
             raise
         t1 = time.perf_counter()
         if measured is not None:
-            cache.plan_feedback.end(measured, t1 - t0 - timing.plan_s)
+            cache.plan_feedback.end(measured, t1 - t0 - (0.0 if from_plan else timing.plan_s))
         failed = set(cache.finish(plan))
         reused = [c - plan.front_tokens.get(u, 0) for u, c in zip(plan.user_ids, plan.cached_lens)]  # fronts: recomputed
         for out in self._split(requests, logits, reused):

@@ -12,11 +12,17 @@ whole onload), so a kind that measured slower than it was predicted stops being 
 recomputing is cheaper. Recomputing is always allowed, so a vetoed kind is not measured again
 at that size (it was a loss: it stays off).
 
-What is measured is the batch's layers, not its host work: on CUDA two events around the
-forward on the compute stream (the span from where the stream reached the batch, so a batch
-queued behind another is not charged for it, to its logits), read once complete at a later
-plan; on a CPU the forward's wall time. Both are compared with the prediction less forward_s
-(the per-forward cost), and a re-priced plan keeps forward_s as predicted.
+What is measured is the batch's plan and layers: on CUDA two events on the compute stream, one
+recorded before the plan (mark) and one after the forward (the span from where the stream reached
+the batch, so a batch queued behind another is charged only for the part of its plan the GPU
+idled through, to its logits), read once complete at a later plan; on a CPU the plan's and
+forward's wall time. Both are compared with the prediction less forward_s (the per-forward
+cost), and a re-priced plan keeps forward_s as predicted. The plan is in the span because it
+differs by kind: on an H100 (run MK) a batch-1 front split planned and packed its two passes in
+0.88-1.25 ms against 0.65 for a load_front split; measured from after the plan, front splits
+kept a factor that priced them below load_front's and took 11 of 13 batches, at 0.84-0.95x of no
+cache (2.84-3.24 ms; the same bench took load_front's split in its other runs, 2.18-2.57 ms). HSTU_FEEDBACK_FROM_PLAN=0 (engine.py)
+measures from after the plan, as before.
 """
 
 from __future__ import annotations
@@ -106,15 +112,25 @@ class PlanFeedback:
             self._factors[key] = ratio if old is None else old + self.alpha * (ratio - old)
             self._counts[key] = self._counts.get(key, 0) + 1
 
-    def begin(self, kind: str, users: int, predicted_s: float, device: torch.device) -> _Pending:
-        """A batch about to run on `device`: on CUDA, its start event recorded on the current
-        stream now; end() records its end."""
+    @staticmethod
+    def mark(device: torch.device) -> "torch.cuda.Event | None":
+        """A start event recorded on the current stream now (CUDA; None elsewhere), for begin()."""
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin(
+        self, kind: str, users: int, predicted_s: float, device: torch.device, start: "torch.cuda.Event | None" = None
+    ) -> _Pending:
+        """A batch about to run on `device`: on CUDA, its start event (`start`, recorded by mark()
+        before its plan, else recorded on the current stream now); end() records its end."""
         cuda = device.type == "cuda"
-        pending = _Pending(kind, users, predicted_s, torch.cuda.Event(enable_timing=True) if cuda else None,
-                           torch.cuda.Event(enable_timing=True) if cuda else None)
-        if cuda:
-            pending.start.record()
-        return pending
+        if cuda and start is None:
+            start = self.mark(device)
+        return _Pending(kind, users, predicted_s, start if cuda else None,
+                        torch.cuda.Event(enable_timing=True) if cuda else None)
 
     def end(self, pending: _Pending, wall_s: float) -> None:
         """The batch's work is enqueued (CUDA: its end event recorded now, read by a later

@@ -4,6 +4,7 @@ chosen where recomputing is cheaper, and what it measures through the engine."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -125,6 +126,27 @@ def test_the_engine_measures_planned_batches_and_serves_the_repriced_plan_correc
     assert rel_err(second.logits, engine.forward_no_cache([req])) < 1e-5
     stats = mgr.stats.snapshot()
     assert (stats["plans_split"], stats["plans_recompute"], stats["plans_overridden"]) == (1, 1, 1)
+    engine.close()
+
+
+@pytest.mark.parametrize("from_plan", [True, False])
+def test_a_planned_batch_is_measured_from_before_its_plan(tiny_config, book, monkeypatch, from_plan):
+    """The measured span of a host-tier batch includes its plan (HSTU_FEEDBACK_FROM_PLAN, on): a
+    kind of plan whose planning is slow is charged for it; off, only the forward is measured."""
+    from hstu.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_FEEDBACK_FROM_PLAN", from_plan)
+    engine = _engine(tiny_config)
+    mgr = engine.cache
+    mgr.cost_model = CostModel(h2d_bytes_per_s=1e7, bytes_per_token_layer=1024, per_row_s=1e-4, per_pair_s=0.0)
+    engine.rank([book.request(1, 11)])
+    mgr.drain()
+    mgr.evict_gpu([1])
+    seen, observe, plan = [], mgr.plan_feedback.observe, engine._plan
+    monkeypatch.setattr(mgr.plan_feedback, "observe", lambda *a: seen.append(a[3]) or observe(*a))
+    monkeypatch.setattr(engine, "_plan", lambda requests: (time.sleep(0.2), plan(requests))[1])
+    engine.rank([book.request(1, 2)])
+    assert len(seen) == 1 and (seen[0] >= 0.2) == from_plan
     engine.close()
 
 
