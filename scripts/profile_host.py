@@ -19,8 +19,8 @@ its host time at batch 8 (0.75-0.88 against 0.28 ms: benchmarks/RESULTS.md, twen
 Each profiled batch follows an untimed one that commits the users' cached prefix (a GPU hit
 extending it, as in `hstu profile`); requests are validated and hashed first, as the server's
 front end does (--cold-requests: validated only, as RankingRequest.create hands them to an
-in-process caller's rank() and `hstu bench` times them, so the batch's plan hashes them). Medians over --forwards batches
-per phase, then cProfile's top functions.
+in-process caller's rank() and `hstu bench` times them, so the batch's plan hashes them).
+Medians over --forwards batches per phase, then cProfile's top functions.
 """
 
 from __future__ import annotations

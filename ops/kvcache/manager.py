@@ -537,7 +537,8 @@ class AsyncKVCacheManager:
     def finish(self, plan: BatchPlan) -> list[int]:
         """After the block ran: commit the batch, start its offload (gather + D2H on the offload
         stream, host commit once the copy completed, then unpin), and return the users whose
-        onload failed, which the caller must recompute."""
+        onload failed or whose history diverged from the GPU entry the batch reused unchecked, which
+        the caller must recompute (each was counted a GPU hit at plan, and counts a miss then)."""
         prepared = self.wait(plan)
         prepared.enqueue_onload()  # (a forward that never asked for a layer: the copies still run)
         diverged = self._check_unchecked(plan)
