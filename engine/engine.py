@@ -433,8 +433,9 @@ class RankingEngine:
         timing = ForwardTiming()
         t0 = time.perf_counter()
         # a planner's host-tier plan is measured against its prediction (plan_feedback.py), from
-        # before its plan where a cost model may plan one (its start event is then recorded now)
-        from_plan = _FEEDBACK_FROM_PLAN and isinstance(cache.cost_model, CostModel)
+        # before its plan where a cost model may plan one, the host tier holding anyone (its start
+        # event is then recorded now: ~5-10 us, which a GPU-resident batch need not pay otherwise)
+        from_plan = _FEEDBACK_FROM_PLAN and isinstance(cache.cost_model, CostModel) and cache.host.num_users() > 0
         start = cache.plan_feedback.mark(self.model.device) if from_plan else None
         plan = self._plan(requests)
         timing.plan_s = time.perf_counter() - t0
