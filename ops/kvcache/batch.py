@@ -113,5 +113,5 @@ class BatchPlan:
     # a planner's host-tier plan to measure (plan_feedback.py): (kind, users, predicted layer seconds)
     measure: tuple[str, int, float] | None = None
     pages_used_until: object = None
-    _future: Future | None = field(default=None, repr=False)
+    _future: Future | None = field(default=None, repr=False)  # (or the manager's _Settled: result() alike)
     _prepared: PreparedBatch | None = field(default=None, repr=False)
