@@ -621,6 +621,8 @@ class TierTransfers:
     def join(self, user_ids: list[int] | None) -> None:
         """Wait for the in-flight offloads, prefetches and onload settles of these users (None: of
         every user)."""
+        if user_ids is not None and not user_ids:
+            return  # (most plans: nobody to wait for)
         futures = set()
         with self._offloads_lock:
             for tracked in (self._offloads, self._settles):
