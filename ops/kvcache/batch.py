@@ -101,9 +101,9 @@ class BatchPlan:
     layer_inputs: list[torch.Tensor] | torch.Tensor | None = None
     # the batch's number (PageReuse), the earlier batch its onload waits for (-1: none) and what it
     # waits for on the device (an event, None, or page_reuse.ALL_EARLIER)
-    # Users whose GPU entry the batch reuses before their prefix was compared with it (the
-    # manager's check_after_launch) -> (the identity the entry was committed with, or None; the
-    # entry's length and digest), compared by finish() after the launch.
+    # Users whose GPU entry or host-tier prefix the batch reuses before their prefix was compared
+    # with it (the manager's check_after_launch) -> (the identity the user's entry was committed
+    # with, or None; the cached length and digest), compared by finish() after the launch.
     unchecked: dict[int, tuple[HistoryIdentity | None, int, bytes]] = field(default_factory=dict)
     seq: int = -1
     reuse_wait: int = -1

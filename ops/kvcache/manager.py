@@ -395,7 +395,13 @@ class AsyncKVCacheManager:
         slots, host_digest = self.host.lookup(user)
         host_len = len(slots) * self.config.chunk_tokens
         if host_len > 0:
-            usable = self._usable_length(user, n, ident, host_len, host_digest)
+            if self.check_after_launch and 0 < host_len < n and host_digest:
+                # compared after the launch too (see _lookup): the onload starts once the pages are
+                # reserved, and every microsecond of plan before it is a host-tier batch's latency
+                usable = host_len
+                plan.unchecked[user] = (self._identities.get(user), host_len, host_digest)
+            else:
+                usable = self._usable_length(user, n, ident, host_len, host_digest)
             if usable > 0:
                 self.host.pin([user])
                 self.host.touch(user)
@@ -580,6 +586,7 @@ class AsyncKVCacheManager:
             # read under the lock: a failure the worker finds later sees this batch committed
             # (_onload_failed_late), never half of it
             failed = sorted(prepared.onload_users) if handle.failed else []
+            diverged = [u for u in diverged if u not in failed]  # (a failed onload is dropped as failed)
             for b, u in enumerate(plan.user_ids):
                 if u in failed or u in diverged:
                     continue
@@ -625,11 +632,12 @@ class AsyncKVCacheManager:
         return failed + diverged
 
     def _check_unchecked(self, plan: BatchPlan) -> list[int]:
-        """After the launch: the users whose GPU entry the batch reused unchecked (check_after_launch)
-        and whose request's prefix is not the one the entry was computed from, compared with the
-        identity the entry was committed with then (taking over its digests where equal, so the
-        commit hashes only the new blocks). Their in-flight offloads are waited for (they did not
-        wait at lookup), so finish() may drop them."""
+        """After the launch: the users whose GPU entry or host-tier prefix the batch reused unchecked
+        (check_after_launch) and whose request's prefix is not the one it was computed from,
+        compared with the identity the user's entry was committed with then (taking over its
+        digests where equal, so the commit hashes only the new blocks). Their in-flight offloads
+        and this batch's onload of them are waited for (settled: nothing pins them after the
+        batch), so finish() may drop them."""
         if not plan.unchecked:
             return []
         identity = dict(zip(plan.user_ids, plan.identities))

@@ -614,3 +614,27 @@ def test_the_plan_of_an_extension_builds_no_token_records(tiny_config, book, mon
     plan = model._plan([request])
     assert plan.cached_lens == [tiny_config.history_tokens(10)] and not built
     mgr.abort(plan)
+
+
+def test_a_host_tier_prefix_is_onloaded_unchecked_and_a_diverged_one_ranked_again(tiny_config, book, monkeypatch):
+    """check_after_launch covers host-tier hits too: the plan compares no records before the onload
+    starts; a user whose history changed inside its host prefix is found after the launch, its
+    output and every copy of it dropped, and ranked again from scratch, the no-cache answer."""
+    from hstu.model.identity import HistoryIdentity
+
+    model, mgr = _setup(tiny_config)
+    _evicted_to_host(model, mgr, book, 1)
+    _evicted_to_host(model, mgr, book, 2)
+    phase, compared = ["plan"], []
+    finish, shares_prefix = mgr.finish, HistoryIdentity.shares_prefix
+    calls = []
+    monkeypatch.setattr(mgr, "finish", lambda plan: (phase.append("finish"), calls.append(finish(plan)))[1] or calls[-1])
+    monkeypatch.setattr(HistoryIdentity, "shares_prefix", lambda self, *a: compared.append(phase[-1]) or shares_prefix(self, *a))
+    _diverge_first_event(book, tiny_config, 1)
+    out = _check(model, [book.request(1, 2), book.request(2, 2)])
+    assert calls == [[1], []] and compared[:2] == ["finish", "finish"], "both compared after the first launch"
+    assert out[0].cached_tokens == 0 and out[1].cached_tokens == 24, "user 2 onloaded its host prefix"
+    stats = mgr.stats.snapshot()
+    assert stats["diverged_after_launch"] == 1 and stats["host_hits"] >= 2
+    # the retry committed the user's new history: its next request extends it
+    assert _check(model, [book.request(1, 1)])[0].cached_tokens == tiny_config.history_tokens(14)
