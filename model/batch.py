@@ -99,6 +99,11 @@ class RankingRequest:
     def num_events(self) -> int:
         return int(self.item_ids.shape[0])
 
+    @property
+    def num_tokens(self) -> int:
+        """History tokens: the contextual ones, then two per event (the identity's records)."""
+        return int(self.contextual.shape[0]) + 2 * self.num_events
+
     def history_tokens(self, config: HSTUConfig) -> int:
         return config.history_tokens(self.num_events)
 
@@ -144,15 +149,14 @@ class RankingRequest:
         """Prefix digests of this history under the model `model_id` (built once, then reused)."""
         ident = self._identities.get(model_id)
         if ident is None:  # its records built when first read (HistoryIdentity.deferred)
-            tokens = self.contextual.shape[0] + 2 * self.num_events
             make = functools.partial(token_records, self.contextual, self.item_ids, self.actions, self.timestamps)
-            ident = self._identities[model_id] = HistoryIdentity.deferred(model_id, tokens, make)
+            ident = self._identities[model_id] = HistoryIdentity.deferred(model_id, self.num_tokens, make)
         return ident
 
     def adopt_identity(self, model_id: bytes, identity: HistoryIdentity) -> None:
         """Use `identity` (built over exactly this history, e.g. HistoryIdentity.extended from a
         stored prefix) as this request's identity under `model_id`, instead of hashing it again."""
-        tokens = self.contextual.shape[0] + 2 * self.num_events
+        tokens = self.num_tokens
         if identity.num_tokens != tokens:
             raise ValueError(f"user {self.user_id}: identity covers {identity.num_tokens} tokens, the history has {tokens}")
         self._identities[model_id] = identity

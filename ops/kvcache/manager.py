@@ -289,11 +289,10 @@ class AsyncKVCacheManager:
         waiting = []
         for u, n, ident in zip(user_ids, history_lens, identities):
             entry = self.gpu.lookup(u)
-            if self.check_after_launch and self._may_extend(n, entry):
+            if self._may_extend(n, entry) and (self.check_after_launch or self._prefix_matches(u, ident, *entry)):
                 extended[u] = entry
-                unchecked[u] = (self._identities.get(u), *entry)
-            elif self._gpu_extension(u, n, ident, entry) or self._unchanged_rerank(u, n, ident, entry):
-                extended[u] = entry
+                if self.check_after_launch:
+                    unchecked[u] = (self._identities.get(u), *entry)
             elif not self._read_only_length(u, n, ident):
                 waiting.append(u)
         self.transfers.join(waiting)
@@ -323,7 +322,9 @@ class AsyncKVCacheManager:
 
     def _may_extend(self, n: int, entry: tuple[int, bytes]) -> bool:
         """Whether a request of n tokens would extend the user's GPU entry (length, digest), or
-        re-rank it unchanged under on_no_new_tokens="candidates", if its prefix is the entry's."""
+        re-rank it unchanged under on_no_new_tokens="candidates" (every cached token used, as the
+        tiers' lookup would find after more lookups and a second prefix check), if its prefix is
+        the entry's."""
         gpu_len, gpu_digest = entry
         if not gpu_digest or gpu_len <= 0:
             return False
@@ -364,14 +365,6 @@ class AsyncKVCacheManager:
         if 0 < gpu_len < n and self._prefix_matches(user, ident, gpu_len, gpu_digest):
             return gpu_len
         return 0
-
-    def _unchanged_rerank(self, user: int, n: int, ident: HistoryIdentity, entry: tuple[int, bytes]) -> bool:
-        """Whether the request re-ranks the user's whole GPU entry unchanged (its n tokens exactly
-        the entry's, on_no_new_tokens="candidates"): every cached token is used, as the tiers'
-        lookup would find after more lookups and a second prefix check."""
-        gpu_len, gpu_digest = entry
-        return (gpu_len == n > 0 and self.config.on_no_new_tokens == "candidates"
-                and self._prefix_matches(user, ident, gpu_len, gpu_digest))
 
     def _lookup_one(self, user: int, n: int, ident: HistoryIdentity, plan: BatchPlan) -> tuple[int, str]:
         cached, source = self._lookup_tiers(user, n, ident, plan)

@@ -21,8 +21,8 @@ cost), and a re-priced plan keeps forward_s as predicted. The plan is in the spa
 differs by kind: on an H100 (run MK) a batch-1 front split planned and packed its two passes in
 0.88-1.25 ms against 0.65 for a load_front split; measured from after the plan, front splits
 kept a factor that priced them below load_front's and took 11 of 13 batches, at 0.84-0.95x of no
-cache (2.84-3.24 ms; the same bench took load_front's split in its other runs, 2.18-2.57 ms). HSTU_FEEDBACK_FROM_PLAN=0 (engine.py)
-measures from after the plan, as before.
+cache (2.84-3.24 ms; the same bench took load_front's split in its other runs, 2.18-2.57 ms).
+HSTU_FEEDBACK_FROM_PLAN=0 (engine.py) measures from after the plan, as before.
 """
 
 from __future__ import annotations
