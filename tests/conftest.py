@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from hstu.engine import device_launch
 from hstu.model.batch import RankingRequest
 from hstu.model.config import HSTUConfig
 from tests.configs import TINY
@@ -20,6 +21,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _device_launch_unprofiled(monkeypatch):
+    """Each test starts with the device launch unaffected by an earlier test's profiler (the flag is
+    process-wide; each test builds its own engines, instantiated after that profiler ran)."""
+    monkeypatch.setattr(device_launch, "_PROFILED_IN_PROCESS", False)
 
 
 @pytest.fixture

@@ -48,6 +48,28 @@ def test_a_profiler_ends_the_device_launch_for_good(tmp_path, monkeypatch):
     assert not launch.usable()
 
 
+class _FakeFunction:
+    """A ctypes function's stand-in: takes restype and argtypes, launches nothing."""
+
+
+def _launcher_without_a_library() -> device_launch.DeviceLaunch:
+    names = ("hstu_dl_error_string", "hstu_dl_instantiate", "hstu_dl_launcher", "hstu_dl_probe", "hstu_dl_launch",
+             "hstu_dl_destroy")
+    library = type("FakeLibrary", (), {name: _FakeFunction() for name in names})()
+    return device_launch.DeviceLaunch(library, torch.device("cuda", 0))
+
+
+def test_a_profiler_seen_by_one_launcher_ends_every_launchers_device_launch():
+    """`hstu bench --trace` (run MN): the uncached engine's launcher saw the profiler, then the cached
+    engine's, which had not, launched from the device and the context failed. Process-wide now."""
+    seen, other = _launcher_without_a_library(), _launcher_without_a_library()
+    assert seen.usable() and other.usable()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert not seen.usable()
+    assert not other.usable() and not seen.usable()
+    assert not _launcher_without_a_library().usable()  # a launcher made later too
+
+
 def test_off_or_without_cuda_there_is_no_device_launch(monkeypatch):
     monkeypatch.setattr(device_launch, "ENABLED", False)
     assert device_launch.DeviceLaunch.create(torch.device("cuda")) is None
