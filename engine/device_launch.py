@@ -53,6 +53,7 @@ class DeviceLaunch:
         self.device = torch.device(device.type, self._index)  # "cuda" and "cuda:0" compare unequal
         self._execs: list[int] = []
         self.refusals: list[str] = []  # why each refused graph keeps the host launch
+        self._profiled = False  # this launcher saw a profiler (kept when a test resets the process's flag)
         vp, ll = ctypes.c_void_p, ctypes.c_longlong
         library.hstu_dl_error_string.restype = ctypes.c_char_p
         library.hstu_dl_error_string.argtypes = [ctypes.c_int]
@@ -119,10 +120,10 @@ class DeviceLaunch:
         H100), and, likely, after it from a launcher that had not seen it (run MN); a serving launcher
         traps, taking the context with it. The host launch runs the same graphs."""
         global _PROFILED_IN_PROCESS
-        if _PROFILED_IN_PROCESS:
+        if _PROFILED_IN_PROCESS or self._profiled:
             return False
         if torch._C._autograd._profiler_enabled():
-            _PROFILED_IN_PROCESS = True
+            _PROFILED_IN_PROCESS = self._profiled = True
             logger.warning("a profiler is running: forward graphs go back to the host launch for this process")
             return False
         return True

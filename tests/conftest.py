@@ -25,8 +25,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _device_launch_unprofiled(monkeypatch):
-    """Each test starts with the device launch unaffected by an earlier test's profiler (the flag is
-    process-wide; each test builds its own engines, instantiated after that profiler ran)."""
+    """Each test's new launchers start unaffected by an earlier test's profiler (the flag is
+    process-wide; a launcher that saw one keeps the host launch whatever the flag says)."""
     monkeypatch.setattr(device_launch, "_PROFILED_IN_PROCESS", False)
 
 

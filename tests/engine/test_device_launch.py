@@ -68,6 +68,8 @@ def test_a_profiler_seen_by_one_launcher_ends_every_launchers_device_launch():
         assert not seen.usable()
     assert not other.usable() and not seen.usable()
     assert not _launcher_without_a_library().usable()  # a launcher made later too
+    device_launch._PROFILED_IN_PROCESS = False  # (as the tests' fixture resets it)
+    assert not seen.usable() and other.usable()  # the launcher that saw it keeps the host launch
 
 
 def test_off_or_without_cuda_there_is_no_device_launch(monkeypatch):
