@@ -99,12 +99,12 @@ class BatchPlan:
     # tensor a layer (eager), or the graphs' static copy [L, largest bucket, D] (its first rows).
     hidden_chunks: dict[int, tuple[int, int]] = field(default_factory=dict)
     layer_inputs: list[torch.Tensor] | torch.Tensor | None = None
+    # users whose GPU entry or host-tier prefix the batch reuses before their prefix was compared
+    # with it (the manager's check_after_launch) -> (the identity the user's entry was committed
+    # with, or None; the cached length and digest), compared by finish() after the launch
+    unchecked: dict[int, tuple[HistoryIdentity | None, int, bytes]] = field(default_factory=dict)
     # the batch's number (PageReuse), the earlier batch its onload waits for (-1: none) and what it
     # waits for on the device (an event, None, or page_reuse.ALL_EARLIER)
-    # Users whose GPU entry or host-tier prefix the batch reuses before their prefix was compared
-    # with it (the manager's check_after_launch) -> (the identity the user's entry was committed
-    # with, or None; the cached length and digest), compared by finish() after the launch.
-    unchecked: dict[int, tuple[HistoryIdentity | None, int, bytes]] = field(default_factory=dict)
     seq: int = -1
     reuse_wait: int = -1
     # the onload's first copies start as soon as the pages are reserved, before the metadata is

@@ -580,8 +580,9 @@ class AsyncKVCacheManager:
             # (_onload_failed_late), never half of it
             failed = sorted(prepared.onload_users) if handle.failed else []
             diverged = [u for u in diverged if u not in failed]  # (a failed onload is dropped as failed)
+            dropped = failed + diverged  # neither committed nor served: ranked again
             for b, u in enumerate(plan.user_ids):
-                if u in failed or u in diverged:
+                if u in dropped:
                     continue
                 n = plan.history_lens[b]
                 if u not in plan.read_only:
@@ -592,15 +593,13 @@ class AsyncKVCacheManager:
                 computed += n - plan.cached_lens[b]
                 candidates += plan.layout.num_candidates[b]
             self.stats.add(cached_tokens=cached, computed_tokens=computed, candidate_tokens=candidates)
+            if dropped:  # (a diverged user's offloads settled in _check_unchecked: nothing else pins it)
+                self.gpu.release(dropped)
+                for u in dropped:
+                    self.invalidate(u)
             if failed:
-                self.gpu.release(failed)
-                for u in failed:
-                    self.invalidate(u)
                 self.stats.add(recomputes=len(failed))
-            if diverged:  # (their offloads settled in _check_unchecked: nothing else pins them)
-                self.gpu.release(diverged)
-                for u in diverged:
-                    self.invalidate(u)
+            if diverged:
                 self.stats.add(invalidations=len(diverged), invalidated_diverged=len(diverged),
                                diverged_after_launch=len(diverged))
             offload = admitted(plan, jobs, self.config, self.admission, self.host, self.stats)
@@ -610,7 +609,7 @@ class AsyncKVCacheManager:
                 self.gpu.release(done)
         hidden = {}
         if plan.hidden_chunks:  # gathered now, on the compute stream, before any later forward
-            kept = [b for b in plan.hidden_chunks if plan.user_ids[b] not in failed and plan.user_ids[b] not in diverged]
+            kept = [b for b in plan.hidden_chunks if plan.user_ids[b] not in dropped]
             hidden = gather_hidden(plan, kept, self.config.chunk_tokens, self._tails, digests, stored)
         # after everything the batch enqueued (its gather included): what the offload and later
         # onloads into its pages wait for
@@ -622,7 +621,7 @@ class AsyncKVCacheManager:
                 launched,
             )
         plan.layer_inputs = None  # gathered: a graph's buffer may be overwritten, an eager batch's freed
-        return failed + diverged
+        return dropped
 
     def _check_unchecked(self, plan: BatchPlan) -> list[int]:
         """After the launch: the users whose GPU entry or host-tier prefix the batch reused unchecked

@@ -126,11 +126,9 @@ class PlanFeedback:
     ) -> _Pending:
         """A batch about to run on `device`: on CUDA, its start event (`start`, recorded by mark()
         before its plan, else recorded on the current stream now); end() records its end."""
-        cuda = device.type == "cuda"
-        if cuda and start is None:
-            start = self.mark(device)
-        return _Pending(kind, users, predicted_s, start if cuda else None,
-                        torch.cuda.Event(enable_timing=True) if cuda else None)
+        if start is None:
+            start = self.mark(device)  # (None off CUDA)
+        return _Pending(kind, users, predicted_s, start, torch.cuda.Event(enable_timing=True) if start is not None else None)
 
     def end(self, pending: _Pending, wall_s: float) -> None:
         """The batch's work is enqueued (CUDA: its end event recorded now, read by a later
