@@ -81,6 +81,10 @@ _WAIT_SETS = 4  # waits_in_graph: event sets (and waited captures per bucket), m
 # before it; RankingEngine starts it early then) or "engine" (torch's copy_, as before; the
 # onload starts at the first layer). An experiment knob for same-call comparisons.
 STAGE_BY_KERNEL = os.environ.get("HSTU_STAGE_COPY", "kernel").strip().lower() != "engine"
+# Whether a host-tier batch's segments are cut after each layer's input projection (layer i's onload
+# wait after it, so the projection runs while the layer's pages land) rather than at layer boundaries.
+# HSTU_SPLIT_SEGMENTS=0: the layer-boundary cut, an experiment knob for same-call comparisons.
+SPLIT_SEGMENTS = os.environ.get("HSTU_SPLIT_SEGMENTS", "1") != "0"
 
 
 @dataclass
@@ -146,6 +150,15 @@ class ForwardGraphs:
                         device=self.device)
             if keep_layer_inputs and self.bucket_sizes else None
         )
+        # Segments split inside each layer (the eager layers', not compiled ones': those are one
+        # function a layer): two buffers of the largest bucket's projections [rows, width], one
+        # segment's projection read by the next, written by the one after it.
+        self.split_layers = layer_fns is None and SPLIT_SEGMENTS
+        self._projections = [
+            torch.empty((self.bucket_sizes[-1], model.block.layers[0].uvqk.out_features),
+                        dtype=model.config.torch_dtype, device=self.device)
+            for _ in range(2)
+        ] if self.split_layers and self.bucket_sizes else []
         self.replays = 0
         self.segmented_replays = 0
         self.waited_replays = 0
@@ -280,13 +293,33 @@ class ForwardGraphs:
                 waited.append(replay)
                 waited_logits.append(out)
         segments, h = [], None
-        for i in range(len(fns)):
-            def segment(i=i, h_in=h) -> torch.Tensor:
-                out = layer(i, embed() if i == 0 else h_in)
-                return head(out) if i == len(fns) - 1 else out
+        if self.split_layers:
+            # embed + projection 0, (rest of layer i-1 + projection i) for i >= 1, rest of layer L-1 +
+            # head: layer i's onload wait before segment i + 1, after its projection
+            layers, projections = self.model.block, self._projections
+            last = len(fns)
+            for i in range(last + 1):
+                def segment(i=i, state=h):
+                    if i == 0:
+                        x = embed()
+                    else:
+                        x = layers.paged_attend(i - 1, state[0], state[1], kv, meta)
+                    if i == last:
+                        return head(x)
+                    if kept is not None:
+                        kept[i, :rows].copy_(x)
+                    return x, layers.layers[i].projection(x, out=projections[i % 2][:rows])
 
-            replay, h, _ = self._record(segment)
-            segments.append(replay)
+                replay, h, _ = self._record(segment)
+                segments.append(replay)
+        else:
+            for i in range(len(fns)):
+                def segment(i=i, h_in=h) -> torch.Tensor:
+                    out = layer(i, embed() if i == 0 else h_in)
+                    return head(out) if i == len(fns) - 1 else out
+
+                replay, h, _ = self._record(segment)
+                segments.append(replay)
         copied = [None] * len(staging)
         return _Bucket(
             rows, device_buffer, meta, staging, staged_inputs, copied, replay_whole, whole_logits, segments, h, waited,
@@ -300,7 +333,15 @@ class ForwardGraphs:
         None) is returned uninstantiated with keep_graph, for the caller to instantiate."""
         if not self.capture:
             out = fn()
-            return (lambda: out.copy_(fn())), out, None
+            outs = out if isinstance(out, tuple) else (out,)
+
+            def replay() -> None:
+                new = fn()
+                for static, fresh in zip(outs, new if isinstance(new, tuple) else (new,)):
+                    if static.data_ptr() != fresh.data_ptr():  # (a projection written in place)
+                        static.copy_(fresh)
+
+            return replay, out, None
         graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = fn()
@@ -401,8 +442,11 @@ class ForwardGraphs:
             if after_launch is not None:
                 after_launch()
         else:
+            # split segments: layer i's wait before segment i + 1 (after its projection)
+            shift = 1 if self.split_layers else 0
             for i, segment in enumerate(bucket.segments):
-                before_layer(i)
+                if i >= shift:
+                    before_layer(i - shift)
                 segment()
                 if i == 0 and after_launch is not None:
                     after_launch()

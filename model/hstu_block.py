@@ -3,13 +3,12 @@
 - dense: one user's full sequence at a time (the no-cache reference);
 - paged: the jagged batch of new tokens; each layer appends the new history tokens' K/V into the
   user's pages, then runs paged attention over cached + new K/V. `before_layer(i)` is called
-  before layer i touches the cache, so layer i waits only for its own onload (outside any
-  compiled region when the layers are compiled one by one).
+  before layer i touches the cache (after its input projection, which reads none; before the
+  whole layer when the layers are compiled one by one), so layer i waits only for its own onload.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
@@ -37,8 +36,15 @@ class HSTUBlock(nn.Module):
 
     def paged_layer(self, index: int, x: torch.Tensor, kv_cache: torch.Tensor, meta: KVCacheMetadata) -> torch.Tensor:
         """Layer `index` on the jagged new tokens [T, D]: append new history K/V, paged attention."""
+        return self.paged_attend(index, x, self.layers[index].projection(x), kv_cache, meta)
+
+    def paged_attend(
+        self, index: int, x: torch.Tensor, uvqk: torch.Tensor, kv_cache: torch.Tensor, meta: KVCacheMetadata
+    ) -> torch.Tensor:
+        """The rest of layer `index` after its projection uvqk of x (HSTULayer.projection): the part
+        that reads and writes the cache, so the one a layer's onload wait precedes."""
         layer = self.layers[index]
-        u, q, k, v = layer.project(x)
+        u, q, k, v = layer.split_projection(uvqk)
         # the new history rows' K/V straight from the projection (no gathered copy); a graph
         # bucket's padded appends are skipped rather than written to its scratch page
         append_kvcache(
@@ -60,13 +66,20 @@ class HSTUBlock(nn.Module):
         """All layers on the jagged batch; layer_fns[i](x, kv_cache, meta) may replace layer i (compiled).
         layer_inputs: if given, each layer's input [T, D] is appended to it (kept, not copied: the
         host tier stores the history rows' as hidden-state chunks)."""
-        fns = layer_fns or [functools.partial(self.paged_layer, i) for i in range(len(self.layers))]
-        for i, fn in enumerate(fns):
-            if before_layer is not None:
-                before_layer(i)
+        for i in range(len(self.layers)):
             if layer_inputs is not None:
                 layer_inputs.append(x)
-            x = fn(x, kv_cache, meta)
+            if layer_fns is not None:  # (compiled whole: the wait before it)
+                if before_layer is not None:
+                    before_layer(i)
+                x = layer_fns[i](x, kv_cache, meta)
+                continue
+            # the projection reads no cached K/V: enqueued before the layer's onload wait, it runs
+            # while the layer's pages are still landing
+            uvqk = self.layers[i].projection(x)
+            if before_layer is not None:
+                before_layer(i)
+            x = self.paged_attend(i, x, uvqk, kv_cache, meta)
         return x
 
     def kv_from_hidden(self, index: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,14 +31,34 @@ class HSTULayer(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, D] -> u [T, H*d_v], q [T, H, d_qk], k [T, H, d_qk], v [T, H, d_v]."""
-        H, dv, dqk = self.num_heads, self.d_v, self.d_qk
-        uvqk = self.uvqk(self.input_norm(x))
+        return self.split_projection(self.projection(x))
+
+    def projection(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, D] -> uvqk [T, H*(2*d_v + 2*d_qk)], the layer's input projection (activated where
+        the variant activates all of it); out: a [T, width] contiguous buffer it is written into
+        (the CUDA graph segments hand it from one replay to the next without a copy). The part of
+        the layer that reads no cached K/V: a host-tier batch runs it before its pages land."""
+        h = self.input_norm(x)
+        if out is None:
+            uvqk = self.uvqk(h)
+        elif self.uvqk.bias is None:
+            uvqk = torch.mm(h, self.uvqk.weight.t(), out=out)
+        else:  # what F.linear runs for a 2-D input with a bias
+            uvqk = torch.addmm(self.uvqk.bias, h, self.uvqk.weight.t(), out=out)
         if not self.meta_stu:
-            uvqk = F.silu(uvqk)
+            uvqk = F.silu(uvqk, inplace=out is not None)
+        return uvqk
+
+    def split_projection(
+        self, uvqk: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """projection()'s output -> u [T, H*d_v], q [T, H, d_qk], k [T, H, d_qk], v [T, H, d_v] (views,
+        but u under meta_stu)."""
+        H, dv, dqk = self.num_heads, self.d_v, self.d_qk
         u, v, q, k = torch.split(uvqk, [H * dv, H * dv, H * dqk, H * dqk], dim=-1)
         if self.meta_stu:
             u = F.silu(u)
-        T = x.shape[0]
+        T = uvqk.shape[0]
         return u, q.reshape(T, H, dqk), k.reshape(T, H, dqk), v.reshape(T, H, dv)
 
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

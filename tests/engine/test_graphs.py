@@ -118,6 +118,55 @@ def test_the_static_forward_path_matches_no_cache_through_hits_onloads_and_fallb
 
 
 
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("host_format", ["kv", "hidden"])
+def test_segments_wait_for_a_layers_onload_after_its_projection(tiny_config, book, monkeypatch, split, host_format):
+    """A host-tier batch's segments are cut after each layer's input projection, which reads no
+    cached K/V: layer i's onload wait comes after projection i is enqueued (so it runs while the
+    layer's pages land) and before anything of layer i reads the cache; HSTU_SPLIT_SEGMENTS=0 cuts
+    at layer boundaries (the wait before the projection). Outputs equal the no-cache model's."""
+    from hstu.engine import graphs as graphs_module
+    from hstu.model.hstu_layer import HSTULayer
+    from hstu.ops.kvcache.batch import PreparedBatch
+
+    monkeypatch.setattr(graphs_module, "SPLIT_SEGMENTS", split)
+    engine = _static_engine(tiny_config, host_format=host_format)
+    engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96), capture=False)
+    assert engine.graphs.split_layers == split
+    events: list[tuple[str, int]] = []
+    layers = list(engine.model.block.layers)
+    projection, ready = HSTULayer.projection, PreparedBatch.ready
+
+    def logged_projection(self, x, out=None):
+        if self in layers:  # (the no-cache reference's and the K/V rebuild's projections are not the batch's)
+            events.append(("project", layers.index(self)))
+        return projection(self, x, out)
+
+    def logged_ready(self, layer):
+        events.append(("wait", layer))
+        return ready(self, layer)
+
+    monkeypatch.setattr(HSTULayer, "projection", logged_projection)
+    monkeypatch.setattr(PreparedBatch, "ready", logged_ready)
+    users = [0, 1, 2]
+    reqs = [book.request(u, 3, 2 + u) for u in users]
+    engine.forward(reqs)
+    engine.cache.drain()
+    engine.cache.evict_gpu(users[:2])  # onloaded from the host tier
+    reqs = [book.request(u, 5, 2 + u) for u in users]
+    events.clear()
+    out = engine.forward(reqs)
+    L = tiny_config.num_layers
+    if split:
+        expected = [e for i in range(L) for e in (("project", i), ("wait", i))]
+    else:
+        expected = [e for i in range(L) for e in (("wait", i), ("project", i))]
+    assert events[: 2 * L] == expected
+    assert engine.graphs.segmented_replays == 1 and len(engine.graphs._buckets[32].segments) == L + split
+    torch.testing.assert_close(out, engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
+    engine.close()
+
+
 @pytest.mark.parametrize("host_format", ["kv", "hidden"])
 def test_onload_waits_inside_one_replay_match_no_cache(tiny_config, book, monkeypatch, host_format):
     """HSTU_ONLOAD_IN_GRAPH: a batch that onloads enqueues every layer's onload, then replays the
