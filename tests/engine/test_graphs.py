@@ -273,19 +273,24 @@ def test_staging_slots_hand_out_their_own_inputs_and_a_foreign_slot_is_not_stage
 
 
 @pytest.mark.parametrize(
-    "buckets, staged",
-    [((32, 96), [32, 32]), ((12, 32), [12, 32]), ((12,), [12])],
-    ids=["front and batch share a bucket", "each its own bucket (batch staged first)", "front eager"],
+    "buckets, kernel_stage, staged",
+    [((32, 96), True, [32, 32]), ((12, 32), True, [32, 12]), ((12, 32), False, [12, 32]), ((12,), True, [12])],
+    ids=["front and batch share a bucket", "each its own bucket (batch staged after the front's launch)",
+         "each its own bucket, a copy engine stages (batch staged first)", "front eager"],
 )
 def test_front_passes_replay_from_their_own_staging_slot_and_match_no_cache(
-    tiny_config, book, monkeypatch, buckets, staged
+    tiny_config, book, monkeypatch, buckets, kernel_stage, staged
 ):
     """host_split "compute_front" on the static graph path: the front pass (tokens 0..q-1 of each
     host-tier user, no candidates) replays its bucket, or runs eagerly when none fits, before the
-    batch's segmented replay; a batch in a bucket of its own has its inputs copied before the
-    front's onload starts. Answers equal the no-cache model's."""
+    batch's segmented replay; a batch in a bucket of its own has its inputs staged after the front
+    pass's launch when a kernel stages them (on the compute stream, behind the front pass anyway),
+    and before the front's onload starts when a copy engine does (behind the copies, they would hold
+    the batch's first layer). Answers equal the no-cache model's."""
+    from hstu.engine.graphs import ForwardGraphs
     from hstu.ops.kvcache.planner import FixedSplit
 
+    monkeypatch.setattr(ForwardGraphs, "onload_before_stage", property(lambda self: kernel_stage))
     engine = _static_engine(tiny_config, host_split="compute_front")
     engine.enable_cuda_graphs(max_batch=3, buckets=buckets, capture=False)
     engine.rank([book.request(u, 11, 2) for u in (1, 2)])  # 24 tokens each: three chunks
