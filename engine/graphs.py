@@ -16,11 +16,16 @@ out again only after the copy that read it completed (an event per slot).
 Two captures per bucket read them:
   whole    embed -> every layer -> candidate rows -> postprocessor -> head; one replay, for
            batches with nothing to onload (GPU hits, misses, re-ranks);
-  segments the same work cut at layer boundaries (embed + layer 0, layer 1, ..., layer L-1 +
-           head), replayed one by one with layer i's onload wait before segment i. The wait
-           blocks the host only until layer i's copies are *enqueued* (by the model thread), then
-           orders the compute stream after their event (OnloadHandle.wait), so layer i still waits
-           on the GPU for its own pages only; the cost over `whole` is L-1 launches.
+  segments the same work cut after each layer's input projection (embed + projection 0, rest
+           of layer 0 + projection 1, ..., rest of layer L-1 + head; HSTU_SPLIT_SEGMENTS=0, or
+           compiled layers: at layer boundaries), replayed one by one with layer i's onload wait
+           before the segment that reads its pages. The wait blocks the host only until layer
+           i's copies are *enqueued* (by the model thread), then orders the compute stream after
+           their event (OnloadHandle.wait), so layer i still waits on the GPU for its own pages
+           only, and its projection runs before they land; the cost over `whole` is L launches
+           (L-1 cut at layer boundaries). A projection passes to the next segment in one of two
+           shared buffers of the largest bucket's rows (2 x 24,576 x 4,096 bf16, 0.4 GB at the
+           seed shapes).
   waited   (waits_in_graph, issue 12's onload dependency inside the graph) the whole forward with
            an event wait before each layer i on an external event (an event wait node in the
            graph): the engine enqueues every layer's onload first, the handle records the event of
