@@ -78,17 +78,18 @@ def split_host_prefixes(
             plan.measure = (kind, len(shapes), chosen.predicted_s - cost_model.forward_s)
         onload = [min(chosen.onload_tokens[b], plan.cached_lens[b]) for b in host]
     chunk, unpin = config.chunk_tokens, []
+    onloaded = recomputed = 0  # (counted once: a stats.add a user was a fifth of this function)
     for b, p in zip(host, onload):
         u, cached = plan.user_ids[b], plan.cached_lens[b]
         if front and 0 < p < cached:
             q = front_tokens(cached, p, chunk)
             if q > 0:  # tokens [0, q) recomputed by the front pass, [q, cached) onloaded
-                stats.add(tokens_onloaded=cached - q, tokens_recomputed=q)
+                onloaded, recomputed = onloaded + cached - q, recomputed + q
                 plan.front_tokens[u] = q
                 plan.onload_slots[u] = plan.onload_slots[u][q // chunk :]
                 continue
             p = cached
-        stats.add(tokens_onloaded=p, tokens_recomputed=cached - p)
+        onloaded, recomputed = onloaded + p, recomputed + cached - p
         plan.cached_lens[b] = p
         if p == 0:
             del plan.onload_slots[u]
@@ -96,6 +97,7 @@ def split_host_prefixes(
             unpin.append(u)
         else:
             plan.onload_slots[u] = plan.onload_slots[u][: -(-p // chunk)]
+    stats.add(tokens_onloaded=onloaded, tokens_recomputed=recomputed)
     return unpin
 
 
