@@ -38,8 +38,9 @@ ENABLED = knobs.flag("HSTU_DEVICE_LAUNCH", default=True)
 # and host-launches), then the cached engine device-launches its next forward, from execs
 # instantiated before the profiler attached. A launcher made after a profiler ran launched fine
 # (`hstu profile`'s second batch size, run MP), and host launches of earlier execs did (run MD).
-# The likely cause, not yet confirmed on a GPU. (A profiler no launcher sees, started and stopped
-# between two launches, is not caught: the serving process runs none.)
+# With the flag process-wide, `hstu bench --trace` passed (run MQ, H100: every batch-8 pass after
+# batch 1's traced ones host-launched). (A profiler no launcher sees, started and stopped between
+# two launches, is not caught: the serving process runs none.)
 _PROFILED_IN_PROCESS = False
 
 
@@ -117,7 +118,7 @@ class DeviceLaunch:
     def usable(self) -> bool:
         """Whether launches may go through the device now. Not once a torch profiler has run in this
         process, seen by this launcher or any other: under it a device-side launch failed (run MC,
-        H100), and, likely, after it from a launcher that had not seen it (run MN); a serving launcher
+        H100), and after it from a launcher that had not seen it (run MN); a serving launcher
         traps, taking the context with it. The host launch runs the same graphs."""
         global _PROFILED_IN_PROCESS
         if _PROFILED_IN_PROCESS or self._profiled:

@@ -600,10 +600,13 @@ class RankingEngine:
         # front pass whenever it is enqueued: enqueued after the front's launch, its host work
         # (its rows' features and stage, ~0.08 ms at batch 8 on the dev CPU) no longer holds that launch.
         # A copy engine's stage goes first, ahead of the copies it would otherwise queue behind.
+        def stage_batch() -> bool:
+            model.static_inputs(requests, plan.layout, self.graphs.inputs_of(plan.pad))
+            return self.graphs.stage(plan.pad, prepared.metadata)
+
         stage_first = own_bucket and not (plan.front_pad is not None and self.graphs.onload_before_stage)
         if stage_first:
-            model.static_inputs(requests, plan.layout, self.graphs.inputs_of(plan.pad))
-            staged = self.graphs.stage(plan.pad, prepared.metadata)
+            staged = stage_batch()
 
         if plan.front_pad is not None:
             model.static_inputs(fronts, plan.front_layout, self.graphs.inputs_of(plan.front_pad))
@@ -611,8 +614,7 @@ class RankingEngine:
             if done is None:
                 raise RuntimeError(f"no CUDA graph replayed the front pass of {plan.front_layout.num_rows} rows padded for one")
             if own_bucket and not stage_first:
-                model.static_inputs(requests, plan.layout, self.graphs.inputs_of(plan.pad))
-                staged = self.graphs.stage(plan.pad, prepared.metadata)
+                staged = stage_batch()
         else:
             x = model.embed(fronts, [0] * len(fronts))
 

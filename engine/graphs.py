@@ -301,19 +301,19 @@ class ForwardGraphs:
         if self.split_layers:
             # embed + projection 0, (rest of layer i-1 + projection i) for i >= 1, rest of layer L-1 +
             # head: layer i's onload wait before segment i + 1, after its projection
-            layers, projections = self.model.block, self._projections
+            block, projections = self.model.block, self._projections
             last = len(fns)
             for i in range(last + 1):
                 def segment(i=i, state=h):
                     if i == 0:
                         x = embed()
                     else:
-                        x = layers.paged_attend(i - 1, state[0], state[1], kv, meta)
+                        x = block.paged_attend(i - 1, state[0], state[1], kv, meta)
                     if i == last:
                         return head(x)
                     if kept is not None:
                         kept[i, :rows].copy_(x)
-                    return x, layers.layers[i].projection(x, out=projections[i % 2][:rows])
+                    return x, block.layers[i].projection(x, out=projections[i % 2][:rows])
 
                 replay, h, _ = self._record(segment)
                 segments.append(replay)
