@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
 import sys
 import threading
@@ -30,9 +31,32 @@ TASKS = ("click", "like", "share")
 TIMELINE_EVENTS = 126  # the most a TINY history can hold: (256 - 1 - 2) // 2
 
 
+# Below the kernel's ephemeral range and above Ray's worker ports (10002-19999): a port the OS hands
+# out for bind(0) or an outgoing connection (Ray's processes make many while a server starts) could
+# be taken between picking it and the server binding it, seconds later.
+_PICKED_PORTS = (20_000, 32_768)
+
+
+def _ephemeral_floor() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _PICKED_PORTS[1]
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for a server started next)."""
-    with socket.socket() as sock:
+    """A TCP port on 127.0.0.1 that is free now (for a server started next), outside the ranges the
+    OS and Ray allocate from, so nothing else takes it before the server binds it."""
+    low, high = _PICKED_PORTS[0], min(_PICKED_PORTS[1], _ephemeral_floor())
+    for port in random.sample(range(low, high), min(64, max(high - low, 0))):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # no such range on this machine: any free port
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
