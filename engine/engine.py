@@ -396,6 +396,7 @@ class RankingEngine:
         self.graphs = ForwardGraphs(
             self.model, self.cache.kv_pages, self.cache.scratch_page, max_batch, buckets, layer_fns, capture,
             keep_layer_inputs=self.cache.keeps_hidden, waits_in_graph=_ONLOAD_IN_GRAPH,
+            onloads=self.cache.config.host_slots > 0,
             device_launch=DeviceLaunch.create(self.model.device) if capture else None,
         )
         # Every layer is one code object (paged_layer) compiled once per (layer, bucket): lift

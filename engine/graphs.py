@@ -35,7 +35,9 @@ Two captures per bucket read them:
            tie that replay to the later batch's copies, which may wait for it (a deadlock), should
            the device read the event when the node runs rather than at the launch.
 Both end in a static logits tensor [rows, num_tasks]; the engine copies out the batch's rows
-before the next replay can overwrite them.
+before the next replay can overwrite them. A cache with no host tier (onloads=False: no batch
+ever waits for pages, as the bench's uncached engine) captures only `whole`, with no projection
+buffers.
 Device launch (on by default, HSTU_DEVICE_LAUNCH=0 off; engine/device_launch.py): `whole` is also
 instantiated for launch from the device, with one launcher graph per staging slot that copies the
 slot into the device buffer and then launches it; a batch's stage and replay are then one small
@@ -127,6 +129,7 @@ class ForwardGraphs:
         keep_layer_inputs: bool = False,
         waits_in_graph: bool = False,
         device_launch: DeviceLaunch | None = None,
+        onloads: bool = True,
     ) -> None:
         self.model = model
         n = len(model.block.layers)
@@ -159,23 +162,26 @@ class ForwardGraphs:
         # function a layer): two buffers of the largest bucket's projections [rows, width], one
         # segment's projection read by the next, written by the one after it.
         self.split_layers = layer_fns is None and SPLIT_SEGMENTS
+        # onloads=False (a cache with no host tier: no batch ever waits for pages) captures only
+        # `whole`: the segments and waited graphs would never replay, nor these buffers be read
+        self.onloads = onloads
         self._projections = [
             torch.empty((self.bucket_sizes[-1], model.block.layers[0].uvqk.out_features),
                         dtype=model.config.torch_dtype, device=self.device)
             for _ in range(2)
-        ] if self.split_layers and self.bucket_sizes else []
+        ] if onloads and self.split_layers and self.bucket_sizes else []
         self.replays = 0
         self.segmented_replays = 0
         self.waited_replays = 0
         # waits_in_graph: one external event per layer, recorded once now so that it exists when a
         # capture waits on it (torch skips the wait on an event never recorded: no node is made)
-        self.waits_in_graph = waits_in_graph
+        self.waits_in_graph = waits_in_graph and onloads
         # [set][layer] (None without CUDA: one set, nothing to wait for), and per set an event after
         # the last replay that waited on it
         self.layer_ready: list[list | None] = [None]
         self._set_done: list = [None]
         self._next_set = 0
-        if waits_in_graph and capture:
+        if self.waits_in_graph and capture:
             stream = torch.cuda.current_stream(self.device)
             self.layer_ready = [[torch.cuda.Event(external=True) for _ in range(n)] for _ in range(_WAIT_SETS)]
             for event in (e for events in self.layer_ready for e in events):
@@ -298,7 +304,7 @@ class ForwardGraphs:
                 waited.append(replay)
                 waited_logits.append(out)
         segments, h = [], None
-        if self.split_layers:
+        if self.onloads and self.split_layers:
             # embed + projection 0, (rest of layer i-1 + projection i) for i >= 1, rest of layer L-1 +
             # head: layer i's onload wait before segment i + 1, after its projection
             block, projections = self.model.block, self._projections
@@ -317,7 +323,7 @@ class ForwardGraphs:
 
                 replay, h, _ = self._record(segment)
                 segments.append(replay)
-        else:
+        elif self.onloads:
             for i in range(len(fns)):
                 def segment(i=i, h_in=h) -> torch.Tensor:
                     out = layer(i, embed() if i == 0 else h_in)
@@ -425,6 +431,9 @@ class ForwardGraphs:
         replayed this bucket since). onload() with wait_set (take_wait_set; waits_in_graph), instead
         of before_layer: enqueues every layer's onload after the inputs copy, each layer recording
         its event of the set (wait_events); then the set's waited graph replays once."""
+        if not self.onloads and (before_layer is not None or onload is not None):
+            raise RuntimeError(f"a batch that onloads pages reached graphs captured without onload segments "
+                               f"(onloads=False: the cache has no host tier), bucket of {pad.rows} rows")
         # a whole forward staged and launched by the slot's device launcher, where the bucket has one
         launched = not staged and before_layer is None and onload is None and self._launch_from_device(pad, meta)
         if not staged and not launched and not self.stage(pad, meta):

@@ -118,6 +118,32 @@ def test_the_static_forward_path_matches_no_cache_through_hits_onloads_and_fallb
 
 
 
+def test_a_cache_without_a_host_tier_captures_only_the_whole_forward(tiny_config, book):
+    """No host slot, no onload: the segments, waited graphs and projection buffers would never be
+    read, so none are made; GPU hits, evicted users (recomputed) and misses all replay `whole` and
+    match the no-cache model. A batch asking for per-layer waits there is refused by name."""
+    engine = _static_engine(tiny_config, host_bytes=1)  # less than one chunk: no host slot
+    assert engine.cache.config.host_slots == 0
+    engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96), capture=False)
+    graphs = engine.graphs
+    assert not graphs.onloads and not graphs.waits_in_graph and graphs._projections == []
+    assert all(not b.segments and not b.waited for b in graphs._buckets.values())
+    for step in range(4):
+        users = [(step + u) % 4 for u in range(3)]
+        reqs = [book.request(u, 2 + step, 2 + u) for u in users]
+        if step == 2:
+            engine.cache.drain()
+            engine.cache.evict_gpu(users[:2])  # nowhere to onload from: recomputed
+        torch.testing.assert_close(engine.forward(reqs), engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
+    assert graphs.replays == 4 and graphs.segmented_replays == 0
+    plan = engine._plan([book.request(0, 6, 2)])
+    prepared = engine.cache.wait(plan)
+    with pytest.raises(RuntimeError, match="captured without onload segments"):
+        graphs.run(plan.pad, prepared.metadata, 1, before_layer=lambda layer: None)
+    engine.cache.abort(plan)
+    engine.close()
+
+
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("host_format", ["kv", "hidden"])
 def test_segments_wait_for_a_layers_onload_after_its_projection(tiny_config, book, monkeypatch, split, host_format):
