@@ -35,6 +35,7 @@ TIMELINE_EVENTS = 126  # the most a TINY history can hold: (256 - 1 - 2) // 2
 # out for bind(0) or an outgoing connection (Ray's processes make many while a server starts) could
 # be taken between picking it and the server binding it, seconds later.
 _PICKED_PORTS = (20_000, 32_768)
+_handed_out: set[int] = set()  # never the same port twice in one test process (a server may not have bound it yet)
 
 
 def _ephemeral_floor() -> int:
@@ -50,12 +51,15 @@ def free_port() -> int:
     OS and Ray allocate from, so nothing else takes it before the server binds it."""
     low, high = _PICKED_PORTS[0], min(_PICKED_PORTS[1], _ephemeral_floor())
     for port in random.sample(range(low, high), min(64, max(high - low, 0))):
+        if port in _handed_out:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _handed_out.add(port)
+        return port
     with socket.socket() as sock:  # no such range on this machine: any free port
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
