@@ -144,6 +144,30 @@ def test_a_cache_without_a_host_tier_captures_only_the_whole_forward(tiny_config
     engine.close()
 
 
+@pytest.mark.cuda
+def test_captured_graphs_without_a_host_tier_match_no_cache_on_cuda(tiny_config, book):
+    """The captured counterpart: only `whole` graphs, GPU hits and evicted (recomputed) users."""
+    from hstu.engine import RankingEngine
+    from hstu.model.ranking import InferenceRankingGR
+    from hstu.ops.kvcache.config import KVCacheConfig
+    from hstu.ops.kvcache.manager import AsyncKVCacheManager
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    kv = KVCacheConfig.for_model(tiny_config, page_size=4, num_pages=256, chunk_tokens=8, host_capacity_bytes=1)
+    engine = RankingEngine(InferenceRankingGR(tiny_config, "cuda"), AsyncKVCacheManager(kv, "cuda"))
+    engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96))
+    assert not engine.graphs.onloads and all(not b.segments for b in engine.graphs._buckets.values())
+    for step in range(4):
+        users = [(step + u) % 4 for u in range(3)]
+        reqs = [book.request(u, 2 + step, 2 + u) for u in users]
+        if step == 2:
+            engine.cache.drain()
+            engine.cache.evict_gpu(users[:2])
+        torch.testing.assert_close(engine.forward(reqs), engine.forward_no_cache(reqs), rtol=1e-4, atol=1e-5)
+    assert engine.graphs.replays == 4
+    engine.close()
+
+
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("host_format", ["kv", "hidden"])
 def test_segments_wait_for_a_layers_onload_after_its_projection(tiny_config, book, monkeypatch, split, host_format):
