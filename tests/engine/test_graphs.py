@@ -163,7 +163,8 @@ def test_captured_graphs_without_a_host_tier_match_no_cache_on_cuda(tiny_config,
         if step == 2:
             engine.cache.drain()
             engine.cache.evict_gpu(users[:2])
-        torch.testing.assert_close(engine.forward(reqs), engine.forward_no_cache(reqs), rtol=1e-4, atol=1e-5)
+        got = engine.forward(reqs)
+        torch.testing.assert_close(got, engine.forward_no_cache(reqs).to(got.device), rtol=1e-4, atol=1e-5)
     assert engine.graphs.replays == 4
     engine.close()
 
