@@ -70,27 +70,33 @@ def tiny_server_settings(model: HSTUConfig = TINY_MODEL, **overrides):
     return ServerSettings(**base)
 
 
-def wait_until_ready(url: str, alive: Callable[[], bool], timeout_s: float) -> None:
+def wait_until_ready(
+    url: str, alive: Callable[[], bool], timeout_s: float, log: Callable[[], str] | None = None
+) -> None:
     """Poll {url}/v2/health/ready until 200; RuntimeError when `alive()` turns false (the server's
-    thread or process ended) or the server reports a failed load, TimeoutError after `timeout_s`."""
+    thread or process ended) or the server reports a failed load, TimeoutError after `timeout_s`.
+    log(): what the server printed, appended to those errors (a process's output says why it exited)."""
     import httpx
+
+    def printed() -> str:
+        return f"\n{log()}" if log is not None else ""
 
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
     while time.monotonic() < deadline:
         if not alive():
-            raise RuntimeError(f"the server exited before {url} was ready ({last})")
+            raise RuntimeError(f"the server exited before {url} was ready ({last}){printed()}")
         try:
             response = httpx.get(f"{url}/v2/health/ready", timeout=2.0)
             if response.status_code == 200:
                 return
             last = f"{response.status_code} {response.text}"
             if '"failed"' in response.text:
-                raise RuntimeError(f"server at {url} failed to load: {last}")
+                raise RuntimeError(f"server at {url} failed to load: {last}{printed()}")
         except httpx.HTTPError as exc:
             last = str(exc)
         time.sleep(0.1)
-    raise TimeoutError(f"server at {url} not ready after {timeout_s:.0f}s ({last})")
+    raise TimeoutError(f"server at {url} not ready after {timeout_s:.0f}s ({last}){printed()}")
 
 
 @contextlib.contextmanager

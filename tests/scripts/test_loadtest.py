@@ -11,7 +11,7 @@ pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installe
 pytest.importorskip("httpx", reason="httpx is not installed")
 pytest.importorskip("hstu.serving.app", reason="hstu.serving is not importable")
 
-from hstu.scripts.loadtest import LOAD_WORKLOAD, run_load_test  # noqa: E402
+from hstu.scripts.loadtest import LOAD_WORKLOAD, run_load_test, wait_until_ready  # noqa: E402
 
 
 def test_load_test_reports_qps_and_p99_with_no_errors():
@@ -23,3 +23,8 @@ def test_load_test_reports_qps_and_p99_with_no_errors():
     assert summary["latency_p99_ms"] >= summary["latency_p50_ms"] > 0
     assert summary["gpu_hits"] > 0, "repeat users must hit the cache through the server"
     assert summary["gpu_hits"] + summary["host_hits"] + summary["misses"] >= 100
+
+
+def test_a_server_that_exits_before_it_is_ready_is_reported_with_what_it_printed():
+    with pytest.raises(RuntimeError, match="exited before .* was ready .*\n.*cannot listen on 127.0.0.1:1"):
+        wait_until_ready("http://127.0.0.1:1", lambda: False, timeout_s=5, log=lambda: "cannot listen on 127.0.0.1:1")

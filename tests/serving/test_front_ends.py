@@ -35,10 +35,8 @@ def _front_ends(tmp_path) -> Iterator[tuple[subprocess.Popen, str, int, int]]:
     server = _serve(tmp_path, port)
     base = f"http://127.0.0.1:{port}"
     try:
-        try:
-            wait_until_ready(base, lambda: server.poll() is None, timeout_s=START_S)
-        except (RuntimeError, TimeoutError) as exc:  # with what the server printed
-            raise RuntimeError(f"{exc}\n{(tmp_path / 'serve.log').read_text()[-5000:]}") from exc
+        wait_until_ready(base, lambda: server.poll() is None, timeout_s=START_S,
+                         log=lambda: (tmp_path / "serve.log").read_text()[-5000:])
         yield (server, base, *_pids(tmp_path))
     finally:
         try:  # whatever of the group still runs
