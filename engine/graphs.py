@@ -75,6 +75,7 @@ from typing import Callable, Sequence
 import torch
 
 from hstu.engine.device_launch import DeviceLaunch
+from hstu.ops import knobs
 from hstu.ops.kv_ops import read_pinned
 from hstu.ops.kvcache.metadata import KVCacheMetadata, PackedMetadata, PadSpec
 
@@ -91,7 +92,7 @@ STAGE_BY_KERNEL = os.environ.get("HSTU_STAGE_COPY", "kernel").strip().lower() !=
 # Whether a host-tier batch's segments are cut after each layer's input projection (layer i's onload
 # wait after it, so the projection runs while the layer's pages land) rather than at layer boundaries.
 # HSTU_SPLIT_SEGMENTS=0: the layer-boundary cut, an experiment knob for same-call comparisons.
-SPLIT_SEGMENTS = os.environ.get("HSTU_SPLIT_SEGMENTS", "1") != "0"
+SPLIT_SEGMENTS = knobs.flag("HSTU_SPLIT_SEGMENTS", default=True)
 
 
 @dataclass
