@@ -218,7 +218,7 @@ def _one(predicted: tuple[np.ndarray, ...]) -> tuple[float, float, float]:
 
 
 def _front(host, onload, chunk_tokens: int):
-    """front_tokens over ints or arrays."""
+    """front_tokens over arrays (front_tokens itself takes plain ints)."""
     return np.maximum(0, host - onload) // chunk_tokens * chunk_tokens
 
 

@@ -118,6 +118,19 @@ def test_the_static_forward_path_matches_no_cache_through_hits_onloads_and_fallb
 
 
 
+def _hits_and_recomputed_evictions_match_no_cache(engine, book, rtol: float, atol: float) -> None:
+    """Four batches of three users, GPU hits and misses, two users evicted before the third (a cache
+    with no host tier recomputes them), each equal to the no-cache model."""
+    for step in range(4):
+        users = [(step + u) % 4 for u in range(3)]
+        reqs = [book.request(u, 2 + step, 2 + u) for u in users]
+        if step == 2:
+            engine.cache.drain()
+            engine.cache.evict_gpu(users[:2])  # nowhere to onload from: recomputed
+        got = engine.forward(reqs)
+        torch.testing.assert_close(got, engine.forward_no_cache(reqs).to(got.device), rtol=rtol, atol=atol)
+
+
 def test_a_cache_without_a_host_tier_captures_only_the_whole_forward(tiny_config, book):
     """No host slot, no onload: the segments, waited graphs and projection buffers would never be
     read, so none are made; GPU hits, evicted users (recomputed) and misses all replay `whole` and
@@ -128,13 +141,7 @@ def test_a_cache_without_a_host_tier_captures_only_the_whole_forward(tiny_config
     graphs = engine.graphs
     assert not graphs.onloads and not graphs.waits_in_graph and graphs._projections == []
     assert all(not b.segments and not b.waited for b in graphs._buckets.values())
-    for step in range(4):
-        users = [(step + u) % 4 for u in range(3)]
-        reqs = [book.request(u, 2 + step, 2 + u) for u in users]
-        if step == 2:
-            engine.cache.drain()
-            engine.cache.evict_gpu(users[:2])  # nowhere to onload from: recomputed
-        torch.testing.assert_close(engine.forward(reqs), engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
+    _hits_and_recomputed_evictions_match_no_cache(engine, book, rtol=1e-5, atol=1e-6)
     assert graphs.replays == 4 and graphs.segmented_replays == 0
     plan = engine._plan([book.request(0, 6, 2)])
     prepared = engine.cache.wait(plan)
@@ -157,14 +164,7 @@ def test_captured_graphs_without_a_host_tier_match_no_cache_on_cuda(tiny_config,
     engine = RankingEngine(InferenceRankingGR(tiny_config, "cuda"), AsyncKVCacheManager(kv, "cuda"))
     engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96))
     assert not engine.graphs.onloads and all(not b.segments for b in engine.graphs._buckets.values())
-    for step in range(4):
-        users = [(step + u) % 4 for u in range(3)]
-        reqs = [book.request(u, 2 + step, 2 + u) for u in users]
-        if step == 2:
-            engine.cache.drain()
-            engine.cache.evict_gpu(users[:2])
-        got = engine.forward(reqs)
-        torch.testing.assert_close(got, engine.forward_no_cache(reqs).to(got.device), rtol=1e-4, atol=1e-5)
+    _hits_and_recomputed_evictions_match_no_cache(engine, book, rtol=1e-4, atol=1e-5)
     assert engine.graphs.replays == 4
     engine.close()
 
