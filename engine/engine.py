@@ -538,7 +538,7 @@ class RankingEngine:
 
                 onload, before_layer = enqueue_all, None
             logits = self.graphs.run(
-                plan.pad, prepared.metadata, plan.layout.num_candidate_rows, before_layer, owned, staged=staged,
+                plan.pad, prepared.packed_metadata(), plan.layout.num_candidate_rows, before_layer, owned, staged=staged,
                 onload=onload, wait_set=wait_set,
             )
             if logits is None:  # padded metadata only fits its graph bucket
@@ -549,7 +549,7 @@ class RankingEngine:
             if plan.hidden_chunks:  # host_format "hidden": finish() offloads their history rows' inputs
                 plan.layer_inputs = []
             y = model.block.forward_paged(
-                x, prepared.kv_pages, prepared.metadata, ready, self.layer_fns, layer_inputs=plan.layer_inputs
+                x, prepared.kv_pages, prepared.packed_metadata(), ready, self.layer_fns, layer_inputs=plan.layer_inputs
             )
             logits = model.logits(y, plan.layout)
         timing.forward_s = time.perf_counter() - t2 - (timing.onload_wait_s - started)
@@ -603,7 +603,7 @@ class RankingEngine:
         # A copy engine's stage goes first, ahead of the copies it would otherwise queue behind.
         def stage_batch() -> bool:
             model.static_inputs(requests, plan.layout, self.graphs.inputs_of(plan.pad))
-            return self.graphs.stage(plan.pad, prepared.metadata)
+            return self.graphs.stage(plan.pad, prepared.packed_metadata())
 
         stage_first = own_bucket and not (plan.front_pad is not None and self.graphs.onload_before_stage)
         if stage_first:

@@ -36,6 +36,20 @@ class PreparedBatch:
     _start_onload: Callable[..., Callable[[int], None]] | None = field(default=None, repr=False)
     # What it returned: enqueues the hidden-state chunks' rebuilds of the layers up to the one given.
     _through: Callable[[int], None] | None = field(default=None, repr=False)
+    # Packs `metadata` when it is first asked for (defer_metadata); None once packed.
+    _pack: Callable[[], KVCacheMetadata | PackedMetadata] | None = field(default=None, repr=False)
+
+    def defer_metadata(self, pack: Callable[[], KVCacheMetadata | PackedMetadata]) -> None:
+        """Leave `metadata` to pack() until packed_metadata() first asks for it (a front pass's batch:
+        packed after the front's launch, which it does not feed)."""
+        self.metadata, self._pack = None, pack
+
+    def packed_metadata(self) -> KVCacheMetadata | PackedMetadata:
+        """`metadata`, packed now if its packing was deferred."""
+        pack, self._pack = self._pack, None
+        if pack is not None:
+            self.metadata = pack()
+        return self.metadata
 
     def start_onload(self, after: "torch.cuda.Event | None" = None, ahead: int | None = None) -> None:
         """Enqueue the copies, once, from the model thread: after the batch's own host->device

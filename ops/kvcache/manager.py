@@ -94,6 +94,9 @@ _FINISH_WAITS_ONLOAD = os.environ.get("HSTU_FINISH_WAITS_ONLOAD", "0") == "1"
 # HSTU_CHECK_AFTER_LAUNCH=0: a GPU entry's prefix is checked against the request before the batch
 # is launched, as it was before (an experiment knob for same-call comparisons); see _lookup.
 _CHECK_AFTER_LAUNCH = knobs.flag("HSTU_CHECK_AFTER_LAUNCH", default=True)
+# HSTU_FRONT_FIRST=0: a compute_front batch whose onload starts at reserve packs its own metadata in
+# the plan and enqueues COPY_AHEAD + 1 layers' copies there, as before (same-call comparisons); see _prepare.
+_FRONT_FIRST = knobs.flag("HSTU_FRONT_FIRST", default=True)
 
 _ext = load_extension()
 CacheCapacityError = _ext.CacheCapacityError
@@ -467,15 +470,25 @@ class AsyncKVCacheManager:
                     pages_used_until=plan.pages_used_until,
                 )
             prepared = PreparedBatch(pages, None, handle, self.kv_pages, onload_users, None, start)
+            fronts, ps = plan.front_tokens, self.config.page_size
+            # A front pass's batch (its onload started here, on the model thread) goes front first:
+            # its own metadata is packed when the engine first needs it, after the front pass's
+            # launch, and one layer's copies start here, the rest after that launch. Why: both
+            # delayed the front pass, whose compute chain ends the batch with the copies' (an H100
+            # host-tier batch 8: the plan took 2.0-2.5 ms of host time before the front launched).
+            # Layer 0's copies at batch 8 take ~1 ms, longer than what runs before the next enqueue.
+            front_first = _FRONT_FIRST and bool(fronts) and plan.onload_at_reserve
             if plan.onload_at_reserve:
                 # The first layers' copies before the metadata is packed, which they do not need
                 # (the engine starts them right after plan() otherwise): a host-tier batch 8 is
                 # copy-bound, its copies began only after the whole plan (run IC). Run IH (H100),
                 # same call: 10.79-10.95 -> 10.48-10.56 ms, 1.43x -> 1.47x of recomputing.
-                prepared.start_onload(ahead=COPY_AHEAD)
-            ps = self.config.page_size
-            prepared.metadata = pack_layout(pages, plan.layout, ps, pin=self.is_cuda, pad=plan.pad)
-            fronts = plan.front_tokens
+                prepared.start_onload(ahead=0 if front_first else COPY_AHEAD)
+            pack = functools.partial(pack_layout, pages, plan.layout, ps, pin=self.is_cuda, pad=plan.pad)
+            if front_first:
+                prepared.defer_metadata(pack)
+            else:
+                prepared.metadata = pack()
             if fronts:  # the front pass: tokens [0, q) of each front user, in their first pages
                 front_pages = [pages[b][: -(-fronts[u] // ps)] for b, u in enumerate(plan.user_ids) if u in fronts]
                 prepared.front_metadata = pack_layout(
@@ -539,7 +552,7 @@ class AsyncKVCacheManager:
         if plan._prepared is None:
             prepared: PreparedBatch = plan._future.result()
             if plan.pad is None:
-                prepared.metadata = prepared.metadata.to(self.device, non_blocking=True)
+                prepared.metadata = prepared.packed_metadata().to(self.device, non_blocking=True)
             if prepared.front_metadata is not None and plan.front_pad is None:
                 prepared.front_metadata = prepared.front_metadata.to(self.device, non_blocking=True)
             plan._prepared = prepared

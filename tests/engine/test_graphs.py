@@ -386,7 +386,7 @@ def _record_onload_and_packing(engine, monkeypatch) -> list[str]:
 
 @pytest.mark.parametrize("host_split, split, order", [
     ("load_front", 1.0, ["onload", "pack"]),
-    ("compute_front", 1 / 3, ["onload", "pack", "pack"]),  # the batch's metadata, then its front pass's
+    ("compute_front", 1 / 3, ["onload", "pack", "pack"]),  # (at reserve: its front pass's, then the batch's)
 ], ids=["onload", "front pass"])
 @pytest.mark.parametrize("at_reserve", [True, False], ids=["at reserve", "after the plan"])
 def test_a_graph_batchs_onload_starts_once_its_pages_are_reserved(
@@ -406,6 +406,39 @@ def test_a_graph_batchs_onload_starts_once_its_pages_are_reserved(
     torch.testing.assert_close(torch.cat([o.logits for o in outs]), engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
     assert events == (order if at_reserve else order[1:] + order[:1])
     assert engine.cache.stats.snapshot()["host_hits"] == 2
+    engine.close()
+
+
+@pytest.mark.parametrize("front_first", [True, False], ids=["front first", "HSTU_FRONT_FIRST=0"])
+def test_a_front_pass_launches_before_the_batchs_own_packing_and_its_later_copies(
+    tiny_config, book, monkeypatch, front_first
+):
+    """compute_front with the onload at reserve: one layer's copies start at reserve, then the front
+    pass's metadata is packed and the front pass launched, and only then the other layers' copies
+    are enqueued and the batch's own metadata packed (HSTU_FRONT_FIRST=0: two layers' copies and
+    both packings before the launch, as before). Answers equal the no-cache model's either way."""
+    from hstu.ops.kvcache import manager
+
+    monkeypatch.setattr(manager, "_FRONT_FIRST", front_first)
+    engine = _static_engine(tiny_config, host_split="compute_front")
+    engine.enable_cuda_graphs(max_batch=3, buckets=(12, 32), capture=False)
+    reqs = _host_tier_batch(engine, book, 1 / 3)
+    events: list[str] = []
+    transfers, graphs = engine.cache.transfers, engine.graphs
+    copy_layer, run, pack_layout = transfers._copy_layer, graphs.run, manager.pack_layout
+    monkeypatch.setattr(transfers, "_copy_layer",
+                        lambda parts, layer, s: events.append(f"copy {layer}") or copy_layer(parts, layer, s))
+    monkeypatch.setattr(graphs, "run", lambda pad, *a, **k: events.append(f"run {pad.rows}") or run(pad, *a, **k))
+    monkeypatch.setattr(manager, "pack_layout",
+                        lambda p, layout, *a, **k: events.append(f"pack {layout.num_rows}") or pack_layout(p, layout, *a, **k))
+    outs = engine.rank(reqs)
+    torch.testing.assert_close(torch.cat([o.logits for o in outs]), engine.forward_no_cache(reqs), rtol=1e-5, atol=1e-6)
+    layers = [f"copy {i}" for i in range(tiny_config.num_layers)]
+    front, batch = ["pack 32", "run 32"], ["pack 9", "run 12"]  # 16 tokens a user in front; the batch's 9 rows
+    if front_first:
+        assert events == layers[:1] + front + layers[1:] + batch
+    else:
+        assert events == layers[:2] + batch[:1] + front + layers[2:] + batch[1:]
     engine.close()
 
 
