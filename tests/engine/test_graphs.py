@@ -442,28 +442,33 @@ def test_a_front_pass_launches_before_the_batchs_own_packing_and_its_later_copie
     engine.close()
 
 
-def test_a_batch_whose_packing_fails_after_its_onload_started_gives_everything_back(tiny_config, book, monkeypatch):
-    """The metadata's packing raises after the onload started at reserve: rank() raises that error,
+@pytest.mark.parametrize("host_split, split, failing", [("load_front", 1.0, 1), ("compute_front", 1 / 3, 2)],
+                         ids=["in the plan", "the batch's own, after the front pass's launch"])
+def test_a_batch_whose_packing_fails_after_its_onload_started_gives_everything_back(
+    tiny_config, book, monkeypatch, host_split, split, failing
+):
+    """The metadata's packing raises after the onload started at reserve (in the plan, or, for a
+    front pass's batch, in the forward: packed after the front's launch): rank() raises that error,
     the onload settles (its host pins dropped), the users' GPU pages are released, and the same
     batch then ranks correctly."""
     from hstu.ops.kvcache import manager
 
-    engine = _static_engine(tiny_config)
-    engine.enable_cuda_graphs(max_batch=3, buckets=(32, 96), capture=False)
-    reqs = _host_tier_batch(engine, book, 1.0)
+    engine = _static_engine(tiny_config, host_split=host_split)
+    engine.enable_cuda_graphs(max_batch=3, buckets=(12, 32, 96), capture=False)
+    reqs = _host_tier_batch(engine, book, split)
     events = _record_onload_and_packing(engine, monkeypatch)
     pack_layout = manager.pack_layout
 
     def fails_once(*args, **kwargs):
         out = pack_layout(*args, **kwargs)
-        if events.count("pack") == 1:
+        if events.count("pack") == failing:
             raise RuntimeError("packing failed")
         return out
 
     monkeypatch.setattr(manager, "pack_layout", fails_once)
     with pytest.raises(RuntimeError, match="packing failed"):
         engine.rank(reqs)
-    assert events == ["onload", "pack"]
+    assert events == ["onload"] + ["pack"] * failing
     engine.cache.drain()
     cache = engine.cache
     assert [(cache.gpu.pin_count(u), cache.host.pin_count(u)) for u in (1, 2)] == [(0, 0), (0, 0)]
