@@ -71,6 +71,17 @@ def test_time_buckets_follow_the_definition_for_gaps_up_to_2_to_the_62():
     assert [tuple(col) for col in got.T.tolist()] == _reference(req, cfg, 0)
 
 
+def test_time_buckets_follow_the_definition_on_both_sides_of_every_power_of_two():
+    """1 + gap just below, at and just above 2^k, k = 1..62: the C++ pass reads the highest set bit below
+    2^40 and takes log2 of doubles above; both must give floor(log2(1.0 + gap)) of the definition (enough
+    buckets that the cap masks nothing)."""
+    cfg = HSTUConfig(num_contextual=1, max_seq_len=512, num_time_buckets=70)
+    gaps = [2**k - 1 + d for k in range(1, 63) for d in (-1, 0, 1)]
+    reqs = [RankingRequest.create(u, [0, 0], [0, 0], [0, gap], [1], config=cfg) for u, gap in enumerate(gaps)]
+    got = batch_features(reqs, [0] * len(reqs), cfg, ITEM_OFF, ACTION_OFF)
+    assert [tuple(col) for col in got.T.tolist()] == [row for r in reqs for row in _reference(r, cfg, 0)]
+
+
 def test_features_fill_a_staging_buffer_with_candidate_rows_and_zero_padding():
     cfg = HSTUConfig(num_contextual=2, max_seq_len=512)
     reqs = _requests(cfg, np.random.default_rng(1), 3, 5)
