@@ -159,18 +159,18 @@ class ForwardGraphs:
                         device=self.device)
             if keep_layer_inputs and self.bucket_sizes else None
         )
+        # onloads=False (a cache with no host tier: no batch ever waits for pages) captures only
+        # `whole`: the segments and waited graphs would never replay, nor the buffers below be read
+        self.onloads = onloads
         # Segments split inside each layer (the eager layers', not compiled ones': those are one
         # function a layer): two buffers of the largest bucket's projections [rows, width], one
         # segment's projection read by the next, written by the one after it.
-        self.split_layers = layer_fns is None and SPLIT_SEGMENTS
-        # onloads=False (a cache with no host tier: no batch ever waits for pages) captures only
-        # `whole`: the segments and waited graphs would never replay, nor these buffers be read
-        self.onloads = onloads
+        self.split_layers = onloads and layer_fns is None and SPLIT_SEGMENTS
         self._projections = [
             torch.empty((self.bucket_sizes[-1], model.block.layers[0].uvqk.out_features),
                         dtype=model.config.torch_dtype, device=self.device)
             for _ in range(2)
-        ] if onloads and self.split_layers and self.bucket_sizes else []
+        ] if self.split_layers and self.bucket_sizes else []
         self.replays = 0
         self.segmented_replays = 0
         self.waited_replays = 0
@@ -305,7 +305,7 @@ class ForwardGraphs:
                 waited.append(replay)
                 waited_logits.append(out)
         segments, h = [], None
-        if self.onloads and self.split_layers:
+        if self.split_layers:
             # embed + projection 0, (rest of layer i-1 + projection i) for i >= 1, rest of layer L-1 +
             # head: layer i's onload wait before segment i + 1, after its projection
             block, projections = self.model.block, self._projections
