@@ -78,14 +78,13 @@ _FEEDBACK_FROM_PLAN = flag("HSTU_FEEDBACK_FROM_PLAN", default=True)
 DEFAULT_GRAPH_BUCKETS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 # With torch.compile'd layers each (layer, bucket) compiles once at start-up: fewer buckets.
 DEFAULT_COMPILED_GRAPH_BUCKETS = (256, 512, 1024, 2048, 4096)
-# host_split "compute_front" adds these past the largest: a batch of 8's best front (~2.3-2.4k tokens
-# a user at the seed shapes, by the planner's costs of run BB) is 18-19k rows, and the planner skips
-# fronts past the largest bucket (an eager front of that size would be host-bound). 2,048 rows apart,
-# not one bucket 1.5x up: a front pads to its bucket, so with only 24,576 past 16,384 a batch of 8
-# recomputed 16 chunks a user or paid 24 chunks' rows for 17-18 (run MV, H100: 13 chunks onloaded
-# measured 12.0 ms against 10.6 ms for 15, so the planner kept 15 and was copy-bound; its costs
-# predict 9.4 ms for 13 in a bucket that fits).
-FRONT_GRAPH_BUCKETS = (18432, 20480, 22528, 24576)
+# host_split "compute_front" adds one: a batch of 8's best front (~2.3-2.4k tokens a user at the
+# seed shapes, by the planner's costs of run BB) is 18-19k rows, and the planner skips fronts past
+# the largest bucket (an eager front of that size would be host-bound). Front buckets 2,048 rows apart
+# (18,432-24,576) were tried (run MW, H100): the planner then recomputed 18 chunks a user instead of 16,
+# measured no faster (split sweep: 10.66-10.97 ms for 16-18 chunks; its model predicted 10.02 against
+# 11.17 ms), so one bucket stays.
+FRONT_GRAPH_BUCKET = 24576
 
 
 def buckets_from_env() -> tuple[int, ...] | None:
@@ -107,8 +106,8 @@ def default_graph_buckets(compile: bool = False, host_split: str = "load_front")
     """The row buckets enable_cuda_graphs captures when none are given (HSTU_GRAPH_BUCKETS, else
     the defaults above)."""
     buckets = buckets_from_env() or (DEFAULT_COMPILED_GRAPH_BUCKETS if compile else DEFAULT_GRAPH_BUCKETS)
-    if host_split in ("compute_front", "auto") and not compile:
-        return buckets + tuple(b for b in FRONT_GRAPH_BUCKETS if b > buckets[-1])
+    if host_split in ("compute_front", "auto") and not compile and FRONT_GRAPH_BUCKET > buckets[-1]:
+        return buckets + (FRONT_GRAPH_BUCKET,)
     return buckets
 
 

@@ -518,27 +518,22 @@ def test_logits_left_in_the_static_output_survive_a_retried_batch(tiny_config, b
     engine.close()
 
 
-def test_compute_front_adds_buckets_for_a_batch_of_eights_front():
-    from hstu.engine.engine import DEFAULT_GRAPH_BUCKETS, FRONT_GRAPH_BUCKETS, default_graph_buckets
+def test_compute_front_adds_a_bucket_for_a_batch_of_eights_front():
+    from hstu.engine.engine import DEFAULT_GRAPH_BUCKETS, FRONT_GRAPH_BUCKET, default_graph_buckets
 
     assert default_graph_buckets() == DEFAULT_GRAPH_BUCKETS
-    assert default_graph_buckets(host_split="compute_front") == DEFAULT_GRAPH_BUCKETS + FRONT_GRAPH_BUCKETS
-    assert FRONT_GRAPH_BUCKETS[0] > DEFAULT_GRAPH_BUCKETS[-1]
-    # a front pads to its bucket: past the defaults' largest they stand closer than the defaults' 1.5x
-    assert all(b / a <= 1.125 for a, b in zip(DEFAULT_GRAPH_BUCKETS[-1:] + FRONT_GRAPH_BUCKETS, FRONT_GRAPH_BUCKETS))
-    assert not set(FRONT_GRAPH_BUCKETS) & set(default_graph_buckets(compile=True, host_split="compute_front"))
+    assert default_graph_buckets(host_split="compute_front")[-1] == FRONT_GRAPH_BUCKET > DEFAULT_GRAPH_BUCKETS[-1]
+    assert FRONT_GRAPH_BUCKET not in default_graph_buckets(compile=True, host_split="compute_front")
 
 
 def test_graph_buckets_from_the_environment(monkeypatch):
-    from hstu.engine.engine import DEFAULT_GRAPH_BUCKETS, FRONT_GRAPH_BUCKETS, default_graph_buckets
+    from hstu.engine.engine import DEFAULT_GRAPH_BUCKETS, FRONT_GRAPH_BUCKET, default_graph_buckets
 
     assert all(b / a <= 1.5 for a, b in zip(DEFAULT_GRAPH_BUCKETS, DEFAULT_GRAPH_BUCKETS[1:]))
     monkeypatch.setenv("HSTU_GRAPH_BUCKETS", "1024, 256,512,256")
     assert default_graph_buckets() == (256, 512, 1024)
     assert default_graph_buckets(compile=True) == (256, 512, 1024)
-    assert default_graph_buckets(host_split="compute_front") == (256, 512, 1024, *FRONT_GRAPH_BUCKETS)
-    monkeypatch.setenv("HSTU_GRAPH_BUCKETS", "1024,20480")  # front buckets only past the largest given
-    assert default_graph_buckets(host_split="compute_front") == (1024, 20480, *FRONT_GRAPH_BUCKETS[2:])
+    assert default_graph_buckets(host_split="compute_front") == (256, 512, 1024, FRONT_GRAPH_BUCKET)
     monkeypatch.setenv("HSTU_GRAPH_BUCKETS", "256,4k")
     with pytest.raises(ValueError, match="'256,4k'"):
         default_graph_buckets()
