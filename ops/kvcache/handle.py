@@ -17,6 +17,33 @@ import threading
 
 import torch
 
+from hstu.ops import knobs
+
+# HSTU_BLOCKING_WAITS=1: the cache's workers (an onload's settle, an offload, a prefetch) wait for their
+# copies on blocking-sync events (cudaEventBlockingSync), asleep, instead of in the CUDA driver's spin on
+# a CPU core (its default while a process has fewer contexts than cores), which lasts as long as the
+# copies: ~10 ms a host-tier batch of 8. Why it may matter: on an H100 host (runs MU-MW) whole processes
+# ran the model thread's Python 1.5-1.7x slower than others; a core kept spinning beside it is one
+# suspect. No worker's wait is on a batch's critical path, so waking later costs nothing there. An
+# experiment knob until measured.
+BLOCKING_WAITS = knobs.flag("HSTU_BLOCKING_WAITS")
+
+
+def worker_event() -> "torch.cuda.Event":
+    """An event a worker thread may wait on (blocking-sync under HSTU_BLOCKING_WAITS)."""
+    return torch.cuda.Event(blocking=BLOCKING_WAITS)
+
+
+def wait_stream(stream: "torch.cuda.Stream") -> None:
+    """A worker's wait for the work enqueued so far on `stream`: stream.synchronize(), or asleep on
+    a blocking-sync event recorded there under HSTU_BLOCKING_WAITS."""
+    if not BLOCKING_WAITS:
+        stream.synchronize()
+        return
+    done = worker_event()
+    done.record(stream)
+    done.synchronize()
+
 
 class OnloadHandle:
     def __init__(self, num_layers: int, device: torch.device, timeout_s: float = 60.0) -> None:
@@ -29,7 +56,7 @@ class OnloadHandle:
         # two more Events (2.5 against 8 us to make the handle's sync objects, dev CPU)
         self._ready_upto = 0
         self._ready = threading.Condition(threading.Lock())
-        self._events = [torch.cuda.Event() for _ in range(num_layers)] if device.type == "cuda" else None
+        self._events = [worker_event() for _ in range(num_layers)] if device.type == "cuda" else None
         self._enqueued = False
         # events recorded with each layer's own (ForwardGraphs.layer_ready: a CUDA graph's waits);
         # set before the onload starts

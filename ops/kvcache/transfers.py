@@ -46,7 +46,7 @@ from hstu.ops.kv_ops import (
 )
 from hstu.ops.kvcache.admission import ByteBudget
 from hstu.ops.kvcache.config import KVCacheConfig
-from hstu.ops.kvcache.handle import OnloadHandle
+from hstu.ops.kvcache.handle import OnloadHandle, wait_stream
 from hstu.ops.kvcache.page_reuse import ALL_EARLIER
 from hstu.ops.kvcache.rebuild_graphs import RebuildGraphs
 from hstu.ops.kvcache.stats import CacheStats
@@ -509,8 +509,8 @@ class TierTransfers:
                     if parts.hidden_slots.numel():
                         self._rebuild_layer(parts, layer, stream)
             if stream is not None:
-                stream.synchronize()
-                self._rebuild_stream.synchronize()
+                wait_stream(stream)
+                wait_stream(self._rebuild_stream)
             self._count_onload(parts)
             with self._index_lock:
                 self.gpu.commit(user, length, digest)
@@ -597,7 +597,7 @@ class TierTransfers:
                             self.hidden_arena, torch.stack(hidden_chunks), torch.tensor(hidden_slots, dtype=torch.int32)
                         )
                     if stream is not None:
-                        stream.synchronize()
+                        wait_stream(stream)
                 self.slot_hidden[slot_list] = False
                 self.slot_hidden[hidden_slots] = True
                 self.stats.add(bytes_offloaded=nbytes, hidden_chunks_offloaded=len(hidden_slots))
