@@ -23,9 +23,10 @@ from hstu.ops import knobs
 # copies on blocking-sync events (cudaEventBlockingSync), asleep, instead of in the CUDA driver's spin on
 # a CPU core (its default while a process has fewer contexts than cores), which lasts as long as the
 # copies: ~10 ms a host-tier batch of 8. Why it may matter: on an H100 host (runs MU-MW) whole processes
-# ran the model thread's Python 1.5-1.7x slower than others; a core kept spinning beside it is one
-# suspect. No worker's wait is on a batch's critical path, so waking later costs nothing there. An
-# experiment knob until measured.
+# ran the model thread's host work 1.5-1.7x slower than others; a core kept spinning beside it is one
+# suspect. The cost: a sleeping worker wakes tens of microseconds later, which a batch sees only where
+# its plan joins a worker still busy with one of its users (transfers.join). An experiment knob until
+# measured.
 BLOCKING_WAITS = knobs.flag("HSTU_BLOCKING_WAITS")
 
 
