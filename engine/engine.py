@@ -42,7 +42,7 @@ from hstu.ops.kvcache.batch import BatchPlan
 from hstu.ops.kvcache.manager import AsyncKVCacheManager
 from hstu.ops.kvcache.planner import CostModel
 from hstu.ops.kvcache.transfers import COPY_AHEAD
-from hstu.ops.knobs import choice, flag
+from hstu.ops.knobs import choice, flag, number
 from hstu.ops.kv_ops import write_pinned
 
 # A batch is ranked at most this many times: the retry after a failed onload is a plain miss.
@@ -68,6 +68,11 @@ _ONLOAD_AT_RESERVE = flag("HSTU_ONLOAD_AT_RESERVE", default=True)
 # A planned host-tier batch is measured from before its plan (=0: from after it, as before; an
 # experiment knob for same-call comparisons): plan_feedback.py says why.
 _FEEDBACK_FROM_PLAN = flag("HSTU_FEEDBACK_FROM_PLAN", default=True)
+# HSTU_COMPUTE_MARGIN: the measured cost model's compute_margin instead of CostModel's default (an experiment
+# knob for same-call comparisons; a server's planner_compute_margin setting overrides either)
+_COMPUTE_MARGIN = number(
+    "HSTU_COMPUTE_MARGIN", CostModel.compute_margin, "the share a split's compute is priced higher when ranked", minimum=0.0
+)
 
 # Row buckets of the CUDA graphs, at most 1.5x apart: a batch computes its bucket's rows, and the
 # seed replay's cached batches (mixed users: 256-12k rows) padded 28% more rows with buckets 2x apart
@@ -339,7 +344,7 @@ class RankingEngine:
             # "hidden"; measure_onload folds the rebuild on the GPU into the fitted link rate).
             hidden_bytes = kv.hidden_dim * kv.element_size if kv.host_format == "hidden" else 0
             cost = CostModel(measure_h2d(self.model.device), kv.page_bytes // kv.page_size, per_row, per_pair,
-                             forward_s=forward, hidden_bytes_per_token_layer=hidden_bytes)
+                             forward_s=forward, hidden_bytes_per_token_layer=hidden_bytes, compute_margin=_COMPUTE_MARGIN)
             cost = measure_onload(self, cost)
             if self.cache.config.may_compute_front:
                 cost = measure_front(self, cost)

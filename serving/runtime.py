@@ -247,6 +247,8 @@ class ServingRuntime(Runtime):
                 overrides["h2d_bytes_per_s"] = s.h2d_gb_per_s * 1e9
             if s.planner_min_gain is not None:
                 overrides["min_gain"] = s.planner_min_gain
+            if s.planner_compute_margin is not None:
+                overrides["compute_margin"] = s.planner_compute_margin
             if cost is not None and overrides:
                 cost = self.engine.calibrate(dataclasses.replace(cost, **overrides))
             if cost is None:

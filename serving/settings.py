@@ -87,6 +87,8 @@ class ServerSettings:
     planner: bool | None = None
     h2d_gb_per_s: float | None = None  # overrides the measured host->device bandwidth
     planner_min_gain: float | None = None  # overrides the share an onload must save over recomputing, a split over pure onload (CostModel.min_gain)
+    # overrides the share a split's compute is priced higher when splits are ranked (CostModel.compute_margin)
+    planner_compute_margin: float | None = None
     offload_min_seen: int = 2  # offload a user's chunks once it was seen this often
     offload_mb_per_s: float | None = None  # D2H pacing budget (None: unlimited)
     # The engine in a child process (serving/engine_process.py), and worker processes parsing large

@@ -28,7 +28,7 @@ onloaded a 4k-token prefix in 3.9-4.2 ms where recomputing it took 3.3 ms).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -62,10 +62,20 @@ class CostModel:
     # host_format "hidden": the bytes a token of a hidden-state chunk moves per layer (its layer
     # input); 0: every chunk costs bytes_per_token_layer (K/V)
     hidden_bytes_per_token_layer: int = 0
+    # Among splits, the one chosen is the fastest with its layers' compute priced this share higher;
+    # the bars against pure onload and recomputing use the model as it is. Why: where the model missed,
+    # batches ran slower than predicted (plan feedback factors 1.06-2.4, runs MT-MW), and a split whose
+    # compute keeps pace with its copies takes all of such an error, where one with slack takes none.
+    # On H100s (runs MT-MU) it priced batch 1 onloading 17 and 18 of 31 chunks 0.01 ms apart: 17's
+    # 2,176 recomputed rows run in the 3,072-row bucket, as long as its copies; 18's 2,048 rows have
+    # slack. 17 measured 2.61-2.91 ms (0.96-1.02x of no cache), 18 2.33-2.59 ms (1.08-1.18x).
+    compute_margin: float = 0.1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_gain < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain}")
+        if not 0.0 <= self.compute_margin <= 1.0:
+            raise ValueError(f"compute_margin must be in [0, 1], got {self.compute_margin}")
         for name in ("h2d_bytes_per_s", "bytes_per_token_layer"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -312,6 +322,13 @@ def _loaded_bytes(
     return (total - saved).astype(np.float64)
 
 
+def _with_compute_margin(cost: CostModel) -> CostModel:
+    """The cost model with its layers' compute (in both passes of a front split) compute_margin
+    higher: what plan_numpy ranks splits by. front_s, measured beside the layers' model, stays."""
+    scale = 1.0 + cost.compute_margin
+    return replace(cost, fixed_s=cost.fixed_s * scale, per_row_s=cost.per_row_s * scale, per_pair_s=cost.per_pair_s * scale)
+
+
 def _timeline(cost: CostModel, num_layers: int, onloaded: np.ndarray, layer_s: np.ndarray, first_s: np.ndarray) -> np.ndarray:
     """The batch's time: after `first_s` of work that reads no onloaded page, L layers of
     `layer_s` each, layer i once it and its `onloaded` bytes per layer have landed:
@@ -340,7 +357,7 @@ def plan(
         [u.candidates for u in users], [len(h) for h in hidden], [() if all(h) else h for h in hidden],
         cost.h2d_bytes_per_s, cost.bytes_per_token_layer, cost.hidden_bytes_per_token_layer, cost.per_row_s,
         cost.per_pair_s, cost.fixed_s, cost.forward_s, cost.onload_start_s, cost.min_gain, cost.front_s, num_layers,
-        chunk_tokens, list(buckets or ()), front,
+        chunk_tokens, list(buckets or ()), front, cost.compute_margin,
     )
     return Plan(onload, finish, load, compute)
 
@@ -349,7 +366,8 @@ def plan_numpy(
     users: list[UserShape], cost: CostModel, num_layers: int, chunk_tokens: int, buckets: tuple[int, ...] | None = None,
     front: bool = False,
 ) -> Plan:
-    """The split minimising the predicted finish; ties go to more onload (less GPU work). A split
+    """The split minimising the predicted finish, its compute priced cost.compute_margin higher;
+    ties go to more onload (less GPU work). A split
     (0 < p < n) only if it saves at least cost.min_gain of pure onload's predicted time, else pure
     onload; then pure recompute unless that choice saves cost.min_gain of recomputing's. Both bars
     keep the model's error off the wrong side: on an H100 (2026-12-05) the planner chose onloading
@@ -376,10 +394,13 @@ def plan_numpy(
     chunks = np.asarray([u.host_tokens // chunk_tokens for u in users], dtype=np.int64)
     onload = chunks[None, :] * np.arange(steps, -1, -1, dtype=np.int64)[:, None] // steps * chunk_tokens
     finish, load, compute, rows = _predict_splits(users, onload, cost, num_layers, buckets, chunk_tokens, front)
+    ranked = finish
+    if cost.compute_margin:
+        ranked = _predict_splits(users, onload, _with_compute_margin(cost), num_layers, buckets, chunk_tokens, front)[0]
     split = np.zeros(steps + 1, dtype=bool)
     split[1:-1] = True  # 0 < k < steps: pure onload and pure recompute always stay
     skip = split & (rows > buckets[-1]) if buckets else np.zeros_like(split)
-    best, times, skipped = None, finish.tolist(), skip.tolist()  # Python floats: no numpy scalar per step
+    best, times, skipped = None, ranked.tolist(), skip.tolist()  # Python floats: no numpy scalar per step
     for i in range(steps + 1):  # k = steps .. 0: ties keep the earlier (more onload)
         if not skipped[i] and (best is None or times[i] < times[best] * (1 - 1e-9)):
             best = i

@@ -447,7 +447,7 @@ async def test_model_metadata_before_the_model_is_loaded_has_no_fingerprint_and_
 @anyio
 async def test_prefetch_over_http_puts_a_host_tier_user_back_on_the_gpu(reference):
     user = Timeline(41)
-    async with serving(tiny_settings(planner=True, planner_min_gain=0.25)) as (app, client):
+    async with serving(tiny_settings(planner=True, planner_min_gain=0.25, planner_compute_margin=0.2)) as (app, client):
         for events in (20, 24):  # seen twice: its chunks are admitted to the host tier
             assert (await client.post("/v1/rank", json=user.payload(events))).status_code == 200
         manager = app.state.runtime.manager
@@ -463,6 +463,7 @@ async def test_prefetch_over_http_puts_a_host_tier_user_back_on_the_gpu(referenc
     assert 'hstu_cache_prefetch_total{result="hit"} 1.0' in metrics
     assert 'hstu_planner_cost{input="h2d_bytes_per_s"}' in metrics
     assert 'hstu_planner_cost{input="min_gain"} 0.25' in metrics, "the override reaches the planner"
+    assert 'hstu_planner_cost{input="compute_margin"} 0.2' in metrics
 
 
 @anyio
