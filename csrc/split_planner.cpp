@@ -9,9 +9,9 @@
 // is non-empty (then the flags, chunk by chunk, say which). Candidate k of K = steps + 1 onloads
 // chunks_u * (steps - k) // steps whole chunks of every user (k = 0: all, k = steps: none). Every
 // quantity is computed with the same integer and double operations, in the same order, as the numpy
-// form, so both choose the same split; splits are ranked with the layers' compute priced compute_margin
-// higher, the bars use the model as it is (CostModel.compute_margin says why). The GIL stays held
-// (microseconds).
+// form, so both choose the same split; the splits predicted within margin_window of the fastest are
+// ranked with the layers' compute priced compute_margin higher, the bars use the model as it is
+// (CostModel.compute_margin and margin_window say why). The GIL stays held (microseconds).
 #include <torch/extension.h>
 #include <pybind11/stl.h>
 
@@ -128,7 +128,7 @@ std::tuple<std::vector<int64_t>, double, double, double> split_plan(
     std::vector<int64_t> hidden_len, std::vector<std::vector<bool>> hidden_flags, double h2d_bytes_per_s,
     int64_t bytes_per_token_layer, int64_t hidden_bytes_per_token_layer, double per_row_s, double per_pair_s,
     double fixed_s, double forward_s, double onload_start_s, double min_gain, double front_s, int64_t num_layers,
-    int64_t chunk_tokens, std::vector<int64_t> buckets, bool front, double compute_margin) {
+    int64_t chunk_tokens, std::vector<int64_t> buckets, bool front, double compute_margin, double margin_window) {
   const size_t U = host.size();
   require(gpu.size() == U && history.size() == U && candidates.size() == U && hidden_len.size() == U &&
               hidden_flags.size() == U,
@@ -169,8 +169,8 @@ std::tuple<std::vector<int64_t>, double, double, double> split_plan(
     const auto p = predict(c, us, zero, num_layers, chunk_tokens, buckets, false);
     return {zero, p.finish, p.load, p.compute};
   }
-  // Splits are ranked with the layers' compute priced compute_margin higher (plan_numpy's
-  // _with_compute_margin); the bars below use the model as it is.
+  // The splits predicted within margin_window of the fastest are ranked with the layers' compute
+  // priced compute_margin higher (plan_numpy's _with_compute_margin); the bars below use the model as it is.
   const double scale = 1.0 + compute_margin;
   Costs ranking = c;
   ranking.fixed_s *= scale;
@@ -188,9 +188,14 @@ std::tuple<std::vector<int64_t>, double, double, double> split_plan(
   }
   // A split (0 < k < steps) past the largest bucket runs eagerly, which the model does not describe.
   auto split = [&](int64_t k) { return 0 < k && k < steps; };
+  auto skipped = [&](int64_t k) { return split(k) && !buckets.empty() && predicted[k].fitted_rows > buckets.back(); };
+  double fastest = predicted[0].finish;  // (pure onload and recompute are never skipped)
+  for (int64_t k = 1; k <= steps; ++k) {
+    if (!skipped(k)) fastest = std::min(fastest, predicted[k].finish);
+  }
   int64_t best = -1;
   for (int64_t k = 0; k <= steps; ++k) {  // ties keep the earlier (more onload)
-    if (split(k) && !buckets.empty() && predicted[k].fitted_rows > buckets.back()) continue;
+    if (skipped(k) || predicted[k].finish > fastest * (1 + margin_window)) continue;
     if (best < 0 || ranked[k] < ranked[best] * (1 - 1e-9)) best = k;
   }
   const int64_t whole = 0, recompute = steps;
@@ -208,7 +213,7 @@ void bind_split_planner(py::module& m) {
         py::arg("bytes_per_token_layer"), py::arg("hidden_bytes_per_token_layer"), py::arg("per_row_s"),
         py::arg("per_pair_s"), py::arg("fixed_s"), py::arg("forward_s"), py::arg("onload_start_s"),
         py::arg("min_gain"), py::arg("front_s"), py::arg("num_layers"), py::arg("chunk_tokens"), py::arg("buckets"),
-        py::arg("front"), py::arg("compute_margin"),
+        py::arg("front"), py::arg("compute_margin"), py::arg("margin_window"),
         "The planner's split (ops/kvcache/planner.py plan()): (onload tokens per user, predicted batch, onload and "
         "compute seconds). ValueError on inconsistent lengths.");
 }

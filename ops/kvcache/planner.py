@@ -70,12 +70,22 @@ class CostModel:
     # 2,176 recomputed rows run in the 3,072-row bucket, as long as its copies; 18's 2,048 rows have
     # slack. 17 measured 2.61-2.91 ms (0.96-1.02x of no cache), 18 2.33-2.59 ms (1.08-1.18x).
     compute_margin: float = 0.1
+    # The margin ranks only the splits the model itself prices within this share of its best split
+    # (near-ties); a split the model prices clearly faster is taken as it is. Why: ranking every
+    # split with the margin let it overrule the model where the model saw a clear gap. On an H100
+    # (session 51) two calibrations priced batch 8 onloading 16 of 31 chunks 0.46-0.58 ms (4-5%)
+    # slower than 15 (15's front fills the 16,384-row bucket, 16's pads to it with more copies), and
+    # the margin took 16 all the same: 11.95-11.98 ms (1.28-1.29x of no cache) against 15's
+    # 10.56-10.90 ms (1.40-1.44x) in the same call. Batch 1's 17 and 18 chunks are 0.4% apart.
+    margin_window: float = 0.02
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_gain < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain}")
         if not 0.0 <= self.compute_margin <= 1.0:
             raise ValueError(f"compute_margin must be in [0, 1], got {self.compute_margin}")
+        if not 0.0 <= self.margin_window <= 1.0:
+            raise ValueError(f"margin_window must be in [0, 1], got {self.margin_window}")
         for name in ("h2d_bytes_per_s", "bytes_per_token_layer"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -357,7 +367,7 @@ def plan(
         [u.candidates for u in users], [len(h) for h in hidden], [() if all(h) else h for h in hidden],
         cost.h2d_bytes_per_s, cost.bytes_per_token_layer, cost.hidden_bytes_per_token_layer, cost.per_row_s,
         cost.per_pair_s, cost.fixed_s, cost.forward_s, cost.onload_start_s, cost.min_gain, cost.front_s, num_layers,
-        chunk_tokens, list(buckets or ()), front, cost.compute_margin,
+        chunk_tokens, list(buckets or ()), front, cost.compute_margin, cost.margin_window,
     )
     return Plan(onload, finish, load, compute)
 
@@ -366,8 +376,9 @@ def plan_numpy(
     users: list[UserShape], cost: CostModel, num_layers: int, chunk_tokens: int, buckets: tuple[int, ...] | None = None,
     front: bool = False,
 ) -> Plan:
-    """The split minimising the predicted finish, its compute priced cost.compute_margin higher;
-    ties go to more onload (less GPU work). A split
+    """The split minimising the predicted finish; among the splits predicted within
+    cost.margin_window of the fastest, the one fastest with its compute priced cost.compute_margin
+    higher; ties go to more onload (less GPU work). A split
     (0 < p < n) only if it saves at least cost.min_gain of pure onload's predicted time, else pure
     onload; then pure recompute unless that choice saves cost.min_gain of recomputing's. Both bars
     keep the model's error off the wrong side: on an H100 (2026-12-05) the planner chose onloading
@@ -400,9 +411,12 @@ def plan_numpy(
     split = np.zeros(steps + 1, dtype=bool)
     split[1:-1] = True  # 0 < k < steps: pure onload and pure recompute always stay
     skip = split & (rows > buckets[-1]) if buckets else np.zeros_like(split)
-    best, times, skipped = None, ranked.tolist(), skip.tolist()  # Python floats: no numpy scalar per step
+    # Python floats: no numpy scalar per step
+    best, times, predicted, skipped = None, ranked.tolist(), finish.tolist(), skip.tolist()
+    fastest = min(t for t, s in zip(predicted, skipped) if not s)  # (pure onload and recompute are never skipped)
+    near = [not s and t <= fastest * (1 + cost.margin_window) for t, s in zip(predicted, skipped)]
     for i in range(steps + 1):  # k = steps .. 0: ties keep the earlier (more onload)
-        if not skipped[i] and (best is None or times[i] < times[best] * (1 - 1e-9)):
+        if near[i] and (best is None or times[i] < times[best] * (1 - 1e-9)):
             best = i
     recompute, whole = steps, 0  # k = 0, k = steps
     if split[best] and finish[best] > finish[whole] * (1 - cost.min_gain):
