@@ -469,7 +469,7 @@ def test_a_cache_too_small_to_calibrate_with_leaves_the_planner_off(tiny_config)
 
 def _plan_one_split_at_a_time(users, cost, layers, chunk, buckets, front):
     """The planner's choice, predicting each candidate on its own with predict / predict_front and
-    applying its rules (bucket limit, ties and ranking with the compute margin, min_gain) one split at
+    applying its rules (bucket limit, ties and ranking with the compute margin within its window, min_gain) one split at
     a time."""
     from hstu.ops.kvcache.planner import front_tokens, layer_work, predict_front
 
