@@ -62,10 +62,11 @@ class CostModel:
     # host_format "hidden": the bytes a token of a hidden-state chunk moves per layer (its layer
     # input); 0: every chunk costs bytes_per_token_layer (K/V)
     hidden_bytes_per_token_layer: int = 0
-    # Among splits, the one chosen is the fastest with its layers' compute priced this share higher;
-    # the bars against pure onload and recomputing use the model as it is. Why: where the model missed,
-    # batches ran slower than predicted (plan feedback factors 1.06-2.4, runs MT-MW), and a split whose
-    # compute keeps pace with its copies takes all of such an error, where one with slack takes none.
+    # Among near-tied splits (margin_window, below), the one chosen is the fastest with its layers'
+    # compute priced this share higher; the bars against pure onload and recomputing use the model as
+    # it is. Why: where the model missed, batches ran slower than predicted (plan feedback factors
+    # 1.06-2.4, runs MT-MW), and a split whose compute keeps pace with its copies takes all of such an
+    # error, where one with slack takes none.
     # On H100s (runs MT-MU) it priced batch 1 onloading 17 and 18 of 31 chunks 0.01 ms apart: 17's
     # 2,176 recomputed rows run in the 3,072-row bucket, as long as its copies; 18's 2,048 rows have
     # slack. 17 measured 2.61-2.91 ms (0.96-1.02x of no cache), 18 2.33-2.59 ms (1.08-1.18x).
